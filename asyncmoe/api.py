@@ -1,0 +1,32 @@
+"""The public entry points: `compile` and `stats`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache.stats import Stats, read_stats
+from .integrations import transformers as hf
+from .providers import CachedProvider, ResidentProvider
+
+
+def compile(model: nn.Module, cache: int = 16, policy: str = "lfru", device: torch.device | str | None = None) -> nn.Module:
+    """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
+
+    `cache >= num_experts` keeps every expert resident and runs the model's own implementation.
+    `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
+    can be compiled straight onto the GPU without its experts ever going there.
+    `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo".
+    Returns the same model.
+    """
+    return hf.install(model, cache, policy, device)
+
+
+def stats(model: nn.Module, reset: bool = False) -> Stats:
+    """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync)."""
+    providers = [(name, getattr(m, hf.PROVIDER)) for name, m in hf.find_experts(model) if hasattr(m, hf.PROVIDER)]
+    if not providers:
+        raise ValueError("this model is not asyncmoe-compiled: call asyncmoe.compile(model, cache=...) first")
+    caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
+    resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
+    return read_stats(caches, resident, reset)

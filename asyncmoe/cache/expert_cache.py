@@ -1,0 +1,190 @@
+"""One MoE layer's expert cache: host store, slots, the two tables, policy state and counters.
+
+Dims: E experts, C slots, T tokens, k top-k, M = min(C, E, T*k) (the most experts one call admits).
+
+`ensure` is written in fixed-shape tensor ops only: no `.item()`, `.tolist()`, `nonzero`,
+`unique`, boolean-mask indexing or Python branches on tensor values. The same code therefore runs
+on the CPU in CI, on the GPU in eager mode, and inside a captured CUDA graph, where every call
+replays with new routing and the host never learns which experts moved.
+
+Tables: `expert_to_slot [E+1]` (-1: not resident; row E is a trash row that absorbs masked
+writes) and `slot_to_expert [C]` (-1: empty). They are inverse on the resident experts.
+
+Waves: a call whose distinct experts exceed C (prefill, big batches) is served in waves of at most C
+experts, taken in expert-id order. Wave w admits its experts, evicting only experts that no later
+wave of the same call needs while others are available, and returns slot -1 for pairs of other waves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..kernels.gather_copy import gather_copy
+from .policies import DECAY, SlotState, get_policy
+
+COUNTERS = ("calls", "hits", "misses", "evictions", "bytes_h2d")
+CALLS, HITS, MISSES, EVICTIONS, BYTES_H2D = range(len(COUNTERS))
+
+
+class ExpertCache(nn.Module):
+    """Buffers of one layer's cache; every one allocated once, so its address never changes.
+
+    `hosts` maps each per-expert tensor name of the experts module (`gate_up_proj`, `down_proj`,
+    biases, ...) to its host store `[E, ...]`, as the device sees it: a UVA view of pinned memory
+    for a CUDA cache, the host tensor itself for a CPU one.
+    """
+
+    def __init__(self, hosts: dict[str, torch.Tensor], num_slots: int, policy: str):
+        super().__init__()
+        get_policy(policy)  # fail on a bad name now, not at the first forward
+        first = next(iter(hosts.values()))
+        device, self.num_experts, self.num_slots, self.policy = first.device, first.shape[0], num_slots, policy
+        self.names = list(hosts)
+        for name, host in hosts.items():
+            self.register_buffer(f"host_{name}", host, persistent=False)
+            self.register_buffer(
+                f"slot_{name}", torch.zeros((num_slots,) + host.shape[1:], dtype=host.dtype, device=device), persistent=False
+            )
+        C, E = num_slots, self.num_experts
+        i64 = dict(dtype=torch.int64, device=device)
+        self.register_buffer("expert_to_slot", torch.full((E + 1,), -1, **i64), persistent=False)
+        self.register_buffer("slot_to_expert", torch.full((C,), -1, **i64), persistent=False)
+        self.register_buffer("last_use", torch.zeros(C, **i64), persistent=False)
+        self.register_buffer("born", torch.zeros(C, **i64), persistent=False)
+        self.register_buffer("freq", torch.zeros(C, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("used", torch.zeros(C, dtype=torch.bool, device=device), persistent=False)
+        self.register_buffer("clock", torch.zeros(1, **i64), persistent=False)
+        self.register_buffer("counters", torch.zeros(len(COUNTERS), **i64), persistent=False)
+
+    @property
+    def hosts(self) -> list[torch.Tensor]:
+        return [getattr(self, f"host_{n}") for n in self.names]
+
+    @property
+    def slots(self) -> list[torch.Tensor]:
+        return [getattr(self, f"slot_{n}") for n in self.names]
+
+    @property
+    def state(self) -> list[torch.Tensor]:
+        return list(SlotState(self.last_use, self.born, self.freq, self.used, self.clock))
+
+    def slot_weights(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, f"slot_{n}") for n in self.names}
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(s[0].numel() * s.element_size() for s in self.slots)
+
+    def _apply(self, fn, recurse=True):
+        # `model.to()`, `.half()`, `.cpu()` reach here. Moving or casting would reallocate the slots and
+        # (for a UVA host view) copy the whole host store onto the GPU; refuse instead of doing that.
+        for buf in self._buffers.values():
+            probe = torch.empty(0, dtype=buf.dtype, device=buf.device)
+            out = fn(probe)
+            if out.device != probe.device or out.dtype != probe.dtype:
+                raise RuntimeError(
+                    f"an asyncmoe expert cache lives on {probe.device} in {probe.dtype} and cannot be moved or cast "
+                    f"(asked for {out.device}, {out.dtype}). Move/cast the model before asyncmoe.compile, "
+                    "or pass device= to asyncmoe.compile."
+                )
+        return self
+
+
+def num_waves(pairs: int, num_slots: int, num_experts: int) -> int:
+    """Waves needed in the worst case for `pairs` (token, expert) pairs: decided by shapes alone."""
+    if pairs <= num_slots:
+        return 1
+    return math.ceil(min(num_experts, pairs) / num_slots)
+
+
+def wave_plan(ids: torch.Tensor, wave: int, num_slots: int, num_experts: int):
+    """Experts needed by this call [E], those in wave `wave` [E], those of later waves [E]."""
+    need = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
+    need.index_fill_(0, ids.reshape(-1), True)
+    wave_of = (need.cumsum(0) - 1) // num_slots
+    return need, need & (wave_of == wave), need & (wave_of > wave)
+
+
+def _put(t: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, value) -> None:
+    """t[idx] = value where valid, unchanged elsewhere; idx must hold distinct entries."""
+    t.index_put_((idx,), torch.where(valid, value, t[idx]))
+
+
+def admit(
+    want: torch.Tensor,  # [E] bool: experts to make resident
+    protect: torch.Tensor,  # [E] bool: evict these only if nothing else can go
+    max_new: int,  # M
+    policy: str,
+    expert_to_slot: torch.Tensor,
+    slot_to_expert: torch.Tensor,
+    st: SlotState,
+):
+    """Plan and book the admission of the wanted experts not yet resident; the caller copies the data.
+
+    Returns src [M] expert ids, dst [M] slots, count [] (pairs i < count are real), and evictions [].
+    Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted), then by the
+    policy's score, so a wanted expert is never evicted: at most C are wanted, and every missing
+    wanted expert leaves a slot not holding a wanted one.
+    """
+    E, C = want.numel(), slot_to_expert.numel()
+    missing = want & (expert_to_slot[:E] < 0)
+    count = missing.sum()
+    src = torch.argsort((~missing).to(torch.int8), stable=True)[:max_new]  # missing experts first
+
+    held = slot_to_expert.clamp(min=0)
+    tier = torch.where(
+        slot_to_expert < 0, 0, torch.where(want[held], 4, torch.where(protect[held], 3, torch.where(st.used, 2, 1)))
+    )
+    by_score = torch.argsort(get_policy(policy).score(st), stable=True)
+    dst = by_score[torch.argsort(tier[by_score], stable=True)][:max_new]  # victims, most evictable first
+
+    valid = torch.arange(max_new, device=want.device) < count
+    old = slot_to_expert[dst]
+    evicted = valid & (old >= 0)
+    expert_to_slot.index_put_((torch.where(evicted, old, E),), torch.full_like(old, -1))
+    expert_to_slot.index_put_((torch.where(valid, src, E),), dst)
+    _put(slot_to_expert, dst, valid, src)
+    _put(st.born, dst, valid, st.clock)
+    _put(st.last_use, dst, valid, st.clock)
+    _put(st.freq, dst, valid, torch.zeros_like(st.freq[dst]))
+    _put(st.used, dst, valid, torch.zeros_like(st.used[dst]))
+    return src, dst, count, evicted.sum()
+
+
+def touch(want: torch.Tensor, slot_to_expert: torch.Tensor, st: SlotState) -> None:
+    """Record a use of every slot holding a wanted expert; decay every frequency once per call."""
+    hit = (slot_to_expert >= 0) & want[slot_to_expert.clamp(min=0)]
+    st.used.logical_or_(hit)
+    st.last_use.copy_(torch.where(hit, st.clock, st.last_use))
+    st.freq.mul_(DECAY).add_(hit.to(st.freq.dtype))
+
+
+def ensure(
+    top_k_index: torch.Tensor,  # [T, k] expert ids
+    wave: int,
+    policy: str,
+    expert_to_slot: torch.Tensor,  # [E+1]
+    slot_to_expert: torch.Tensor,  # [C]
+    state: list[torch.Tensor],  # SlotState fields
+    counters: torch.Tensor,  # [len(COUNTERS)]
+    hosts: list[torch.Tensor],  # [E, ...] each
+    slots: list[torch.Tensor],  # [C, ...] each
+) -> torch.Tensor:
+    """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's pair)."""
+    st = SlotState(*state)
+    ids = top_k_index.long()
+    E, C = expert_to_slot.numel() - 1, slot_to_expert.numel()
+    st.clock.add_(1)
+    need, now, later = wave_plan(ids, wave, C, E)
+    src, dst, count, evicted = admit(now, later, min(C, E, ids.numel()), policy, expert_to_slot, slot_to_expert, st)
+    for host, slot in zip(hosts, slots):
+        gather_copy(host, slot, src, dst, count)
+    touch(now, slot_to_expert, st)
+
+    expert_bytes = sum(s[0].numel() * s.element_size() for s in slots)
+    calls = torch.ones_like(count) if wave == 0 else torch.zeros_like(count)
+    counters.add_(torch.stack([calls, now.sum() - count, count, evicted, count * expert_bytes]))
+    return torch.where(now[ids], expert_to_slot[ids], -1)

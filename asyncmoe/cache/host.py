@@ -1,0 +1,127 @@
+"""Host store: every expert tensor of a layer in pinned host memory, and the CUDA view ops read it through.
+
+Why not `Tensor.pin_memory()`: torch's caching host allocator rounds every block up to a power of
+two (a 604 MB request takes 1 GB), which on a 100 GB expert set wastes tens of GB. We allocate
+ordinary memory of the exact size and pin it in place with `cudaHostRegister`.
+
+Why a CUDA view: a CPU tensor among a compiled graph's inputs makes Inductor skip CUDA graphs, and
+torch ops refuse to mix devices. The driver maps registered memory into the GPU's address space;
+wrapping that device pointer (which need not equal the host pointer) in a CUDA tensor lets torch
+ops and Triton kernels read host memory directly over PCIe, from inside a captured graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+ALIGN = 256  # bytes; keeps every tensor in a block aligned for vector loads and grouped_mm
+
+
+def available_host_bytes() -> int:
+    """Memory the kernel can give us without swapping (MemAvailable), or total RAM if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def check_host_memory(needed: int, what: str) -> None:
+    """Fail before allocating, with numbers, rather than let the OOM killer end the process mid-copy."""
+    available = available_host_bytes()
+    if needed > available:
+        raise MemoryError(
+            f"{what}: needs {human_bytes(needed)} of host memory but only {human_bytes(available)} is available "
+            "(MemAvailable in /proc/meminfo). Free host memory, use a machine with more RAM, or offload fewer layers."
+        )
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+class PinnedBlock:
+    """`nbytes` of host memory, pinned in place for as long as this object lives."""
+
+    def __init__(self, nbytes: int):
+        self.data = torch.empty(nbytes, dtype=torch.uint8)
+        self.nbytes = nbytes
+        self.registered = False
+        if nbytes:
+            rc = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2)  # portable | mapped
+            if int(rc) != 0:
+                raise RuntimeError(
+                    f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {int(rc)}: the OS "
+                    "refused to lock that much memory (check `ulimit -l` and free RAM)."
+                )
+            self.registered = True
+
+    def __del__(self):
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
+            self.registered = False
+
+
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
+
+
+def _device_pointer(host_ptr: int) -> int:
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_uint64()
+    rc = libcuda.cuPointerGetAttribute(
+        ctypes.byref(dev), ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER), ctypes.c_uint64(host_ptr)
+    )
+    if rc != 0:
+        raise RuntimeError(f"cuPointerGetAttribute(DEVICE_POINTER) failed with CUDA driver error {rc}")
+    return dev.value
+
+
+class _CudaArray:
+    """The minimum `torch.as_tensor` needs to wrap a device pointer; holds the block so the mapping outlives every view."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: PinnedBlock):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
+    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made."""
+    torch.cuda.init()
+    ptr = _device_pointer(block.data.data_ptr())
+    with torch.cuda.device(device):
+        view = torch.as_tensor(_CudaArray(ptr, block.nbytes, block), device=device)
+    assert view.data_ptr() == ptr, "torch.as_tensor copied the host block instead of wrapping it"
+    return view
+
+
+def carve(flat: torch.Tensor, specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """Views of shape/dtype `specs` laid out back to back (each aligned) in the uint8 tensor `flat`."""
+    out, offset = [], 0
+    for shape, dtype in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        out.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+        offset += aligned(nbytes)
+    return out
+
+
+def block_bytes(specs: list[tuple[torch.Size, torch.dtype]]) -> int:
+    return sum(aligned(torch.Size(s).numel() * d.itemsize) for s, d in specs)

@@ -1,0 +1,104 @@
+"""The experts MLP computed from slot buffers, for any transformers `@use_experts_implementation` module.
+
+The module's layout flags say how its weights are stored and combined; we honour each of them:
+`has_gate` (`gate_up_proj` + `_apply_gate`, else `up_proj` + `act_fn`), `is_transposed`
+(`[in, out]` rather than `[out, in]` per expert), `has_bias` (`*_bias` per expert),
+`has_post_expert_norm`; `is_concatenated` (gate/up halves vs GPT-OSS's interleaving) is the
+module's own `_apply_gate`'s business. Routing weights are applied and summed over k in the same
+order and precision as transformers' own backends, so outputs match the unmodified model.
+
+Dims: T tokens, H hidden, k top-k, S = T*k (token, expert) pairs, C slots.
+Slot id -1 marks a pair served by another wave: its output row is garbage, to be masked by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GATHER_BYTES = 256 * 2**20  # the gather path copies each pair's expert weights; bound that per chunk
+
+
+def layer_weight_names(experts) -> tuple[str, str | None, str, str | None]:
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    if experts.has_bias:
+        return up, f"{up}_bias", "down_proj", "down_proj_bias"
+    return up, None, "down_proj", None
+
+
+def _use_grouped_mm(w: torch.Tensor) -> bool:
+    """grouped_mm reads each expert once; it traces only for bf16, and on CUDA only sm90/sm100 avoid a host sync."""
+    if _grouped_mm is None or w.dtype != torch.bfloat16 or w.shape[-1] % 8 or w.shape[-2] % 8:
+        return False
+    if w.is_cuda:
+        return torch.cuda.get_device_capability(w.device)[0] in (9, 10)
+    return w.device.type == "cpu"
+
+
+def routed_outputs(experts, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each pair's expert output before routing weights: [S, H]."""
+    up, up_bias, down, down_bias = layer_weight_names(experts)
+    args = (experts, x, slots, weights[up], weights.get(up_bias), weights[down], weights.get(down_bias))
+    return _grouped(*args) if _use_grouped_mm(weights[up]) else _gathered(*args)
+
+
+def _activate(experts, h: torch.Tensor) -> torch.Tensor:
+    return experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+
+
+def _finish(experts, h: torch.Tensor) -> torch.Tensor:
+    return experts.post_expert_norm(h) if getattr(experts, "has_post_expert_norm", False) else h
+
+
+def _grouped(experts, x, slots, w_up, b_up, w_down, b_down):
+    """Sort pairs by slot, one grouped GEMM per projection; pairs of other waves sort last and are skipped."""
+    T, k = slots.shape
+    C = w_up.shape[0]
+    key = torch.where(slots.reshape(-1) >= 0, slots.reshape(-1), C)  # [S]; C = not in this wave
+    key_sorted, perm = torch.sort(key, stable=True)
+    counts = torch.zeros(C + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = counts[:C].cumsum(0, dtype=torch.int32)  # [C]
+    row_slot = key_sorted.clamp(max=C - 1)
+
+    def linear(inp, w, b):
+        out = _grouped_mm(inp.to(w.dtype), w if experts.is_transposed else w.transpose(-2, -1), offs=offs)
+        return out if b is None else out + b[row_slot]
+
+    h = linear(x[perm // k], w_up, b_up)
+    h = linear(_activate(experts, h), w_down, b_down)
+    h = _finish(experts, h)
+    return torch.empty_like(h).index_copy_(0, perm, h)
+
+
+def _gathered(experts, x, slots, w_up, b_up, w_down, b_down):
+    """Gather each pair's expert weights and bmm: any dtype, no host sync; chunked to bound the copies."""
+    k = slots.shape[1]
+    idx = slots.reshape(-1).clamp(min=0)  # [S]; other waves' pairs compute on slot 0, masked later
+    xs = x.repeat_interleave(k, dim=0)  # [S, H]
+    pair_bytes = (w_up[0].numel() + w_down[0].numel()) * w_up.element_size()
+    chunk = max(1, GATHER_BYTES // pair_bytes)
+
+    def linear(inp, w, b):
+        inp = inp.to(w.dtype)
+        if experts.is_transposed:  # w [n, in, out]
+            out = torch.bmm(inp.unsqueeze(1), w).squeeze(1)
+        else:  # w [n, out, in]
+            out = torch.bmm(w, inp.unsqueeze(-1)).squeeze(-1)
+        return out if b is None else out + b
+
+    outs = []
+    for lo in range(0, idx.numel(), chunk):
+        i = idx[lo : lo + chunk]
+        h = linear(xs[lo : lo + chunk], w_up[i], None if b_up is None else b_up[i])
+        h = linear(_activate(experts, h), w_down[i], None if b_down is None else b_down[i])
+        outs.append(_finish(experts, h))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def combine(pair_out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weight each pair and sum over k, as transformers does (fp32 router weights promote the sum)."""
+    T, k = top_k_weights.shape
+    weighted = pair_out * top_k_weights.reshape(-1, 1)
+    return weighted.view(T, k, -1).sum(dim=1).to(dtype)

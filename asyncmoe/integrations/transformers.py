@@ -1,0 +1,194 @@
+"""transformers integration: the `"asyncmoe"` experts implementation and the surgery that installs it.
+
+transformers >= 5 keeps a MoE layer's experts as 3-D parameters `[E, ...]` in one module whose class
+is decorated with `@use_experts_implementation`; its forward dispatches on
+`config._experts_implementation` to `fn(self, hidden_states [T,H], top_k_index [T,k],
+top_k_weights [T,k]) -> [T,H]`. We register `"asyncmoe"` there, so routers, shared experts and
+everything else stay the model's own, and `generate()`, static caches and torch.compile keep working.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+from ..cache.expert_cache import ExpertCache
+from ..cache.host import PinnedBlock, block_bytes, carve, check_host_memory, human_bytes, uva_view
+from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
+PROVIDER = "asyncmoe"  # attribute of each experts module that holds its provider
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    return getattr(self, PROVIDER)(self, hidden_states, top_k_index, top_k_weights)
+
+
+ExpertsInterface.register("asyncmoe", experts_forward)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Modules built by a `@use_experts_implementation` class carry its layout flags."""
+    flags = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+    return all(isinstance(getattr(module, f, None), bool) for f in flags) and hasattr(module, "config")
+
+
+def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+
+
+@functools.cache
+def supported_families() -> tuple[str, ...]:
+    """Model types in the installed transformers whose experts use the experts interface."""
+    import transformers
+
+    models = pathlib.Path(transformers.__file__).parent / "models"
+    return tuple(
+        sorted(
+            d.name
+            for d in models.iterdir()
+            if any("@use_experts_implementation" in f.read_text() for f in d.glob("modeling_*.py"))
+        )
+    )
+
+
+def _families_hint() -> str:
+    fams = supported_families()
+    return f"supported: the {len(fams)} families on transformers' experts interface ({', '.join(fams)})"
+
+
+def _looks_like_moe(model: nn.Module) -> list[str]:
+    """Class names of modules that look like MoE blocks (for an honest 'unsupported' message)."""
+    names = {type(m).__name__ for m in model.modules()}
+    return sorted(n for n in names if "expert" in n.lower() or "moe" in n.lower())
+
+
+def top_k_of(config) -> int | None:
+    for key in TOP_K_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, (list, tuple)):
+            value = max(value)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _check(model: nn.Module, experts: list[tuple[str, nn.Module]], cache) -> None:
+    if isinstance(cache, bool) or not isinstance(cache, int):
+        raise TypeError(f"cache must be an int (GPU slots per MoE layer), got {type(cache).__name__} {cache!r}")
+    if cache <= 0:
+        raise ValueError(f"cache={cache}: must be at least the model's top_k (slots per MoE layer)")
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quant is not None:
+        method = getattr(quant, "quant_method", None) or (quant.get("quant_method") if isinstance(quant, dict) else quant)
+        raise ValueError(
+            f"this model is quantized ({method}); asyncmoe caches experts stored in "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}. Load it without quantization "
+            "(e.g. dtype=torch.bfloat16 and no quantization_config) to use asyncmoe."
+        )
+    if not experts:
+        moe = _looks_like_moe(model)
+        if moe:
+            raise ValueError(
+                f"{type(model).__name__} has MoE layers ({', '.join(moe)}) that do not use transformers' experts "
+                f"interface (@use_experts_implementation), so asyncmoe cannot cache them; {_families_hint()}."
+            )
+        raise ValueError(f"{type(model).__name__} has no MoE layer for asyncmoe to offload; {_families_hint()}.")
+    for name, m in experts:
+        if isinstance(getattr(m, PROVIDER, None), ExpertWeightProvider):
+            raise RuntimeError(f"{name} is already asyncmoe-compiled: call asyncmoe.compile once per model")
+        if getattr(m, "_is_expert_parallel", False):
+            raise ValueError(f"{name} is expert-parallel; asyncmoe caches all of a layer's experts on one device")
+        params = dict(m.named_parameters(recurse=False))
+        E = _num_experts(m)
+        for pname, p in params.items():
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(
+                    f"{name}.{pname} is {p.dtype}; asyncmoe caches experts in "
+                    f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}. Load the model in one of those dtypes."
+                )
+            if p.dim() == 0 or p.shape[0] != E:
+                raise ValueError(f"{name}.{pname} has shape {tuple(p.shape)}, not [num_experts={E}, ...]")
+        top_k = top_k_of(m.config)
+        if top_k is not None and cache < min(top_k, E):
+            raise ValueError(
+                f"cache={cache} is below top_k={top_k}: every token needs its {top_k} experts resident at once; "
+                f"use cache>={top_k}"
+            )
+
+
+def _num_experts(m: nn.Module) -> int:
+    return (m.gate_up_proj if m.has_gate else m.up_proj).shape[0]
+
+
+def _offload(m: nn.Module, num_slots: int, policy: str, device: torch.device) -> CachedProvider:
+    """Move the module's expert tensors to the host store and give it a cache of `num_slots` slots."""
+    params = dict(m.named_parameters(recurse=False))
+    specs = [(p.shape, p.dtype) for p in params.values()]
+    if device.type == "cuda":
+        nbytes = block_bytes(specs)
+        check_host_memory(nbytes, "pinning this layer's experts")
+        block = PinnedBlock(nbytes)
+        hosts = carve(block.data, specs)
+        for host, p in zip(hosts, params.values()):
+            host.copy_(p.detach())
+        views = carve(uva_view(block, device), specs)
+    else:  # a CPU cache reads the parameters where they already are
+        check_host_memory(num_slots * block_bytes([(s[1:], d) for s, d in specs]), "the CPU expert slots")
+        block, hosts = None, [p.detach() for p in params.values()]
+        views = hosts
+    for name, host in zip(params, hosts):
+        # A plain attribute, not a parameter: `model.to()` must not drag the host store to the GPU,
+        # and nothing in the forward reads it. `state_dict` still returns it (see the hook below).
+        del m._parameters[name]
+        setattr(m, name, host)
+    cache = ExpertCache(dict(zip(params, views)), num_slots, policy)
+    cache.pinned_block = block  # keeps the registration alive as long as the cache
+    m._asyncmoe_offloaded = tuple(params)
+    m._register_state_dict_hook(_add_offloaded_to_state_dict)
+    return CachedProvider(cache)
+
+
+def _add_offloaded_to_state_dict(module, state_dict, prefix, local_metadata):
+    for name in module._asyncmoe_offloaded:
+        state_dict[prefix + name] = getattr(module, name)
+    return state_dict
+
+
+def install(model: nn.Module, cache: int, policy: str, device: torch.device | str | None) -> nn.Module:
+    """Give every experts module of `model` a provider and switch it to the `"asyncmoe"` implementation."""
+    experts = find_experts(model)
+    _check(model, experts, cache)
+    if device is None:
+        device = next(iter(experts[0][1].parameters())).device
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        total = sum(block_bytes([(p.shape, p.dtype) for p in m.parameters(recurse=False)]) for _, m in experts)
+        on_gpu = sum(p.numel() * p.element_size() for _, m in experts for p in m.parameters(recurse=False) if p.is_cuda)
+        # Experts already on the GPU are copied out before their memory is freed: all of it is new host memory.
+        check_host_memory(on_gpu or 0, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
+
+    for name, m in experts:
+        implementation = m.config._experts_implementation or "eager"
+        if cache >= _num_experts(m):
+            fn = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(m).forward.__wrapped__)
+            provider = ResidentProvider(implementation, fn)
+            m.to(device)
+        else:
+            provider = _offload(m, cache, policy, device)
+        setattr(m, PROVIDER, provider)
+    model.to(device)
+
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("asyncmoe")
+    for _, m in experts:  # plain modules, and composite models whose config heuristics skipped a sub-config
+        if m.config._experts_implementation != "asyncmoe":
+            m.config._experts_implementation = "asyncmoe"
+    return model

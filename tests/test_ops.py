@@ -1,0 +1,35 @@
+"""Each custom op passes torch.library.opcheck: schema, fake, mutation declarations, aot dispatch."""
+
+import pytest
+import torch
+
+from asyncmoe import ops
+from asyncmoe.cache.expert_cache import ExpertCache
+
+
+def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
+    clone = lambda ts: [t.clone() for t in ts]  # noqa: E731  opcheck runs the op several times
+    return (
+        ids, wave, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
+        cache.counters.clone(), cache.hosts, clone(cache.slots),
+    )
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+@pytest.mark.parametrize("wave", [0, 1])
+def test_ensure_opcheck(policy, wave):
+    cache = ExpertCache({"w": torch.randn(10, 4, 3), "b": torch.randn(10, 4)}, 4, policy)
+    ops.ensure(cache, torch.tensor([[0, 1], [2, 3]]), 0)  # a warm cache, so the op also evicts
+    ids = torch.tensor([[4, 5], [6, 1], [7, 8]])
+    torch.library.opcheck(torch.ops.asyncmoe.ensure.default, ensure_args(cache, ids, wave))
+
+
+def test_fake_states_the_contract():
+    cache = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru")
+    args = ensure_args(cache, torch.zeros(3, 4, dtype=torch.int64), 0)
+    mode = torch._subclasses.FakeTensorMode()
+    fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    args = tuple([fake(t) for t in a] if isinstance(a, list) else fake(a) for a in args)
+    with mode:
+        with pytest.raises(Exception, match="top_k=4 exceeds the cache's 2 slots.*use cache>=4"):
+            torch.ops.asyncmoe.ensure(*args)
