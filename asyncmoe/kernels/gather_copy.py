@@ -57,6 +57,7 @@ if triton is not None:
 
 
 BLOCK_BYTES = 32768  # per program; 12.6 MB experts -> ~400 programs each, enough loads in flight for PCIe
+NUM_WARPS = 4
 
 
 def _word_dtype(row_bytes: int) -> torch.dtype:
@@ -81,6 +82,7 @@ def gather_copy_triton(host, slots, src, dst, count) -> None:
         count.reshape(1),
         row_elems,
         BLOCK=block,
+        num_warps=NUM_WARPS,
     )
 
 
