@@ -29,6 +29,7 @@ def test_pinned_block_and_uva_view():
     assert block.data.is_pinned()
     view = uva_view(block, torch.device("cuda"))
     assert view.is_cuda and view.numel() == 4096
+    print(f"\nhost pointer {block.data.data_ptr():#x}, device pointer {view.data_ptr():#x}")
     for h, v in zip(hosts, carve(view, specs)):
         assert torch.equal(v.cpu(), h)  # torch ops read host memory through the view
         assert torch.equal(v.index_select(0, torch.tensor([4, 0], device="cuda")).cpu(), h[[4, 0]])

@@ -89,27 +89,19 @@ def _device_pointer(host_ptr: int) -> int:
     return dev.value
 
 
-class _CudaArray:
-    """The minimum `torch.as_tensor` needs to wrap a device pointer; holds the block so the mapping outlives every view."""
-
-    def __init__(self, ptr: int, nbytes: int, owner: PinnedBlock):
-        self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
-    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made."""
+    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made.
+
+    `torch.as_tensor` of a `__cuda_array_interface__` would ask the runtime which device owns the
+    pointer, and the runtime does not recognise the driver's device alias of registered memory
+    (seen on the H200 machine); a storage built from the raw pointer, as Inductor's cudagraph trees
+    build theirs, does not ask. The storage does not own the memory: the view holds the block.
+    """
     torch.cuda.init()
     ptr = _device_pointer(block.data.data_ptr())
-    with torch.cuda.device(device):
-        view = torch.as_tensor(_CudaArray(ptr, block.nbytes, block), device=device)
-    assert view.data_ptr() == ptr, "torch.as_tensor copied the host block instead of wrapping it"
+    storage = torch._C._construct_storage_from_data_pointer(ptr, device, block.nbytes)
+    view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    view._asyncmoe_block = block  # carved views keep this tensor (their _base) and so the block alive
     return view
 
 
