@@ -121,7 +121,7 @@ def measure(model, label: str, steps: int, rounds: int, graph: bool) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
-    p.add_argument("--caches", type=int, nargs="+", default=[64])
+    p.add_argument("--caches", type=int, nargs="+", default=[64, 32, 16])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--out", default=None)
