@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from ..kernels.gather_copy import register_uva
+
 ALIGN = 256  # bytes; keeps every tensor in a block aligned for vector loads and grouped_mm
 
 
@@ -98,10 +100,13 @@ def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
     build theirs, does not ask. The storage does not own the memory: the view holds the block.
     """
     torch.cuda.init()
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     ptr = _device_pointer(block.data.data_ptr())
     storage = torch._C._construct_storage_from_data_pointer(ptr, device, block.nbytes)
     view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
     view._asyncmoe_block = block  # carved views keep this tensor (their _base) and so the block alive
+    register_uva(ptr, block)
     return view
 
 
