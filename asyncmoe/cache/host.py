@@ -17,8 +17,6 @@ import os
 
 import torch
 
-from ..kernels.gather_copy import register_uva
-
 ALIGN = 256  # bytes; keeps every tensor in a block aligned for vector loads and grouped_mm
 
 
@@ -77,7 +75,7 @@ class PinnedBlock:
             self.registered = False
 
 
-_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 2
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute in cuda.h
 
 
 def _device_pointer(host_ptr: int) -> int:
@@ -94,10 +92,10 @@ def _device_pointer(host_ptr: int) -> int:
 def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
     """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made.
 
-    `torch.as_tensor` of a `__cuda_array_interface__` would ask the runtime which device owns the
-    pointer, and the runtime does not recognise the driver's device alias of registered memory
-    (seen on the H200 machine); a storage built from the raw pointer, as Inductor's cudagraph trees
-    build theirs, does not ask. The storage does not own the memory: the view holds the block.
+    Built as Inductor's cudagraph trees build storages, from the raw pointer: `torch.as_tensor` of a
+    `__cuda_array_interface__` would ask the runtime which device owns the pointer, which fails for a
+    device alias that differs from the host address. The storage does not own the memory: the view
+    holds the block.
     """
     torch.cuda.init()
     if device.index is None:
@@ -106,7 +104,6 @@ def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
     storage = torch._C._construct_storage_from_data_pointer(ptr, device, block.nbytes)
     view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
     view._asyncmoe_block = block  # carved views keep this tensor (their _base) and so the block alive
-    register_uva(ptr, block)
     return view
 
 

@@ -12,8 +12,6 @@ Dims: E experts, C slots, M planned copies.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 try:
@@ -70,31 +68,7 @@ def _word_dtype(row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
-_UVA: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # device alias -> pinned block
-
-
-def register_uva(device_ptr: int, block) -> None:
-    """Record that `device_ptr` maps the pinned bytes `block.data` (a CPU uint8 tensor of `block.nbytes`)."""
-    _UVA[device_ptr] = block
-
-
-def host_twin(view: torch.Tensor) -> torch.Tensor:
-    """For a UVA view, the CPU tensor over the same pinned bytes; any other tensor is returned as is.
-
-    Triton resolves every pointer argument with `cuPointerGetAttribute(DEVICE_POINTER)`, which knows
-    the host pointer of registered memory but not its device alias (seen on the H200 machine, where
-    the two differ), so kernels are given the twin.
-    """
-    ptr = view.data_ptr()
-    for base, block in list(_UVA.items()):
-        if view.is_cuda and base <= ptr < base + block.nbytes:
-            flat = block.data[ptr - base : ptr - base + view.numel() * view.element_size()]
-            return flat.view(view.dtype).view(view.shape)
-    return view
-
-
 def gather_copy_triton(host, slots, src, dst, count) -> None:
-    host = host_twin(host)
     row_bytes = slots[0].numel() * slots.element_size()
     word = _word_dtype(row_bytes)
     row_elems = row_bytes // word.itemsize
