@@ -7,6 +7,8 @@
 
 from . import ops  # registers the custom ops
 from .api import compile, stats
+from .predict import Prefetch
+from .runtime import Decoder, Generation
 
-__all__ = ["compile", "stats", "ops"]
+__all__ = ["compile", "stats", "ops", "Prefetch", "Decoder", "Generation"]
 __version__ = "0.1.0"

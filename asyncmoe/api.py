@@ -7,19 +7,29 @@ from torch import nn
 
 from .cache.stats import Stats, read_stats
 from .integrations import transformers as hf
+from .predict import Prefetch
 from .providers import CachedProvider, ResidentProvider
 
 
-def compile(model: nn.Module, cache: int = 16, policy: str = "lfru", device: torch.device | str | None = None) -> nn.Module:
+def compile(
+    model: nn.Module,
+    cache: int = 16,
+    policy: str = "lfru",
+    device: torch.device | str | None = None,
+    prefetch: bool | Prefetch = True,
+) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
 
     `cache >= num_experts` keeps every expert resident and runs the model's own implementation.
     `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
     can be compiled straight onto the GPU without its experts ever going there.
     `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo".
+    `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
+    computes (True: gate + temporal + transition for the next layer; a `Prefetch` to choose).
     Returns the same model.
     """
-    return hf.install(model, cache, policy, device)
+    plan = Prefetch() if prefetch is True else (prefetch or None)
+    return hf.install(model, cache, policy, device, plan)
 
 
 def stats(model: nn.Module, reset: bool = False) -> Stats:

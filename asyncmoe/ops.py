@@ -1,9 +1,16 @@
 """Every custom op asyncmoe adds: the only surface torch.compile sees.
 
 Each op is opaque to Dynamo and Inductor, so a compiled graph stays whole around cache decisions
-whose insides (sorts, scatters, a Triton copy) need not be traced; `mutates_args` names every
-tensor an op writes, so functionalization orders the expert compute after the copies it reads.
+whose insides (sorts, scatters, a Triton copy, a side stream) need not be traced; `mutates_args`
+names every tensor an op writes, so functionalization orders the expert compute after the copies it
+reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
+
+Streams: `prefetch` forks a side stream from the current (compute) stream, admits and copies there,
+and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
+event before it reads the tables. Every prefetch targets a later layer of the same forward, whose
+`ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture
+must end joined). On the CPU there are no streams: `prefetch` runs inline.
 """
 
 from __future__ import annotations
@@ -14,6 +21,21 @@ from torch import Tensor
 from .cache import expert_cache
 from .cache.expert_cache import ExpertCache
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_ready: dict[int, torch.cuda.Event] = {}  # per target cache (keyed by its expert_to_slot address)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device.index not in _side_streams:
+        _side_streams[device.index] = torch.cuda.Stream(device)
+    return _side_streams[device.index]
+
+
+def _event(key: int) -> torch.cuda.Event:
+    if key not in _ready:
+        _ready[key] = torch.cuda.Event()
+    return _ready[key]
+
 
 @torch.library.custom_op(
     "asyncmoe::ensure",
@@ -22,6 +44,7 @@ from .cache.expert_cache import ExpertCache
 def _ensure(
     top_k_index: Tensor,
     wave: int,
+    wait: bool,
     policy: str,
     expert_to_slot: Tensor,
     slot_to_expert: Tensor,
@@ -33,15 +56,18 @@ def _ensure(
     """Make this call's wave of routed experts resident in the slots; return their slot ids.
 
     Decided on the device with fixed-shape ops (see `cache.expert_cache`); misses are copied
-    host -> slot by the gather-copy kernel, whose count stays in device memory.
+    host -> slot by the gather-copy kernel, whose count stays in device memory. `wait`: first wait
+    for the prefetch into this layer issued earlier in the forward.
     """
+    if wait and expert_to_slot.is_cuda:
+        torch.cuda.current_stream().wait_event(_event(expert_to_slot.data_ptr()))
     return expert_cache.ensure(
         top_k_index, wave, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots
     )
 
 
 @_ensure.register_fake
-def _(top_k_index, wave, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
+def _(top_k_index, wave, wait, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
     C = slot_to_expert.shape[0]
     torch._check(top_k_index.dim() == 2, lambda: f"top_k_index must be [tokens, top_k], got {top_k_index.dim()}D")
     torch._check(
@@ -54,16 +80,79 @@ def _(top_k_index, wave, policy, expert_to_slot, slot_to_expert, state, counters
     return torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
 
 
-def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int) -> Tensor:
+def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = False) -> Tensor:
     """`asyncmoe::ensure` on one layer's cache buffers; slot ids [T, k], -1 for pairs of other waves."""
     return torch.ops.asyncmoe.ensure(
-        top_k_index,
-        wave,
-        cache.policy,
-        cache.expert_to_slot,
-        cache.slot_to_expert,
-        cache.state,
-        cache.counters,
-        cache.hosts,
-        cache.slots,
+        top_k_index, wave, wait, cache.policy, cache.expert_to_slot, cache.slot_to_expert, cache.state,
+        cache.counters, cache.hosts, cache.slots,
     )
+
+
+@torch.library.custom_op(
+    "asyncmoe::prefetch",
+    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "slots"),
+)
+def _prefetch(
+    scores: Tensor,
+    sources: Tensor,
+    budget: int,
+    policy: str,
+    predicted: Tensor,
+    nominated: Tensor,
+    expert_to_slot: Tensor,
+    slot_to_expert: Tensor,
+    state: list[Tensor],
+    counters: Tensor,
+    hosts: list[Tensor],
+    slots: list[Tensor],
+) -> None:
+    """Admit up to `budget` predicted experts [E scores, E source bits] into a later layer's cache, on a side stream.
+
+    The scores are first copied, on the compute stream, into the target's own buffers: the side
+    stream must not read a temporary the compute stream may free and reuse meanwhile.
+    """
+    predicted.copy_(scores)
+    nominated.copy_(sources)
+    args = (predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots)
+    if not expert_to_slot.is_cuda:
+        expert_cache.prefetch(*args)
+        return
+    compute = torch.cuda.current_stream()
+    side = _side_stream(expert_to_slot.device)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        expert_cache.prefetch(*args)
+        _event(expert_to_slot.data_ptr()).record(side)
+
+
+@_prefetch.register_fake
+def _(scores, sources, budget, policy, predicted, nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
+    E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
+    torch._check(scores.shape == (E,), lambda: f"scores must be [num_experts={E}], got {tuple(scores.shape)}")
+    torch._check(sources.shape == (E,), lambda: f"sources must be [num_experts={E}], got {tuple(sources.shape)}")
+    torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
+
+
+def prefetch(cache: ExpertCache, scores: Tensor, sources: Tensor, budget: int) -> None:
+    torch.ops.asyncmoe.prefetch(
+        scores, sources, budget, cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot,
+        cache.slot_to_expert, cache.state, cache.counters, cache.hosts, cache.slots,
+    )
+
+
+@torch.library.custom_op("asyncmoe::observe", mutates_args=("transitions",))
+def _observe(previous: Tensor, routed: Tensor, transitions: Tensor) -> None:
+    """Add this call's (expert at the previous MoE layer -> expert here) pairs to the decayed transition counts."""
+    expert_cache.observe(previous, routed, transitions)
+
+
+@_observe.register_fake
+def _(previous, routed, transitions):
+    torch._check(
+        transitions.shape == (previous.shape[0], routed.shape[0]),
+        lambda: f"transitions must be [{previous.shape[0]}, {routed.shape[0]}], got {tuple(transitions.shape)}",
+    )
+
+
+def observe(previous: ExpertCache, cache: ExpertCache) -> None:
+    torch.ops.asyncmoe.observe(previous.routed, cache.routed, cache.transitions)

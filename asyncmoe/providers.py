@@ -3,7 +3,8 @@
 The transformers integration hands every experts call to the module's provider and knows nothing
 else about caching. `ResidentProvider` is what `cache >= num_experts` gets: the experts stay where
 the model put them and the model's own implementation runs (no tables, no copies, no overhead).
-`CachedProvider` asks the layer's `ExpertCache` for slot ids and computes from the slot buffers.
+`CachedProvider` asks the layer's `ExpertCache` for slot ids, computes from the slot buffers, and
+(with prefetch) predicts and prefetches the experts of the next layers while this one computes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import nn
 from . import ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .experts import combine, routed_outputs
+from .predict.predictors import GATE, TEMPORAL, TRANSITION, Prefetch, gate_scores, temporal_scores, transition_scores
+from .predict.predictors import combine as combine_scores
 
 
 class ExpertWeightProvider(nn.Module):
@@ -37,9 +40,15 @@ class ResidentProvider(ExpertWeightProvider):
 class CachedProvider(ExpertWeightProvider):
     """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run in waves."""
 
-    def __init__(self, cache: ExpertCache):
+    def __init__(self, cache: ExpertCache, router: tuple[torch.Tensor, torch.Tensor | None] | None):
         super().__init__()
         self.cache = cache
+        self.router = router  # this layer's router (weight [E, H], bias): the gate predictor of the layer before uses it
+        self.plan: Prefetch | None = None
+        self.wait = False  # a prefetch into this layer is issued earlier in each forward
+        # neighbours, as plain attributes (not submodules): the previous cached layer, the layers to prefetch for
+        object.__setattr__(self, "previous", None)
+        object.__setattr__(self, "targets", ())
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
         T, k = top_k_index.shape
@@ -52,7 +61,45 @@ class CachedProvider(ExpertWeightProvider):
         weights = self.cache.slot_weights()
         out = None
         for wave in range(num_waves(T * k, C, E)):
-            slots = ops.ensure(self.cache, top_k_index, wave)  # [T, k]
+            slots = ops.ensure(self.cache, top_k_index, wave, wait=self.wait and wave == 0)  # [T, k]
+            if wave == 0 and self.plan is not None:
+                self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
             part = routed_outputs(experts, hidden_states, slots, weights)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
         return combine(out, top_k_weights, hidden_states.dtype)
+
+    def _prefetch(self, hidden_states: torch.Tensor) -> None:
+        plan = self.plan
+        if "transition" in plan.sources and self.previous is not None:
+            ops.observe(self.previous.cache, self.cache)
+        for depth, target in enumerate(self.targets, start=1):
+            parts = []
+            if "gate" in plan.sources and depth == 1 and target.router is not None:
+                parts.append((GATE, gate_scores(hidden_states, *target.router, target.per_token)))
+            if "temporal" in plan.sources:
+                parts.append((TEMPORAL, temporal_scores(target.cache.routed)))
+            if "transition" in plan.sources and target.previous is not None:
+                parts.append((TRANSITION, transition_scores(target.previous.cache.routed, target.cache.transitions, target.budget)))
+            if parts:
+                scores, sources = combine_scores(parts)
+                ops.prefetch(target.cache, scores, sources, target.budget)
+
+
+def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:
+    """Wire consecutive cached layers for prefetch: each predicts for the next `plan.depth` layers."""
+    for i, p in enumerate(providers):
+        object.__setattr__(p, "previous", providers[i - 1] if i > 0 else None)
+        p.plan = plan
+        if plan is None:
+            continue
+        object.__setattr__(p, "targets", tuple(providers[i + 1 : i + 1 + plan.depth]))
+        p.wait = i > 0
+        p.per_token = plan.per_token or top_k
+        p.budget = min(plan.budget or top_k, p.cache.num_slots)
+        if i > 0 and "transition" in plan.sources:
+            prev = providers[i - 1].cache
+            p.cache.register_buffer(
+                "transitions",
+                torch.zeros(prev.num_experts, p.cache.num_experts, device=p.cache.expert_to_slot.device),
+                persistent=False,
+            )

@@ -1,20 +1,26 @@
-"""Decode latency, one model shape: the unmodified model vs asyncmoe, eager and in a hand-captured CUDA graph.
+"""Decode latency at one model shape: the unmodified model against asyncmoe, eager and in a CUDA graph.
 
-    python benchmarks/decode_step.py --shape olmoe --caches 64 16 32 --out results.json
+    python benchmarks/decode_step.py --shape olmoe --caches 64 32 16 --out decode_step.json
 
-Random weights (real shapes). The routers are widened (std 1) so tokens spread over experts as trained
-routers do; random routing still says nothing about policies, only about the machinery's cost.
-Each case: prefill 16 tokens eagerly into a StaticCache, then `--rounds` rounds of `--steps` greedy
-decode steps; the reported figure is the median over rounds of ms per token.
+Systems, batch-1 greedy decode, the same prompt (16 random tokens) for all:
+  unmodified            the transformers model fully resident (a: CUDA graph; and eager)
+  asyncmoe cache=C      asyncmoe with C slots per layer, with and without prefetch, graph and eager
+Per case: `--rounds` rounds of prefill + `--steps` decode steps; the figure is the median over rounds
+of ms per decode step. Bytes moved per token come from asyncmoe's counters over the decode steps
+only; the host->GPU bandwidth is measured in the same run (pinned copy_, 512 MB) and
+floor = max(unmodified graph ms/token, bytes per token / bandwidth).
+
+Random weights (real shapes), routers widened (std 1) so tokens spread over experts: the numbers say
+what the machinery costs, not how well a policy or predictor would do on real routing.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
-import time
 
 import torch
 import transformers
@@ -30,9 +36,9 @@ SHAPES = {
 }
 
 
-def build(shape: str, dtype=torch.bfloat16, layers: int | None = None):
+def build(shape: str, dtype=torch.bfloat16):
     config_cls, model_cls, kw = SHAPES[shape]
-    config = getattr(transformers, config_cls)(**{**kw, **({"num_hidden_layers": layers} if layers else {})})
+    config = getattr(transformers, config_cls)(**kw)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = getattr(transformers, model_cls)(config).to(dtype).eval()
@@ -43,78 +49,46 @@ def build(shape: str, dtype=torch.bfloat16, layers: int | None = None):
     return model
 
 
-class Decode:
-    """Greedy decoding with a static KV cache; `step()` is eager, `graph()` captures one step."""
-
-    def __init__(self, model, batch: int = 1, prompt: int = 16, max_len: int = 512):
-        self.model = model
-        self.cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
-        self.prompt = prompt
-        ids = torch.randint(1, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0)).cuda()
-        with torch.no_grad():
-            logits = model(input_ids=ids, past_key_values=self.cache, cache_position=torch.arange(prompt, device="cuda")).logits
-        self.first = logits[:, -1:].argmax(-1)
-        self.tok = self.first.clone()
-        self.pos = torch.full((1,), prompt, dtype=torch.long, device="cuda")
-
-    @torch.no_grad()
-    def step(self):
-        logits = self.model(input_ids=self.tok, past_key_values=self.cache, cache_position=self.pos).logits
-        self.tok.copy_(logits[:, -1:].argmax(-1))
-        self.pos.add_(1)
-
-    def reset(self):
-        self.tok.copy_(self.first)
-        self.pos.fill_(self.prompt)
-
-    def graph(self) -> torch.cuda.CUDAGraph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.reset()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self.step()
-        return g
+def h2d_bandwidth(nbytes: int = 512 * 2**20, reps: int = 10) -> float:
+    """GB/s of a pinned host -> GPU copy_ (the copy engine), median of `reps`."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return nbytes / 1e9 / (statistics.median(times[2:]) / 1e3)
 
 
-def ms_per_token(run_step, reset, steps: int, rounds: int) -> tuple[float, list[float]]:
-    per_round = []
+def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: torch.Tensor) -> dict:
+    dec = asyncmoe.Decoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + steps + 1, graph=graph)
+    per_round, moved = [], 0
+    cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
     for _ in range(rounds):
-        reset()
+        dec.prefill(prompt)
+        if cached:
+            asyncmoe.stats(model, reset=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            run_step()
-        torch.cuda.synchronize()
-        per_round.append((time.perf_counter() - t0) * 1e3 / steps)
-    return statistics.median(per_round), per_round
-
-
-def measure(model, label: str, steps: int, rounds: int, graph: bool) -> dict:
-    d = Decode(model)
-    if graph:
-        g = d.graph()
-        run = g.replay
-    else:
-        d.step()  # warm-up
-        run = d.step
-    try:
-        asyncmoe.stats(model, reset=True)
-    except ValueError:  # the unmodified model
-        pass
-    med, all_rounds = ms_per_token(run, d.reset, steps, rounds)
-    row = {"system": label, "graph": graph, "ms_per_token": med, "rounds": all_rounds}
-    try:
+        start.record()
+        dec.decode(steps)
+        end.record()
+        end.synchronize()
+        per_round.append(start.elapsed_time(end) / steps)
+        if cached:
+            moved += asyncmoe.stats(model).totals["bytes_h2d"]
+    row = {"system": label, "graph": graph, "ms_per_token": statistics.median(per_round), "rounds": per_round}
+    if cached:
         s = asyncmoe.stats(model)
-        if s.layers:
-            row.update(hit_rate=s.totals["hit_rate"], bytes_per_token=s.totals["bytes_h2d"] / (steps * rounds))
-    except ValueError:
-        pass
-    print(f"{label:<34} {'graph' if graph else 'eager':<6} {med:8.3f} ms/token  (rounds: {', '.join(f'{x:.3f}' for x in all_rounds)})", flush=True)
+        row.update(bytes_per_token=moved / (rounds * steps), hit_rate=s.totals["hit_rate"],
+                   prefetch_recall=s.totals["prefetch_recall"], wasted_per_token=s.totals["wasted_bytes"] / steps)
+    print(f"{label:<40} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
+          + (f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
+             f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%" if cached else ""), flush=True)
     return row
 
 
@@ -123,21 +97,47 @@ def main():
     p.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
     p.add_argument("--caches", type=int, nargs="+", default=[64, 32, 16])
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--eager-steps", type=int, default=16)
+    p.add_argument("--eager-rounds", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    bandwidth = h2d_bandwidth()
+    print(f"pinned host->GPU copy_: {bandwidth:.1f} GB/s", flush=True)
     base = build(args.shape)
-    rows = [measure(base, "unmodified", args.steps, args.rounds, graph=g) for g in (False, True)]
+    experts = base.config.num_experts
+    prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def run(model, label):
+        out = [measure(model, label, True, args.steps, args.rounds, prompt)]
+        out.append(measure(model, label, False, args.eager_steps, args.eager_rounds, prompt))
+        return out
+
+    rows = run(base, "unmodified")
+    resident_ms = rows[0]["ms_per_token"]
     for cache in args.caches:
-        model = asyncmoe.compile(copy.deepcopy(base), cache=cache)
-        for g in (False, True):
-            rows.append(measure(model, f"asyncmoe cache={cache}", args.steps, args.rounds, graph=g))
-        del model
-        torch.cuda.empty_cache()
+        for prefetch in (True, False) if cache < experts else (False,):
+            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=prefetch)
+            label = f"asyncmoe cache={cache}" + (" prefetch" if prefetch else (" no prefetch" if cache < experts else ""))
+            rows += run(model, label)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    for r in rows:
+        if "bytes_per_token" in r:
+            r["floor_ms"] = max(resident_ms, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
+            r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"]
+    print(f"\n{'system':<40} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}")
+    for r in rows:
+        extra = (f"{r['bytes_per_token'] / 1e6:>9.1f} {r['floor_ms']:>9.3f} {r['limit_ratio']:>6.2f}"
+                 if "floor_ms" in r else f"{'':>9} {'':>9} {'':>6}")
+        print(f"{r['system']:<40} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
+              f"{r['ms_per_token'] / resident_ms:>10.3f}x")
     result = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "steps": args.steps, "rounds": args.rounds, "rows": rows,
+        "transformers": transformers.__version__, "h2d_GB_per_s": bandwidth, "steps": args.steps,
+        "rounds": args.rounds, "rows": rows,
     }
     if args.out:
         with open(args.out, "w") as f:

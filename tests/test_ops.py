@@ -7,10 +7,19 @@ from asyncmoe import ops
 from asyncmoe.cache.expert_cache import ExpertCache
 
 
+def clone(ts):
+    return [t.clone() for t in ts]  # opcheck runs the op several times on the same arguments
+
+
+def warm_cache(policy: str) -> ExpertCache:
+    cache = ExpertCache({"w": torch.randn(10, 4, 3), "b": torch.randn(10, 4)}, 4, policy)
+    ops.ensure(cache, torch.tensor([[0, 1], [2, 3]]), 0)  # a warm cache, so the ops also evict
+    return cache
+
+
 def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
-    clone = lambda ts: [t.clone() for t in ts]  # noqa: E731  opcheck runs the op several times
     return (
-        ids, wave, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
+        ids, wave, False, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
         cache.counters.clone(), cache.hosts, clone(cache.slots),
     )
 
@@ -18,10 +27,26 @@ def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
 @pytest.mark.parametrize("wave", [0, 1])
 def test_ensure_opcheck(policy, wave):
-    cache = ExpertCache({"w": torch.randn(10, 4, 3), "b": torch.randn(10, 4)}, 4, policy)
-    ops.ensure(cache, torch.tensor([[0, 1], [2, 3]]), 0)  # a warm cache, so the op also evicts
+    cache = warm_cache(policy)
     ids = torch.tensor([[4, 5], [6, 1], [7, 8]])
     torch.library.opcheck(torch.ops.asyncmoe.ensure.default, ensure_args(cache, ids, wave))
+
+
+def test_prefetch_opcheck():
+    cache = warm_cache("lru")
+    scores = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0])
+    sources = (scores > 0).to(torch.int8) * 3
+    args = (
+        scores, sources, 2, "lru", cache.predicted.clone(), cache.nominated.clone(), cache.expert_to_slot.clone(),
+        cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(), cache.hosts, clone(cache.slots),
+    )
+    torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
+
+
+def test_observe_opcheck():
+    previous = torch.tensor([True, False, True])
+    routed = torch.tensor([False, True, True, False])
+    torch.library.opcheck(torch.ops.asyncmoe.observe.default, (previous, routed, torch.rand(3, 4)))
 
 
 def test_fake_states_the_contract():

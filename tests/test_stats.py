@@ -17,11 +17,12 @@ def test_stats_rows_totals_and_table():
     assert [r.layer for r in s.layers] == [0, 1]
     assert all(r.name.endswith("mlp.experts") and r.slots == 4 and r.experts == 16 for r in s.layers)
     for r in s.layers:
-        assert r.calls >= 1 and r.misses >= 2 and r.bytes_h2d == r.misses * (r.host_bytes // r.experts)
+        assert r.calls >= 1 and r.misses >= 2 and r.bytes_h2d == (r.misses + r.prefetched) * r.expert_bytes
+        assert r.expert_bytes * r.experts == r.host_bytes
     assert s.totals["misses"] == sum(r.misses for r in s.layers)
     assert 0 <= s.totals["hit_rate"] <= 1
     table = str(s)
-    assert "hit%" in table and "all" in table and "GPU slots+tables" in table
+    assert "hit%" in table and "pf-hit%" in table and "all" in table and "GPU slots+tables" in table
 
     asyncmoe.stats(model, reset=True)
     assert asyncmoe.stats(model).totals["misses"] == 0

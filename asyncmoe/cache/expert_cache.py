@@ -23,10 +23,15 @@ import torch
 from torch import nn
 
 from ..kernels.gather_copy import gather_copy
+from ..predict.predictors import SOURCES
 from .policies import DECAY, SlotState, get_policy
 
-COUNTERS = ("calls", "hits", "misses", "evictions", "bytes_h2d")
-CALLS, HITS, MISSES, EVICTIONS, BYTES_H2D = range(len(COUNTERS))
+COUNTERS = (
+    "calls", "hits", "misses", "evictions", "bytes_h2d",  # ensure: every byte moved, prefetches included
+    "prefetched", "wasted",  # experts a prefetch admitted; prefetched experts evicted before any use
+    "prefetch_hits", "hits_gate", "hits_temporal", "hits_transition",  # routed experts found prefetched, by nominator
+)
+
 
 
 class ExpertCache(nn.Module):
@@ -57,7 +62,15 @@ class ExpertCache(nn.Module):
         self.register_buffer("freq", torch.zeros(C, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("used", torch.zeros(C, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("clock", torch.zeros(1, **i64), persistent=False)
+        self.register_buffer("source", torch.zeros(C, dtype=torch.int8, device=device), persistent=False)
+        self.register_buffer("routed", torch.zeros(E, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("counters", torch.zeros(len(COUNTERS), **i64), persistent=False)
+        # predictor inputs: written on the compute stream, read by the prefetch on the side stream, so
+        # they must outlive the call (a temporary could be reused by the allocator under the side stream)
+        self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
+        # `transitions` [E_prev, E], decayed counts of (expert routed at the previous MoE layer -> here),
+        # is registered by the integration when a transition predictor feeds this layer.
 
     @property
     def hosts(self) -> list[torch.Tensor]:
@@ -69,7 +82,7 @@ class ExpertCache(nn.Module):
 
     @property
     def state(self) -> list[torch.Tensor]:
-        return list(SlotState(self.last_use, self.born, self.freq, self.used, self.clock))
+        return list(SlotState(self.last_use, self.born, self.freq, self.used, self.clock, self.source, self.routed))
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, f"slot_{n}") for n in self.names}
@@ -124,7 +137,8 @@ def admit(
 ):
     """Plan and book the admission of the wanted experts not yet resident; the caller copies the data.
 
-    Returns src [M] expert ids, dst [M] slots, count [] (pairs i < count are real), and evictions [].
+    Returns src [M] expert ids, dst [M] slots, valid [M], count [] (pairs i < count are real),
+    evictions [] and wasted [] (evicted prefetches that were never used).
     Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted), then by the
     policy's score, so a wanted expert is never evicted: at most C are wanted, and every missing
     wanted expert leaves a slot not holding a wanted one.
@@ -144,6 +158,7 @@ def admit(
     valid = torch.arange(max_new, device=want.device) < count
     old = slot_to_expert[dst]
     evicted = valid & (old >= 0)
+    wasted = evicted & ~st.used[dst]
     expert_to_slot.index_put_((torch.where(evicted, old, E),), torch.full_like(old, -1))
     expert_to_slot.index_put_((torch.where(valid, src, E),), dst)
     _put(slot_to_expert, dst, valid, src)
@@ -151,15 +166,23 @@ def admit(
     _put(st.last_use, dst, valid, st.clock)
     _put(st.freq, dst, valid, torch.zeros_like(st.freq[dst]))
     _put(st.used, dst, valid, torch.zeros_like(st.used[dst]))
-    return src, dst, count, evicted.sum()
+    _put(st.source, dst, valid, torch.zeros_like(st.source[dst]))
+    return src, dst, valid, count, evicted.sum(), wasted.sum()
 
 
-def touch(want: torch.Tensor, slot_to_expert: torch.Tensor, st: SlotState) -> None:
-    """Record a use of every slot holding a wanted expert; decay every frequency once per call."""
+def touch(want: torch.Tensor, slot_to_expert: torch.Tensor, st: SlotState) -> torch.Tensor:
+    """Record a use of every slot holding a wanted expert; decay every frequency once per call.
+
+    Returns the prefetch hits by nominator [len(SOURCES)]: slots a prefetch filled, used now for the first time.
+    """
     hit = (slot_to_expert >= 0) & want[slot_to_expert.clamp(min=0)]
+    first_use = hit & ~st.used & (st.source != 0)
+    bits = torch.tensor([1 << i for i in range(len(SOURCES))], dtype=st.source.dtype, device=hit.device)
+    by_source = (first_use[:, None] & ((st.source[:, None] & bits) != 0)).sum(0)
     st.used.logical_or_(hit)
     st.last_use.copy_(torch.where(hit, st.clock, st.last_use))
     st.freq.mul_(DECAY).add_(hit.to(st.freq.dtype))
+    return torch.cat([first_use.sum().view(1), by_source])
 
 
 def ensure(
@@ -179,12 +202,52 @@ def ensure(
     E, C = expert_to_slot.numel() - 1, slot_to_expert.numel()
     st.clock.add_(1)
     need, now, later = wave_plan(ids, wave, C, E)
-    src, dst, count, evicted = admit(now, later, min(C, E, ids.numel()), policy, expert_to_slot, slot_to_expert, st)
+    st.routed.copy_(need)
+    src, dst, _, count, evicted, wasted = admit(now, later, min(C, E, ids.numel()), policy, expert_to_slot, slot_to_expert, st)
     for host, slot in zip(hosts, slots):
         gather_copy(host, slot, src, dst, count)
-    touch(now, slot_to_expert, st)
+    prefetch_hits = touch(now, slot_to_expert, st)
 
-    expert_bytes = sum(s[0].numel() * s.element_size() for s in slots)
     calls = torch.ones_like(count) if wave == 0 else torch.zeros_like(count)
-    counters.add_(torch.stack([calls, now.sum() - count, count, evicted, count * expert_bytes]))
+    zero = torch.zeros_like(count)
+    add = [calls, now.sum() - count, count, evicted, count * _expert_bytes(slots), zero, wasted]
+    counters.add_(torch.cat([torch.stack(add), prefetch_hits]))
     return torch.where(now[ids], expert_to_slot[ids], -1)
+
+
+def prefetch(
+    predicted: torch.Tensor,  # [E] float: how likely each expert is to be routed here next
+    nominated: torch.Tensor,  # [E] int8: bits of the predictors that nominated each expert
+    budget: int,  # most experts to admit
+    policy: str,
+    expert_to_slot: torch.Tensor,
+    slot_to_expert: torch.Tensor,
+    state: list[torch.Tensor],
+    counters: torch.Tensor,
+    hosts: list[torch.Tensor],
+    slots: list[torch.Tensor],
+) -> None:
+    """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots."""
+    st = SlotState(*state)
+    top = predicted.topk(budget).indices
+    want = torch.zeros_like(st.routed).index_fill_(0, top, True) & (predicted > 0)
+    nothing = torch.zeros_like(want)
+    src, dst, valid, count, evicted, wasted = admit(want, nothing, budget, policy, expert_to_slot, slot_to_expert, st)
+    _put(st.source, dst, valid, nominated[src])
+    for host, slot in zip(hosts, slots):
+        gather_copy(host, slot, src, dst, count)
+    zero = torch.zeros_like(count)
+    add = [zero, zero, zero, evicted, count * _expert_bytes(slots), count, wasted] + [zero] * (1 + len(SOURCES))
+    counters.add_(torch.stack(add))
+
+
+def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor) -> None:
+    """Learn expert transitions online: decay the counts, add (routed at the previous layer) x (routed here)."""
+    transitions.mul_(TRANSITION_DECAY).add_(previous[:, None].float() * routed[None, :].float())
+
+
+def _expert_bytes(slots: list[torch.Tensor]) -> int:
+    return sum(s[0].numel() * s.element_size() for s in slots)
+
+
+TRANSITION_DECAY = 0.99  # per call: transitions seen ~70 calls ago count half

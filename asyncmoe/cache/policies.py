@@ -6,6 +6,9 @@ All policies see the same state, kept up to date by the cache for every slot (C 
   freq     [C] float32 use count, multiplied by `DECAY` every call (an exponentially decayed count)
   used     [C] bool    used since admitted; False for a prefetched expert nobody asked for yet
   clock    [1] int64   calls so far
+and, for the predictor's bookkeeping (no policy reads them):
+  source   [C] int8    which predictors nominated a prefetched slot's expert (bits), 0 if ensure admitted it
+  routed   [E] bool    experts the last call routed to
 The cache ranks slots by tier first (empty < prefetched-unused < used < needed by a later wave of
 this call) and only then by the policy's score, so a wrong prefetch guess leaves before any expert
 that earned its place, and an expert needed now is never a victim.
@@ -26,6 +29,8 @@ class SlotState(NamedTuple):
     freq: torch.Tensor
     used: torch.Tensor
     clock: torch.Tensor
+    source: torch.Tensor
+    routed: torch.Tensor
 
 
 class Policy:

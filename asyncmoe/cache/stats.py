@@ -19,14 +19,35 @@ class LayerStats:
     hits: int
     misses: int
     evictions: int
-    bytes_h2d: int
+    bytes_h2d: int  # every byte copied host -> GPU, prefetches included
+    prefetched: int  # experts admitted by prefetch
+    wasted: int  # prefetched experts evicted before any use
+    prefetch_hits: int  # routed experts found resident because a prefetch put them there
+    hits_gate: int  # ... nominated by each predictor (an expert can be nominated by several)
+    hits_temporal: int
+    hits_transition: int
+    expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
 
     @property
     def hit_rate(self) -> float:
+        """Recall: routed experts already resident (cached or prefetched) when `ensure` ran."""
         looked_up = self.hits + self.misses
         return self.hits / looked_up if looked_up else float("nan")
+
+    @property
+    def prefetch_recall(self) -> float:
+        looked_up = self.hits + self.misses
+        return self.prefetch_hits / looked_up if looked_up else float("nan")
+
+    @property
+    def prefetch_bytes(self) -> int:
+        return self.prefetched * self.expert_bytes
+
+    @property
+    def wasted_bytes(self) -> int:
+        return self.wasted * self.expert_bytes
 
 
 @dataclass
@@ -36,27 +57,42 @@ class Stats:
     totals: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        keys = ("calls", "hits", "misses", "evictions", "bytes_h2d", "gpu_bytes", "host_bytes")
+        keys = (
+            "calls", "hits", "misses", "evictions", "bytes_h2d", "prefetched", "wasted", "prefetch_hits",
+            "hits_gate", "hits_temporal", "hits_transition", "prefetch_bytes", "wasted_bytes", "gpu_bytes", "host_bytes",
+        )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         looked_up = self.totals["hits"] + self.totals["misses"]
         self.totals["hit_rate"] = self.totals["hits"] / looked_up if looked_up else float("nan")
+        self.totals["prefetch_recall"] = self.totals["prefetch_hits"] / looked_up if looked_up else float("nan")
 
     def __str__(self) -> str:
         if not self.layers:
             return f"all {self.resident_layers} MoE layers resident (cache >= num_experts): nothing to count"
-        head = f"{'layer':>5} {'slots':>5} {'calls':>7} {'hits':>8} {'misses':>8} {'hit%':>6} {'evict':>7} {'MB h2d':>9}"
+        head = (
+            f"{'layer':>5} {'slots':>5} {'calls':>7} {'hits':>8} {'misses':>8} {'hit%':>6} {'evict':>7} "
+            f"{'prefetch':>8} {'pf-hit%':>7} {'wasted':>7} {'MB h2d':>9}"
+        )
         rows = [head, "-" * len(head)]
-        for r in self.layers:
-            rows.append(
-                f"{r.layer:>5} {r.slots:>3}/{r.experts:<3}{r.calls:>6} {r.hits:>8} {r.misses:>8} "
-                f"{100 * r.hit_rate:>6.1f} {r.evictions:>7} {r.bytes_h2d / 1e6:>9.1f}"
+
+        def row(label, slots, r):
+            return (
+                f"{label:>5} {slots:>7}{r['calls']:>6} {r['hits']:>8} {r['misses']:>8} {100 * r['hit_rate']:>6.1f} "
+                f"{r['evictions']:>7} {r['prefetched']:>8} {100 * r['prefetch_recall']:>7.1f} {r['wasted']:>7} "
+                f"{r['bytes_h2d'] / 1e6:>9.1f}"
             )
+
+        for r in self.layers:
+            fields = {**vars(r), "hit_rate": r.hit_rate, "prefetch_recall": r.prefetch_recall}
+            rows.append(row(r.layer, f"{r.slots}/{r.experts}", fields))
         t = self.totals
         rows.append("-" * len(head))
-        rows.append(
-            f"{'all':>5} {'':>7}{t['calls']:>6} {t['hits']:>8} {t['misses']:>8} {100 * t['hit_rate']:>6.1f} "
-            f"{t['evictions']:>7} {t['bytes_h2d'] / 1e6:>9.1f}"
-        )
+        rows.append(row("all", "", t))
+        if t["prefetch_hits"]:
+            rows.append(
+                "prefetch hits by predictor (an expert can have several): "
+                + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
+            )
         rows.append(f"GPU slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
@@ -77,11 +113,10 @@ def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, 
     layers = []
     for i, ((name, c), row) in enumerate(zip(caches, counters)):
         vals = dict(zip(COUNTERS, row))
-        gpu = _nbytes(c.slots) + _nbytes(b for n, b in c.named_buffers() if not n.startswith(("host_", "slot_")))
+        gpu = _nbytes(b for n, b in c.named_buffers() if not n.startswith("host_"))
         layers.append(
             LayerStats(
-                layer=i, name=name, slots=c.num_slots, experts=c.num_experts, calls=vals["calls"], hits=vals["hits"],
-                misses=vals["misses"], evictions=vals["evictions"], bytes_h2d=vals["bytes_h2d"],
+                layer=i, name=name, slots=c.num_slots, experts=c.num_experts, **vals, expert_bytes=c.expert_bytes,
                 gpu_bytes=gpu, host_bytes=_nbytes(c.hosts),
             )
         )

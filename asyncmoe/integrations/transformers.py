@@ -18,7 +18,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 
 from ..cache.expert_cache import ExpertCache
 from ..cache.host import PinnedBlock, block_bytes, carve, check_host_memory, human_bytes, uva_view
-from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider
+from ..predict.predictors import Prefetch
+from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider, link
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
@@ -126,6 +127,21 @@ def _num_experts(m: nn.Module) -> int:
     return (m.gate_up_proj if m.has_gate else m.up_proj).shape[0]
 
 
+def find_router(model: nn.Module, name: str, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The router beside an experts module: the MoE block's parameter shaped [E, H] (and its [E] bias, if any)."""
+    E = _num_experts(experts)
+    H = experts.down_proj.shape[-1] if experts.is_transposed else experts.down_proj.shape[-2]
+    block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    for module_name, module in block.named_modules():
+        if module is experts or module_name.startswith(name.rpartition(".")[2] + "."):
+            continue
+        weight = module._parameters.get("weight")
+        if weight is not None and tuple(weight.shape) == (E, H):
+            bias = module._parameters.get("bias")
+            return weight, (bias if bias is not None and tuple(bias.shape) == (E,) else None)
+    return None
+
+
 def _offload(m: nn.Module, num_slots: int, policy: str, device: torch.device) -> CachedProvider:
     """Move the module's expert tensors to the host store and give it a cache of `num_slots` slots."""
     params = dict(m.named_parameters(recurse=False))
@@ -151,7 +167,7 @@ def _offload(m: nn.Module, num_slots: int, policy: str, device: torch.device) ->
     cache.pinned_block = block  # keeps the registration alive as long as the cache
     m._asyncmoe_offloaded = tuple(params)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)
-    return CachedProvider(cache)
+    return cache
 
 
 def _add_offloaded_to_state_dict(module, state_dict, prefix, local_metadata):
@@ -160,7 +176,9 @@ def _add_offloaded_to_state_dict(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
-def install(model: nn.Module, cache: int, policy: str, device: torch.device | str | None) -> nn.Module:
+def install(
+    model: nn.Module, cache: int, policy: str, device: torch.device | str | None, prefetch: Prefetch | None
+) -> nn.Module:
     """Give every experts module of `model` a provider and switch it to the `"asyncmoe"` implementation."""
     experts = find_experts(model)
     _check(model, experts, cache)
@@ -175,6 +193,7 @@ def install(model: nn.Module, cache: int, policy: str, device: torch.device | st
         # Experts already on the GPU are copied out before their memory is freed: all of it is new host memory.
         check_host_memory(on_gpu or 0, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
 
+    cached = []
     for name, m in experts:
         implementation = m.config._experts_implementation or "eager"
         if cache >= _num_experts(m):
@@ -182,9 +201,12 @@ def install(model: nn.Module, cache: int, policy: str, device: torch.device | st
             provider = ResidentProvider(implementation, fn)
             m.to(device)
         else:
-            provider = _offload(m, cache, policy, device)
+            provider = CachedProvider(_offload(m, cache, policy, device), find_router(model, name, m))
+            cached.append(provider)
         setattr(m, PROVIDER, provider)
     model.to(device)
+    top_k = max((top_k_of(m.config) or 1) for _, m in experts)
+    link(cached, prefetch, top_k)
 
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("asyncmoe")

@@ -1,0 +1,5 @@
+"""Cross-layer expert predictors for prefetch."""
+
+from .predictors import Prefetch
+
+__all__ = ["Prefetch"]

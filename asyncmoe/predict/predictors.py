@@ -1,0 +1,72 @@
+"""Cross-layer predictors: which experts will layer l+j route to, known while layer l computes.
+
+Dims: T tokens, H hidden, E experts (of the target layer), E' experts of the source layer l.
+
+- gate: layer l+1's router applied to layer l's MoE input (speculative gating: consecutive layers'
+  MoE inputs differ by one residual update, so l+1's router mostly picks the same experts on them).
+  Each token nominates its top-p experts; a nominated expert scores the mean probability tokens
+  give it. Only for the next layer.
+- temporal: the experts the target layer routed to in the previous call (decode reuses experts).
+- transition: online decayed counts of (expert routed at l+j-1 -> expert routed at l+j); with this
+  call's routing at layer l (j = 1) or the target's previous-layer routing of the last call
+  (j > 1), the expected share of tokens going to each expert; keeps its top-p.
+
+Scores are in [0, 1] per expert; the combined score is their mean. All fixed-shape tensor ops,
+computed on the compute stream; the prefetch op reads the result on the side stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SOURCES = ("gate", "temporal", "transition")  # bit i of a slot's `source`: nominated by SOURCES[i]
+GATE, TEMPORAL, TRANSITION = 1, 2, 4
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Prefetch settings. `per_token`: experts each token nominates (default: the model's top-k);
+    `budget`: most experts admitted per target layer per call (default: top-k); `depth`: layers ahead."""
+
+    sources: tuple[str, ...] = SOURCES
+    depth: int = 1
+    per_token: int | None = None
+    budget: int | None = None
+
+    def __post_init__(self):
+        unknown = set(self.sources) - set(SOURCES)
+        if unknown or not self.sources:
+            raise ValueError(f"prefetch sources must be a non-empty subset of {SOURCES}, got {self.sources}")
+        if self.depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
+
+
+def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int) -> torch.Tensor:
+    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> [E]."""
+    probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
+    top = probs.topk(min(per_token, probs.shape[-1]), dim=-1)
+    chosen = torch.zeros_like(probs).scatter_(1, top.indices, top.values)  # [T, E]
+    return chosen.mean(dim=0)
+
+
+def temporal_scores(routed_last_call: torch.Tensor) -> torch.Tensor:
+    """[E] bool -> [E]."""
+    return routed_last_call.float()
+
+
+def transition_scores(routed_before: torch.Tensor, transitions: torch.Tensor, keep: int) -> torch.Tensor:
+    """routed_before [E'] bool, transitions [E', E] decayed counts -> [E], the top `keep` of them."""
+    rows = transitions / transitions.sum(dim=1, keepdim=True).clamp(min=1e-6)  # P(e here | e' before)
+    share = (routed_before.float() @ rows) / routed_before.sum().clamp(min=1)  # [E]
+    top = share.topk(min(keep, share.shape[0]))
+    return torch.zeros_like(share).scatter_(0, top.indices, top.values)
+
+
+def combine(parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(source bit, scores [E])] -> (mean score [E], bits of the sources that nominated each expert [E] int8)."""
+    scores = torch.stack([s for _, s in parts]).mean(dim=0)
+    sources = sum(torch.where(s > 0, bit, 0) for bit, s in parts).to(torch.int8)
+    return scores, sources

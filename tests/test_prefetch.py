@@ -1,0 +1,90 @@
+"""Prefetch changes timing, never results; the predictors predict; their hits are counted by source."""
+
+import copy
+
+import pytest
+import torch
+
+import asyncmoe
+from asyncmoe.predict.predictors import GATE, TEMPORAL, TRANSITION, combine, gate_scores, temporal_scores, transition_scores
+
+from models import FAMILIES, tiny
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cache", [2, 4])
+@torch.no_grad()
+def test_prefetch_on_off_identical(family, cache):
+    ref = tiny(family)
+    on = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=asyncmoe.Prefetch(depth=2))
+    off = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=False)
+    g = torch.Generator().manual_seed(5)
+    for batch, length in [(1, 8), (1, 1), (4, 1), (1, 1), (2, 17)]:
+        ids = torch.randint(0, 128, (batch, length), generator=g)
+        assert torch.equal(on(ids).logits, off(ids).logits)
+    assert asyncmoe.stats(on).totals["prefetched"] > 0
+    assert asyncmoe.stats(off).totals["prefetched"] == 0
+
+
+def test_prefetch_hits_are_counted_by_nominator():
+    from asyncmoe import ops
+    from asyncmoe.cache.expert_cache import ExpertCache
+
+    cache = ExpertCache({"w": torch.randn(8, 3)}, 3, "lru")
+    scores = torch.tensor([0, 0.9, 0, 0, 0.2, 0.5, 0, 0])
+    sources = torch.tensor([0, GATE | TEMPORAL, 0, 0, TRANSITION, GATE, 0, 0], dtype=torch.int8)
+    ops.prefetch(cache, scores, sources, 2)  # admits 1 and 5, the two likeliest
+    assert sorted(e for e in cache.slot_to_expert.tolist() if e >= 0) == [1, 5]
+    assert torch.equal(cache.slot_w[cache.expert_to_slot[[1, 5]]], cache.host_w[[1, 5]])
+    ops.ensure(cache, torch.tensor([[1, 2]]), 0)  # 1 was prefetched, 2 misses
+    ops.ensure(cache, torch.tensor([[1, 3]]), 0)  # 1 again: a plain hit now; 3 evicts the unused prefetch of 5
+    c = dict(zip(asyncmoe.cache.COUNTERS, cache.counters.tolist()))
+    assert (c["prefetched"], c["prefetch_hits"], c["hits_gate"], c["hits_temporal"], c["hits_transition"]) == (2, 1, 1, 1, 0)
+    assert (c["hits"], c["misses"], c["wasted"]) == (2, 2, 1)
+    assert c["bytes_h2d"] == 4 * cache.expert_bytes
+
+
+@torch.no_grad()
+def test_default_prefetch_hits_during_decode():
+    model = asyncmoe.compile(tiny("qwen3_moe"), cache=4)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        model(torch.randint(0, 128, (1, 1), generator=g))
+    s = asyncmoe.stats(model)
+    t = s.totals
+    assert t["prefetched"] > 0 and t["prefetch_hits"] > 0 and t["wasted"] <= t["prefetched"]
+    assert t["hits_gate"] + t["hits_temporal"] + t["hits_transition"] >= t["prefetch_hits"]
+    assert s.layers[0].prefetched == 0  # nothing precedes the first MoE layer
+    assert "prefetch hits by predictor" in str(s)
+
+
+def test_gate_scores_follow_the_router():
+    weight = torch.eye(4) * 10  # token i prefers expert i
+    x = torch.eye(4)[[1, 1, 3]]
+    s = gate_scores(x, weight, None, per_token=1)
+    assert s.argmax() == 1 and s[3] > 0 and s[0] == 0 and s[2] == 0
+
+
+def test_transition_scores_learn_a_mapping():
+    from asyncmoe.cache.expert_cache import observe
+
+    transitions = torch.zeros(4, 6)
+    for _ in range(10):  # expert 0 before -> 5 here; 2 -> 3
+        observe(torch.tensor([True, False, True, False]), torch.tensor([0, 0, 0, 1, 0, 1], dtype=torch.bool), transitions)
+    before = torch.tensor([True, False, False, False])
+    observe(before, torch.tensor([0, 0, 0, 0, 0, 1], dtype=torch.bool), transitions)
+    s = transition_scores(before, transitions, keep=1)
+    assert s.argmax() == 5 and (s > 0).sum() == 1
+
+
+def test_combine_marks_nominators():
+    scores, sources = combine([(GATE, torch.tensor([0.5, 0, 0])), (TEMPORAL, temporal_scores(torch.tensor([True, False, True])))])
+    assert scores.tolist() == [0.75, 0, 0.5]
+    assert sources.tolist() == [GATE | TEMPORAL, 0, TEMPORAL]
+    assert TRANSITION not in sources.tolist()
+
+
+@pytest.mark.parametrize("bad", [dict(sources=("oracle",)), dict(sources=()), dict(depth=0)])
+def test_bad_prefetch_settings(bad):
+    with pytest.raises(ValueError, match="prefetch"):
+        asyncmoe.Prefetch(**bad)
