@@ -177,7 +177,7 @@ def touch(want: torch.Tensor, slot_to_expert: torch.Tensor, st: SlotState) -> to
     """
     hit = (slot_to_expert >= 0) & want[slot_to_expert.clamp(min=0)]
     first_use = hit & ~st.used & (st.source != 0)
-    bits = torch.tensor([1 << i for i in range(len(SOURCES))], dtype=st.source.dtype, device=hit.device)
+    bits = (2 ** torch.arange(len(SOURCES), device=hit.device)).to(st.source.dtype)  # built on the device: capturable
     by_source = (first_use[:, None] & ((st.source[:, None] & bits) != 0)).sum(0)
     st.used.logical_or_(hit)
     st.last_use.copy_(torch.where(hit, st.clock, st.last_use))
