@@ -44,7 +44,7 @@ def test_logits_equal_unmodified(family, cache, policy):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("cache", CACHES[:2])
+@pytest.mark.parametrize("cache", CACHES)
 @torch.no_grad()
 def test_greedy_generate_identical(family, cache):
     ref = reference(family)
