@@ -28,19 +28,15 @@ def _olmoe_shaped(device: torch.device, dtype: torch.dtype):
     return model
 
 
-def _timed_generate(model, ids, new_tokens: int, label: str) -> tuple[torch.Tensor, float]:
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
-        if ids.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model.generate(ids, **kw)
-        if ids.is_cuda:
-            torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    print(f"  {label:<28} {new_tokens / seconds:8.1f} tokens/s", flush=True)
-    return out, seconds
+def _decode(model, ids, new_tokens: int, label: str) -> torch.Tensor:
+    import asyncmoe
+
+    dec = asyncmoe.Decoder(model, batch_size=ids.shape[0], max_length=ids.shape[1] + new_tokens)
+    dec.generate(ids, 2)  # warm-up (and, on the GPU, the graph capture)
+    out = dec.generate(ids, new_tokens)
+    mode = "CUDA graph" if dec.graphed else "eager"
+    print(f"  {label:<28} {out.tokens_per_s:8.1f} tokens/s  ({mode}, {out.decode_ms_per_token:.2f} ms/token)", flush=True)
+    return out.tokens
 
 
 def demo(args) -> int:
@@ -55,9 +51,8 @@ def demo(args) -> int:
     ids = torch.randint(1, 1024, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
 
     print(f"generating {args.tokens} tokens, greedy:")
-    expected, _ = _timed_generate(resident, ids, args.tokens, "fully resident (64/64)")
-    asyncmoe.stats(cached, reset=True)
-    got, _ = _timed_generate(cached, ids, args.tokens, f"asyncmoe cache={args.cache}/64")
+    expected = _decode(resident, ids, args.tokens, "fully resident (64/64)")
+    got = _decode(cached, ids, args.tokens, f"asyncmoe cache={args.cache}/64")
     same = torch.equal(got, expected)
     print(f"  same tokens as the resident model: {same}")
     print(asyncmoe.stats(cached))

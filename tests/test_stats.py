@@ -22,7 +22,7 @@ def test_stats_rows_totals_and_table():
     assert s.totals["misses"] == sum(r.misses for r in s.layers)
     assert 0 <= s.totals["hit_rate"] <= 1
     table = str(s)
-    assert "hit%" in table and "pf-hit%" in table and "all" in table and "GPU slots+tables" in table
+    assert "hit%" in table and "pf-hit%" in table and "all" in table and "device slots+tables" in table
 
     asyncmoe.stats(model, reset=True)
     assert asyncmoe.stats(model).totals["misses"] == 0

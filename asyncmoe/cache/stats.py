@@ -93,7 +93,7 @@ class Stats:
                 "prefetch hits by predictor (an expert can have several): "
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
             )
-        rows.append(f"GPU slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
+        rows.append(f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
         return "\n".join(rows)
