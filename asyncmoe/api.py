@@ -32,6 +32,27 @@ def compile(
     return hf.install(model, cache, policy, device, plan)
 
 
+def from_pretrained(
+    path,
+    cache: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    policy: str = "lfru",
+    prefetch: bool | Prefetch = True,
+    **kwargs,
+) -> nn.Module:
+    """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
+
+    Non-expert weights go to `device` (default: cuda when available), every expert to pinned host
+    memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
+    (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
+    `kwargs` go to `AutoModelForCausalLM.from_pretrained`.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    plan = Prefetch() if prefetch is True else (prefetch or None)
+    return hf.load(path, cache, dtype, device, policy, plan, **kwargs)
+
+
 def stats(model: nn.Module, reset: bool = False) -> Stats:
     """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync)."""
     providers = [(name, getattr(m, hf.PROVIDER)) for name, m in hf.find_experts(model) if hasattr(m, hf.PROVIDER)]

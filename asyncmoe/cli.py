@@ -59,6 +59,35 @@ def demo(args) -> int:
     return 0 if same else 1
 
 
+def generate(args) -> int:
+    """Any local transformers MoE checkpoint with a tokenizer: load with asyncmoe, stream a generation, print stats."""
+    import asyncmoe
+    from transformers import AutoTokenizer
+
+    model = asyncmoe.from_pretrained(
+        args.model, cache=args.cache, dtype=getattr(torch, args.dtype), device=args.device, policy=args.policy
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + args.tokens)
+    text = ids[0].tolist()
+
+    def show(tokens: list[int]) -> None:  # stream: print what the new token adds to the decoded text
+        before = tokenizer.decode(text)
+        text.append(tokens[0])
+        print(tokenizer.decode(text)[len(before) :], end="", flush=True)
+
+    print(tokenizer.decode(text), end="", flush=True)
+    out = dec.generate(
+        ids, args.tokens, do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5), top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id, callback=show,
+    )
+    print(f"\n\n{out.new_tokens} tokens, prefill {out.prefill_ms:.1f} ms, decode {out.decode_ms_per_token:.2f} ms/token "
+          "(streamed: one host sync per token)")
+    print(asyncmoe.stats(model))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.set_defaults(fn=demo)
+    g = sub.add_parser("generate", help="generate from a local MoE checkpoint (config, safetensors, tokenizer)")
+    g.add_argument("--model", required=True, help="checkpoint directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--cache", type=int, default=16, help="GPU slots per MoE layer")
+    g.add_argument("--tokens", type=int, default=64, help="new tokens")
+    g.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    g.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(fn=generate)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -8,3 +8,29 @@ def test_demo_runs_and_matches_the_resident_model(capsys):
     out = capsys.readouterr().out
     assert "same tokens as the resident model: True" in out
     assert "hit%" in out and "tokens/s" in out
+
+
+def test_generate_from_a_local_checkpoint(tmp_path, capsys):
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from models import tiny
+
+    words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]  # every id the model can emit
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>").save_pretrained(tmp_path)
+    original = tiny("qwen3_moe")
+    original.save_pretrained(tmp_path, max_shard_size="100KB")
+
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3", "--tokens", "8", "--cache", "4",
+            "--device", "cpu", "--dtype", "float32"]
+    assert main(argv) == 0
+    loaded, text, *rest = capsys.readouterr().out.split("\n")
+    assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens" in "\n".join(rest)
+    ids = torch.tensor([[3, 4, 5]])  # w1 w2 w3
+    want = original.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=1)[0, 3:].tolist()
+    if 1 in want:  # generation stops at <eos>
+        want = want[: want.index(1) + 1]
+    assert text.split() == ["w1", "w2", "w3"] + [words[t] for t in want if t != 1]

@@ -10,11 +10,15 @@ everything else stay the model's own, and `generate()`, static caches and torch.
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoModelForCausalLM
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+from transformers.utils.logging import tqdm
 
 from ..cache.expert_cache import ExpertCache
 from ..cache.host import PinnedBlock, block_bytes, carve, check_host_memory, human_bytes, uva_view
@@ -194,7 +198,7 @@ def install(
         check_host_memory(on_gpu or 0, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
 
     cached = []
-    for name, m in experts:
+    for name, m in tqdm(experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2):
         implementation = m.config._experts_implementation or "eager"
         if cache >= _num_experts(m):
             fn = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(m).forward.__wrapped__)
@@ -213,4 +217,54 @@ def install(
     for _, m in experts:  # plain modules, and composite models whose config heuristics skipped a sub-config
         if m.config._experts_implementation != "asyncmoe":
             m.config._experts_implementation = "asyncmoe"
+    return model
+
+
+def checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files of a local checkpoint; every shard its index lists must be there."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a transformers checkpoint: it has no config.json")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{path} is missing {len(missing)} of the {len(shards)} shards its {index.name} lists "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): download the checkpoint again"
+            )
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights (asyncmoe loads safetensors checkpoints)")
+    return files
+
+
+def checkpoint_bytes(files: list[pathlib.Path], dtype: torch.dtype) -> int:
+    """Bytes the checkpoint's tensors take in `dtype`, from the safetensors headers alone."""
+    total = 0
+    for f in files:
+        with safe_open(f, "pt") as st:
+            for key in st.keys():
+                total += torch.Size(st.get_slice(key).get_shape()).numel()
+    return total * dtype.itemsize
+
+
+def load(path, cache: int, dtype: torch.dtype, device, policy: str, prefetch: Prefetch | None, **kwargs) -> nn.Module:
+    """Load a checkpoint onto the CPU with transformers (its own weight conversions), then install asyncmoe on `device`.
+
+    The experts go from the loaded CPU tensors to pinned host memory layer by layer and never to the GPU.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype={dtype}: asyncmoe runs experts in {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    local = pathlib.Path(path)
+    if local.exists():
+        needed = checkpoint_bytes(checkpoint_files(local), dtype)
+        check_host_memory(needed, f"loading {path} in {dtype}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = install(model, cache, policy, device, prefetch)
+    providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
+    blocks = [p.cache.pinned_block for p in providers if isinstance(p, CachedProvider)]
+    where = f"pinned host memory: {human_bytes(sum(b.nbytes for b in blocks if b))}" if any(blocks) else "host memory"
+    print(f"asyncmoe: experts of {len(blocks)} of {len(providers)} MoE layers in {where}; {cache} slots per layer on {device}")
     return model

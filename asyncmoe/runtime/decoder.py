@@ -182,12 +182,13 @@ class Decoder:
         sync()
         t1 = time.perf_counter()
         n = 1
+        check_every = 1 if callback else 16  # stopping at EOS costs a sync; streaming syncs every token anyway
         while n < max_new_tokens:
             self.decode(1)
             n += 1
             if callback:
                 callback(self.tok[:, 0].tolist())
-            if eos_token_id is not None and n % 16 == 0 and (self.history[:, L : L + n] == eos_token_id).any(1).all():
+            if eos_token_id is not None and n % check_every == 0 and (self.history[:, L : L + n] == eos_token_id).any(1).all():
                 break
         sync()
         t2 = time.perf_counter()
