@@ -9,6 +9,7 @@ from .cache.stats import Stats, read_stats
 from .integrations import transformers as hf
 from .predict import Prefetch
 from .providers import CachedProvider, ResidentProvider
+from .trace import Trace
 
 
 def compile(
@@ -17,6 +18,7 @@ def compile(
     policy: str = "lfru",
     device: torch.device | str | None = None,
     prefetch: bool | Prefetch = True,
+    replay: Trace | str | None = None,
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
 
@@ -26,10 +28,18 @@ def compile(
     `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo".
     `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
     computes (True: gate + temporal + transition for the next layer; a `Prefetch` to choose).
+    `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose work still
+    runs: realistic routing for random-weight models of real shapes (docs/traces.md).
     Returns the same model.
     """
     plan = Prefetch() if prefetch is True else (prefetch or None)
-    return hf.install(model, cache, policy, device, plan)
+    trace = Trace.load(replay) if isinstance(replay, str) else replay
+    return hf.install(model, cache, policy, device, plan, trace)
+
+
+def record(model: nn.Module) -> hf.TraceRecorder:
+    """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")` (eager forwards only)."""
+    return hf.TraceRecorder(model)
 
 
 def from_pretrained(

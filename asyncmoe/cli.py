@@ -61,6 +61,8 @@ def demo(args) -> int:
 
 def generate(args) -> int:
     """Any local transformers MoE checkpoint with a tokenizer: load with asyncmoe, stream a generation, print stats."""
+    import contextlib
+
     import asyncmoe
     from transformers import AutoTokenizer
 
@@ -69,7 +71,8 @@ def generate(args) -> int:
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + args.tokens)
+    # recording hooks run in eager forwards only, so a recorded run decodes without the CUDA graph
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + args.tokens, graph=None if not args.record_trace else False)
     text = ids[0].tolist()
 
     def show(tokens: list[int]) -> None:  # stream: print what the new token adds to the decoded text
@@ -78,13 +81,31 @@ def generate(args) -> int:
         print(tokenizer.decode(text)[len(before) :], end="", flush=True)
 
     print(tokenizer.decode(text), end="", flush=True)
-    out = dec.generate(
-        ids, args.tokens, do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5), top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id, callback=show,
-    )
+    with asyncmoe.record(model) if args.record_trace else contextlib.nullcontext() as recorder:
+        if recorder:
+            recorder.new_sequence()
+        out = dec.generate(
+            ids, args.tokens, do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5), top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id, callback=show,
+        )
     print(f"\n\n{out.new_tokens} tokens, prefill {out.prefill_ms:.1f} ms, decode {out.decode_ms_per_token:.2f} ms/token "
           "(streamed: one host sync per token)")
+    if recorder:
+        recorder.trace.save(args.record_trace)
+        print(f"routing trace of {recorder.trace.tokens} tokens x {recorder.trace.layers} MoE layers -> {args.record_trace}")
     print(asyncmoe.stats(model))
+    return 0
+
+
+def simulate(args) -> int:
+    """Replay a routing trace through the runtime's cache and predictor code on the CPU, beside the Belady bound."""
+    from .trace import Trace
+    from .trace.simulate import simulate as run
+
+    torch.set_num_threads(1)
+    prefetch = tuple(p for p in args.prefetch.split("+") if p and p != "off")
+    result = run(Trace.load(args.trace), args.cache, args.policy, prefetch, args.budget, args.expert_bytes, not args.no_compile)
+    print(result.to_json() if args.json else result)
     return 0
 
 
@@ -109,7 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--record-trace", default=None, help="write the routing of this run to an .npz trace (eager decode)")
     g.set_defaults(fn=generate)
+    s = sub.add_parser("simulate", help="replay a routing trace through the cache on the CPU; print hit rates and the Belady bound")
+    s.add_argument("trace", help=".npz routing trace (docs/traces.md)")
+    s.add_argument("--cache", type=int, default=16, help="slots per MoE layer")
+    s.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
+    s.add_argument("--prefetch", default="off", help="off, temporal, transition or temporal+transition (gate needs hidden states)")
+    s.add_argument("--budget", type=int, default=None, help="experts prefetched per layer per token (default: top-k)")
+    s.add_argument("--expert-bytes", type=int, default=0, help="bytes of one expert, for bytes per token")
+    s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
+    s.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower; no compile wait on short traces)")
+    s.set_defaults(fn=simulate)
     args = parser.parse_args(argv)
     return args.fn(args)
 

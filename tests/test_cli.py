@@ -25,9 +25,14 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
     original.save_pretrained(tmp_path, max_shard_size="100KB")
 
     argv = ["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3", "--tokens", "8", "--cache", "4",
-            "--device", "cpu", "--dtype", "float32"]
+            "--device", "cpu", "--dtype", "float32", "--record-trace", str(tmp_path / "run.npz")]
     assert main(argv) == 0
+    from asyncmoe.trace import Trace
+
+    trace = Trace.load(tmp_path / "run.npz")  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
+    assert trace.ids.shape == (10, 2, 2) and trace.starts.tolist() == [0]
     loaded, text, *rest = capsys.readouterr().out.split("\n")
+    assert "routing trace of 10 tokens x 2 MoE layers" in "\n".join(rest)
     assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens" in "\n".join(rest)
     ids = torch.tensor([[3, 4, 5]])  # w1 w2 w3
     want = original.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=1)[0, 3:].tolist()

@@ -23,6 +23,7 @@ from transformers.utils.logging import tqdm
 from ..cache.expert_cache import ExpertCache
 from ..cache.host import PinnedBlock, block_bytes, carve, check_host_memory, human_bytes, uva_view
 from ..predict.predictors import Prefetch
+from ..trace.format import Trace
 from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider, link
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -180,8 +181,51 @@ def _add_offloaded_to_state_dict(module, state_dict, prefix, local_metadata):
     return state_dict
 
 
+class Replay(nn.Module):
+    """Routes one experts module by a trace layer instead of its router, whose work still runs (realistic cost).
+
+    A device-side cursor walks the trace's tokens (wrapping at its end), so a captured graph replays it too.
+    """
+
+    def __init__(self, ids: torch.Tensor):  # [N, k]
+        super().__init__()
+        self.register_buffer("ids", ids, persistent=False)
+        self.register_buffer("cursor", torch.zeros(1, dtype=torch.int64, device=ids.device), persistent=False)
+
+    def forward(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        T = top_k_index.shape[0]
+        rows = (self.cursor + torch.arange(T, device=self.ids.device)) % self.ids.shape[0]
+        self.cursor.add_(T)
+        return self.ids[rows].to(top_k_index.dtype)
+
+
+def _replay_hook(module, args, kwargs):
+    """A forward pre-hook, so that hooks registered later (a trace recorder) see the ids actually used."""
+    if len(args) > 1:
+        return (args[0], module.asyncmoe_replay(args[1]), *args[2:]), kwargs
+    return args, {**kwargs, "top_k_index": module.asyncmoe_replay(kwargs["top_k_index"])}
+
+
+def _install_replay(experts: list[tuple[str, nn.Module]], trace: Trace, device: torch.device) -> None:
+    """Model MoE layer i replays trace layer i % trace.layers; expert count and top-k must match."""
+    for i, (name, m) in enumerate(experts):
+        E, k = _num_experts(m), top_k_of(m.config)
+        if trace.num_experts != E or (k is not None and trace.top_k != k):
+            raise ValueError(
+                f"{name} routes {k} of {E} experts but the trace has {trace.top_k} of {trace.num_experts}: "
+                "replay needs the same number of experts and top-k"
+            )
+        m.asyncmoe_replay = Replay(torch.as_tensor(trace.ids[:, i % trace.layers]).to(device=device, dtype=torch.int64))
+        m.register_forward_pre_hook(_replay_hook, with_kwargs=True)
+
+
 def install(
-    model: nn.Module, cache: int, policy: str, device: torch.device | str | None, prefetch: Prefetch | None
+    model: nn.Module,
+    cache: int,
+    policy: str,
+    device: torch.device | str | None,
+    prefetch: Prefetch | None,
+    replay: Trace | None = None,
 ) -> nn.Module:
     """Give every experts module of `model` a provider and switch it to the `"asyncmoe"` implementation."""
     experts = find_experts(model)
@@ -211,6 +255,8 @@ def install(
     model.to(device)
     top_k = max((top_k_of(m.config) or 1) for _, m in experts)
     link(cached, prefetch, top_k)
+    if replay is not None:
+        _install_replay(experts, replay, device)
 
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("asyncmoe")
@@ -268,3 +314,50 @@ def load(path, cache: int, dtype: torch.dtype, device, policy: str, prefetch: Pr
     where = f"pinned host memory: {human_bytes(sum(b.nbytes for b in blocks if b))}" if any(blocks) else "host memory"
     print(f"asyncmoe: experts of {len(blocks)} of {len(providers)} MoE layers in {where}; {cache} slots per layer on {device}")
     return model
+
+
+class TraceRecorder:
+    """Records the routing of every MoE layer while active: `with record(model) as r: ...; r.trace.save(path)`.
+
+    Hooks run in eager forwards only (a CUDA graph replays kernels, not Python): record with
+    `Decoder(graph=False)` or `model.generate`. Tokens of a call are recorded in row-major order
+    (batch, then position). Call `new_sequence()` before each sequence to mark `starts`.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.experts = [m for _, m in find_experts(model)]
+        if not self.experts:
+            raise ValueError(f"{type(model).__name__} has no MoE layer to record; {_families_hint()}")
+        self.ids: list[list[torch.Tensor]] = [[] for _ in self.experts]
+        self.weights: list[list[torch.Tensor]] = [[] for _ in self.experts]
+        self.starts: list[int] = []
+        self.handles = []
+
+    def _hook(self, layer: int):
+        def hook(module, args, kwargs):
+            ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
+            self.ids[layer].append(ids.detach().to("cpu", torch.int64))  # a host sync: recording is an eager tool
+            self.weights[layer].append(weights.detach().to("cpu", torch.float32))
+
+        return hook
+
+    def new_sequence(self) -> None:
+        """The next recorded token starts a sequence."""
+        self.starts.append(sum(t.shape[0] for t in self.ids[0]))
+
+    def __enter__(self):
+        self.handles = [m.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(self.experts)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    @property
+    def trace(self) -> Trace:
+        if not self.ids[0]:
+            raise ValueError("nothing was recorded: run the model inside `with record(model)`")
+        ids = torch.stack([torch.cat(calls) for calls in self.ids], dim=1)  # [N, L, k]
+        weights = torch.stack([torch.cat(calls) for calls in self.weights], dim=1)
+        return Trace(ids.numpy(), _num_experts(self.experts[0]), starts=self.starts or None, weights=weights.numpy())

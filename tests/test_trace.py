@@ -1,0 +1,168 @@
+"""Routing traces: record, replay, simulate; the simulator against plain LRU and a brute-force optimum."""
+
+import copy
+import functools
+import itertools
+import json
+import time
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+import asyncmoe
+from asyncmoe.cli import main
+from asyncmoe.trace import Trace
+from asyncmoe.trace.simulate import belady_misses, simulate
+
+from models import tiny
+
+
+def random_trace(seed, N=120, L=3, E=12, k=2, skew=1.3):
+    rng = np.random.default_rng(seed)
+    p = 1 / np.arange(1, E + 1) ** skew
+    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=p / p.sum()) for _ in range(L)]) for _ in range(N)])
+    return Trace(ids, E)
+
+
+@torch.no_grad()
+def decode_like(model, tokens):
+    """One token per call, as decoding does: the calls the simulator replays one by one."""
+    for t in tokens:
+        model(torch.tensor([[t]]), use_cache=False)
+
+
+def test_format_round_trip(tmp_path):
+    tr = random_trace(0)
+    tr.starts = np.array([0, 50])
+    tr.save(tmp_path / "t.npz")
+    back = Trace.load(tmp_path / "t.npz")
+    assert np.array_equal(back.ids, tr.ids) and back.num_experts == 12 and back.starts.tolist() == [0, 50]
+    with pytest.raises(ValueError, match=r"must lie in \[0, num_experts=4\)"):
+        Trace(np.full((2, 1, 1), 7), 4)
+    np.savez(tmp_path / "bad.npz", x=np.zeros(3))
+    with pytest.raises(ValueError, match="not an asyncmoe trace"):
+        Trace.load(tmp_path / "bad.npz")
+
+
+def test_record_then_simulate_gives_the_runtimes_own_counters(tmp_path):
+    ref = tiny("qwen3_moe")
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=4, policy="lru", prefetch=False)
+    tokens = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    with asyncmoe.record(model) as rec:
+        rec.new_sequence()
+        decode_like(model, tokens)
+    rec.trace.save(tmp_path / "run.npz")
+    trace = Trace.load(tmp_path / "run.npz")
+    assert trace.ids.shape == (60, 2, 2) and trace.starts.tolist() == [0] and trace.weights.shape == (60, 2, 2)
+    sim = simulate(trace, cache=4, policy="lru", compiled=False)
+    runtime = asyncmoe.stats(model)
+    assert [(r.hits, r.misses) for r in sim.layers] == [(r.hits, r.misses) for r in runtime.layers]
+
+
+def test_replay_routes_exactly_by_the_trace():
+    trace = random_trace(1, N=40, L=1, E=16, k=2)  # one trace layer: every model layer replays it
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace)
+    tokens = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    with asyncmoe.record(model) as rec:
+        decode_like(model, tokens)
+    got = rec.trace.ids  # [50, 2, 2]: wraps after 40 tokens
+    want = np.concatenate([trace.ids, trace.ids[:10]])[:, 0]
+    assert np.array_equal(got[:, 0], want) and np.array_equal(got[:, 1], want)
+
+
+def test_replay_needs_matching_shape():
+    with pytest.raises(ValueError, match=r"routes 2 of 16 experts but the trace has 2 of 12"):
+        asyncmoe.compile(tiny("olmoe"), cache=4, replay=random_trace(0))
+
+
+def plain_lru_misses(ids: np.ndarray, cache: int) -> int:
+    lru, misses = OrderedDict(), 0
+    for row in ids:
+        for e in row.tolist():
+            if e in lru:
+                lru.move_to_end(e)
+            else:
+                misses += 1
+                if len(lru) >= cache:
+                    lru.popitem(last=False)
+                lru[e] = None
+    return misses
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lru_equals_a_plain_ordered_dict_lru(seed):
+    """With one expert per token LRU is unambiguous; the simulator must match OrderedDict exactly."""
+    trace = random_trace(seed, N=300, L=2, E=10, k=1)
+    sim = simulate(trace, cache=4, policy="lru", compiled=False)
+    assert [r.misses for r in sim.layers] == [plain_lru_misses(trace.ids[:, l], 4) for l in range(2)]
+
+
+def test_lru_with_several_experts_per_token_stays_close_to_ordered_dict():
+    """k > 1: experts used by the same token tie on recency; asyncmoe breaks ties by slot, OrderedDict by order."""
+    trace = random_trace(5, N=400, L=2, E=16, k=3)
+    sim = simulate(trace, cache=6, policy="lru", compiled=False)
+    for l, r in enumerate(sim.layers):
+        assert abs(r.misses - plain_lru_misses(trace.ids[:, l], 6)) <= 0.05 * r.lookups
+
+
+def brute_force_misses(ids: np.ndarray, cache: int) -> int:
+    rows = [frozenset(r.tolist()) for r in ids]
+
+    @functools.cache
+    def best(t: int, resident: frozenset) -> int:
+        if t == len(rows):
+            return 0
+        need = rows[t]
+        missing = need - resident
+        room = cache - len(resident)
+        evict = max(0, len(missing) - room)
+        options = [resident | need] if evict == 0 else [
+            (resident - set(out)) | need for out in itertools.combinations(sorted(resident - need), evict)
+        ]
+        return len(missing) + min(best(t + 1, r) for r in options)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_equals_brute_force_optimum_on_tiny_traces(seed):
+    trace = random_trace(seed, N=9, L=1, E=6, k=2, skew=0.5)
+    for cache in (2, 3, 4):
+        assert belady_misses(trace.ids[:, 0], cache) == brute_force_misses(trace.ids[:, 0], cache)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_belady_bounds_every_policy(seed):
+    trace = random_trace(seed, N=200, L=2, E=16, k=2)
+    for policy in ("lru", "lfu", "lfru", "fifo"):
+        for prefetch in ((), ("temporal", "transition")):
+            sim = simulate(trace, cache=5, policy=policy, prefetch=prefetch, compiled=False)
+            assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"]
+
+
+def test_gate_is_not_simulable():
+    with pytest.raises(ValueError, match="gate predictor needs hidden states"):
+        simulate(random_trace(0), cache=4, prefetch=("gate",))
+
+
+@pytest.mark.slow
+def test_simulator_speed_one_core():
+    torch.set_num_threads(1)
+    trace = random_trace(3, N=1200, L=4, E=64, k=8)
+    simulate(Trace(trace.ids[:5], 64), cache=16)  # compile
+    start = time.perf_counter()
+    sim = simulate(trace, cache=16)
+    per_minute = sim.totals["lookups"] / (time.perf_counter() - start) * 60
+    print(f"\nsimulator: {per_minute / 1e6:.2f} M expert lookups per minute on one core (Belady included)")
+    assert per_minute >= 1e6
+
+
+def test_cli_simulate_json(tmp_path, capsys):
+    random_trace(0).save(tmp_path / "t.npz")
+    assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "4", "--prefetch", "temporal", "--expert-bytes", "1000",
+                 "--json", "--no-compile"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"hit_rate", "belady_hit_rate", "misses_per_token", "bytes_per_token"} <= set(out)
+    assert out["belady_hit_rate"] >= out["hit_rate"] and out["bytes_per_token"] > 0
