@@ -33,7 +33,6 @@ COUNTERS = (
 )
 
 
-
 class ExpertCache(nn.Module):
     """Buffers of one layer's cache; every one allocated once, so its address never changes.
 

@@ -239,7 +239,7 @@ def install(
         total = sum(block_bytes([(p.shape, p.dtype) for p in m.parameters(recurse=False)]) for _, m in experts)
         on_gpu = sum(p.numel() * p.element_size() for _, m in experts for p in m.parameters(recurse=False) if p.is_cuda)
         # Experts already on the GPU are copied out before their memory is freed: all of it is new host memory.
-        check_host_memory(on_gpu or 0, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
+        check_host_memory(on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
 
     cached = []
     for name, m in tqdm(experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2):
