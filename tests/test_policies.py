@@ -5,7 +5,6 @@ import torch
 
 from asyncmoe import ops
 from asyncmoe.cache.expert_cache import ExpertCache, admit
-from asyncmoe.cache.policies import SlotState
 
 
 def cache_with(policy: str, E=8, C=3) -> ExpertCache:
@@ -49,7 +48,7 @@ def test_lfu_prefers_frequency_lru_prefers_recency():
 def test_prefetched_unused_slots_are_evicted_before_used_ones():
     cache = cache_with("lru")
     run(cache, [0], [1])
-    st = SlotState(*cache.state)
+    st = cache.slot_state
     # admit expert 5 as a prefetch would: resident but not yet used
     want = torch.zeros(8, dtype=torch.bool)
     want[5] = True

@@ -22,9 +22,10 @@ import math
 import torch
 from torch import nn
 
+from ..kernels.cache_step import cache_step, triton
 from ..kernels.gather_copy import gather_copy
 from ..predict.predictors import SOURCES
-from .policies import DECAY, SlotState, get_policy
+from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICIES, SlotState, get_policy
 
 COUNTERS = (
     "calls", "hits", "misses", "evictions", "bytes_h2d",  # ensure: every byte moved, prefetches included
@@ -58,12 +59,13 @@ class ExpertCache(nn.Module):
         self.register_buffer("slot_to_expert", torch.full((C,), -1, **i64), persistent=False)
         self.register_buffer("last_use", torch.zeros(C, **i64), persistent=False)
         self.register_buffer("born", torch.zeros(C, **i64), persistent=False)
-        self.register_buffer("freq", torch.zeros(C, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("freq", torch.zeros(C, **i64), persistent=False)
         self.register_buffer("used", torch.zeros(C, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("clock", torch.zeros(1, **i64), persistent=False)
         self.register_buffer("source", torch.zeros(C, dtype=torch.int8, device=device), persistent=False)
         self.register_buffer("routed", torch.zeros(E, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("counters", torch.zeros(len(COUNTERS), **i64), persistent=False)
+        self.register_buffer("scratch", torch.zeros(E, dtype=torch.int32, device=device), persistent=False)  # fused kernel
         # predictor inputs: written on the compute stream, read by the prefetch on the side stream, so
         # they must outlive the call (a temporary could be reused by the allocator under the side stream)
         self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
@@ -80,8 +82,13 @@ class ExpertCache(nn.Module):
         return [getattr(self, f"slot_{n}") for n in self.names]
 
     @property
+    def slot_state(self) -> SlotState:
+        return SlotState(self.last_use, self.born, self.freq, self.used, self.clock, self.source, self.routed)
+
+    @property
     def state(self) -> list[torch.Tensor]:
-        return list(SlotState(self.last_use, self.born, self.freq, self.used, self.clock, self.source, self.routed))
+        """What the ops mutate besides tables, counters and slots: the slot state and the kernel's scratch."""
+        return [*self.slot_state, self.scratch]
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, f"slot_{n}") for n in self.names}
@@ -180,7 +187,7 @@ def touch(want: torch.Tensor, slot_to_expert: torch.Tensor, st: SlotState) -> to
     by_source = (first_use[:, None] & ((st.source[:, None] & bits) != 0)).sum(0)
     st.used.logical_or_(hit)
     st.last_use.copy_(torch.where(hit, st.clock, st.last_use))
-    st.freq.mul_(DECAY).add_(hit.to(st.freq.dtype))
+    st.freq.sub_(st.freq >> FREQ_DECAY_SHIFT).add_(hit.to(st.freq.dtype) * FREQ_UNIT)
     return torch.cat([first_use.sum().view(1), by_source])
 
 
@@ -194,11 +201,25 @@ def ensure(
     counters: torch.Tensor,  # [len(COUNTERS)]
     hosts: list[torch.Tensor],  # [E, ...] each
     slots: list[torch.Tensor],  # [C, ...] each
+    use_kernel: bool | None = None,
 ) -> torch.Tensor:
-    """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's pair)."""
-    st = SlotState(*state)
+    """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's pair).
+
+    `state` is the SlotState fields plus the kernel's scratch. The fused Triton kernel makes the
+    decision on CUDA (`use_kernel=None`); the plain-torch code below is its reference, used elsewhere.
+    """
     ids = top_k_index.long()
     E, C = expert_to_slot.numel() - 1, slot_to_expert.numel()
+    *fields, scratch = state
+    if _use_kernel(expert_to_slot, use_kernel):
+        out, src, dst, count = cache_step(
+            ids.reshape(-1), None, None, wave, list(POLICIES).index(policy), min(C, E, ids.numel()),
+            expert_to_slot, slot_to_expert, fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
+        )
+        for host, slot in zip(hosts, slots):
+            gather_copy(host, slot, src, dst, count)
+        return out.view(ids.shape)
+    st = SlotState(*fields)
     st.clock.add_(1)
     need, now, later = wave_plan(ids, wave, C, E)
     st.routed.copy_(need)
@@ -225,10 +246,20 @@ def prefetch(
     counters: torch.Tensor,
     hosts: list[torch.Tensor],
     slots: list[torch.Tensor],
+    use_kernel: bool | None = None,
 ) -> None:
     """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots."""
-    st = SlotState(*state)
-    top = predicted.topk(budget).indices
+    *fields, scratch = state
+    if _use_kernel(expert_to_slot, use_kernel):
+        _, src, dst, count = cache_step(
+            None, predicted, nominated, 0, list(POLICIES).index(policy), budget, expert_to_slot, slot_to_expert,
+            fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
+        )
+        for host, slot in zip(hosts, slots):
+            gather_copy(host, slot, src, dst, count)
+        return
+    st = SlotState(*fields)
+    top = torch.argsort(-predicted, stable=True)[:budget]  # ties: lower expert id first, as the kernel does
     want = torch.zeros_like(st.routed).index_fill_(0, top, True) & (predicted > 0)
     nothing = torch.zeros_like(want)
     src, dst, valid, count, evicted, wasted = admit(want, nothing, budget, policy, expert_to_slot, slot_to_expert, st)
@@ -243,6 +274,10 @@ def prefetch(
 def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor) -> None:
     """Learn expert transitions online: decay the counts, add (routed at the previous layer) x (routed here)."""
     transitions.mul_(TRANSITION_DECAY).add_(previous[:, None].float() * routed[None, :].float())
+
+
+def _use_kernel(expert_to_slot: torch.Tensor, use_kernel: bool | None) -> bool:
+    return expert_to_slot.is_cuda and triton is not None if use_kernel is None else use_kernel
 
 
 def _expert_bytes(slots: list[torch.Tensor]) -> int:

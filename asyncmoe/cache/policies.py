@@ -3,7 +3,8 @@
 All policies see the same state, kept up to date by the cache for every slot (C slots):
   last_use [C] int64   clock of the last call that used the slot
   born     [C] int64   clock when the slot's expert was admitted
-  freq     [C] float32 use count, multiplied by `DECAY` every call (an exponentially decayed count)
+  freq     [C] int64   use count in units of 1/FREQ_UNIT, times 15/16 every call (an exponentially decayed
+                       count; integer so that the fused kernel and this reference agree bit for bit)
   used     [C] bool    used since admitted; False for a prefetched expert nobody asked for yet
   clock    [1] int64   calls so far
 and, for the predictor's bookkeeping (no policy reads them):
@@ -20,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-DECAY = 0.95  # per call: a use 14 calls ago counts half
+FREQ_UNIT = 256  # one use
+FREQ_DECAY_SHIFT = 4  # freq -= freq >> 4 each call: a use ~11 calls ago counts half
 
 
 class SlotState(NamedTuple):
@@ -68,7 +70,7 @@ class LFU(Policy):
 
 
 class LFRU(Policy):
-    """Frequency × recency: the decayed count divided by (1 + calls since last use).
+    """Frequency × recency: the decayed count divided by (1 + calls since last use), in integers.
 
     A popular expert survives a short gap; one that was popular long ago does not hold a slot forever.
     """
@@ -76,11 +78,10 @@ class LFRU(Policy):
     name = "lfru"
 
     def score(self, s):
-        age = (s.clock - s.last_use).to(torch.float32)
-        return s.freq / (1.0 + age)
+        return (s.freq << 20) // (1 + s.clock - s.last_use)
 
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), LFU(), LFRU(), FIFO())}
+POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU())}  # this order: the kernel's ids
 
 
 def get_policy(name: str) -> Policy:
