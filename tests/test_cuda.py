@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 import asyncmoe
 from asyncmoe import ops
 from asyncmoe.cache.expert_cache import ExpertCache
+from asyncmoe.cache import host
 from asyncmoe.cache.host import PinnedBlock, carve, uva_view
 from asyncmoe.cache.policies import POLICIES
 from asyncmoe.integrations.transformers import find_experts
@@ -35,6 +37,25 @@ def test_pinned_block_and_uva_view():
         assert torch.equal(v.index_select(0, torch.tensor([4, 0], device="cuda")).cpu(), h[[4, 0]])
     del hosts, block
     assert view.sum().isfinite()  # the view keeps the registration alive
+
+
+def test_a_model_collected_during_graph_capture_does_not_break_it():
+    """Python's GC may free a dead asyncmoe model mid-capture; unpinning then would invalidate the capture."""
+    model = asyncmoe.compile(tiny("olmoe", device="cuda"), cache=TOP_K)
+    cycle = [model]
+    cycle.append(cycle)  # only the cyclic GC can free it, whenever it happens to run
+    del model, cycle
+    x = torch.ones(4, device="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2
+        gc.collect()  # frees the model's pinned blocks inside the capture
+        assert host._deferred  # their unpinning waits
+    graph.replay()
+    assert torch.equal(y, torch.full_like(x, 2))
+    block = PinnedBlock(4096)  # the first pinning after the capture unpins the dead blocks
+    assert not host._deferred and block.registered
 
 
 @functools.cache

@@ -57,22 +57,36 @@ class PinnedBlock:
     """`nbytes` of host memory, pinned in place for as long as this object lives."""
 
     def __init__(self, nbytes: int):
+        release_deferred()
         self.data = torch.empty(nbytes, dtype=torch.uint8)
         self.nbytes = nbytes
         self.registered = False
         if nbytes:
-            rc = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2)  # portable | mapped
-            if int(rc) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {int(rc)}: the OS "
-                    "refused to lock that much memory (check `ulimit -l` and free RAM)."
-                )
+            rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2))  # portable | mapped
+            if rc != 0:
+                hint = "the OS refused to lock that much memory (check `ulimit -l` and free RAM)" if rc == 2 else (
+                    "see cudaError_t in the CUDA runtime documentation")
+                raise RuntimeError(f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA error {rc}: {hint}.")
             self.registered = True
 
     def __del__(self):
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
             self.registered = False
+            _deferred.append(self.data)
+            release_deferred()
+
+
+# Blocks that died while a CUDA graph was being captured. Python's GC may collect a dead model at any
+# moment, also mid-capture, where cudaHostUnregister is illegal: it invalidates the capture, fails, and
+# the memory is freed still registered (seen on the H200: the next cudaHostRegister at that address
+# failed with error 712). Such a block keeps its memory until unpinning is legal again.
+_deferred: list[torch.Tensor] = []
+
+
+def release_deferred() -> None:
+    if _deferred and not torch.cuda.is_current_stream_capturing():
+        while _deferred:
+            torch.cuda.cudart().cudaHostUnregister(_deferred.pop().data_ptr())
 
 
 _CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3  # CUpointer_attribute in cuda.h
