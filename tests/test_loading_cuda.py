@@ -1,6 +1,7 @@
 """from_pretrained on the GPU at a real shape: an OLMoE-1B-7B-shaped checkpoint (~13 GB bf16) on local disk.
 
-The load runs in a fresh process so that its peak GPU memory and peak host RSS are its own.
+The load runs in a fresh process so that its peak GPU and host memory are its own; host memory is
+sampled from /proc/self/status every 2 ms while loading.
 """
 
 import json
@@ -15,17 +16,35 @@ pytestmark = pytest.mark.cuda
 
 LOAD = textwrap.dedent(
     """
-    import json, resource, sys, time, torch, asyncmoe
+    import json, sys, threading, time, torch, asyncmoe
+
+    def status():  # bytes; RssAnon: private memory (pinned blocks included), RssFile: mapped file pages
+        fields = (line.split(":") for line in open("/proc/self/status"))
+        return {k: int(v.split()[0]) * 1024 for k, v in fields if k in ("RssAnon", "RssFile", "VmHWM")}
+
+    peak, loading = {"RssAnon": 0, "RssFile": 0}, True
+    def sample():
+        while loading:
+            now = status()
+            for k in peak:
+                peak[k] = max(peak[k], now[k])
+            time.sleep(0.002)
+
     path, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2])).cuda()
     torch.cuda.reset_peak_memory_stats()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     model = asyncmoe.from_pretrained(path, cache=16, dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    loading = False
+    sampler.join()
     peak_gpu = torch.cuda.max_memory_allocated()
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     tokens = asyncmoe.Decoder(model, 1, ids.shape[1] + 32).generate(ids, 32).tokens[0].tolist()
-    print("RESULT", json.dumps(dict(seconds=seconds, peak_gpu=peak_gpu, peak_rss=peak_rss, tokens=tokens)))
+    result = dict(seconds=seconds, peak_gpu=peak_gpu, peak_anon=peak["RssAnon"], peak_file=peak["RssFile"],
+                  peak_rss=status()["VmHWM"], tokens=tokens)
+    print("RESULT", json.dumps(result))
     """
 )
 
@@ -55,9 +74,12 @@ def test_olmoe_checkpoint_loads_without_its_experts_on_the_gpu(tmp_path):
         f"\ncheckpoint {ckpt_bytes / 2**30:.2f} GiB (experts {experts_bytes / 2**30:.2f} GiB, largest shard "
         f"{shard / 2**30:.2f} GiB); load {got['seconds']:.1f} s = {ckpt_bytes / 1e9 / got['seconds']:.2f} GB/s disk -> "
         f"pinned; peak GPU {got['peak_gpu'] / 2**30:.2f} GiB vs resident {resident_gpu / 2**30:.2f} GiB "
-        f"({100 * got['peak_gpu'] / resident_gpu:.1f}%); peak host RSS {got['peak_rss'] / 2**30:.2f} GiB "
-        f"({got['peak_rss'] / experts_bytes:.2f} x the experts)"
+        f"({100 * got['peak_gpu'] / resident_gpu:.1f}%); peak host memory: private (pinned included) "
+        f"{got['peak_anon'] / 2**30:.2f} GiB ({got['peak_anon'] / experts_bytes:.2f} x the experts), mapped "
+        f"checkpoint pages {got['peak_file'] / 2**30:.2f} GiB, RSS high-water mark {got['peak_rss'] / 2**30:.2f} GiB"
     )
-    assert got["peak_gpu"] < 0.4 * resident_gpu
-    assert got["peak_rss"] <= 1.1 * experts_bytes + shard + 2**30  # + the non-expert weights' ~1 GB and the CUDA context
     assert got["tokens"] == want
+    assert got["peak_gpu"] < 0.4 * resident_gpu
+    # Private memory is what loading allocates. The shards' pages that transformers' mmap loader maps in
+    # are the kernel's page cache of the files (clean, droppable), so they are reported, not bounded.
+    assert got["peak_anon"] <= 1.1 * experts_bytes + shard + 2**30  # + non-expert weights (~1 GB) and CUDA context
