@@ -6,9 +6,9 @@
 """
 
 from . import ops  # registers the custom ops
-from .api import compile, from_pretrained, record, stats
+from .api import compile, demo_model_path, from_pretrained, record, stats
 from .predict import Prefetch
 from .runtime import Decoder, Generation
 
-__all__ = ["compile", "from_pretrained", "record", "stats", "ops", "Prefetch", "Decoder", "Generation"]
+__all__ = ["compile", "demo_model_path", "from_pretrained", "record", "stats", "ops", "Prefetch", "Decoder", "Generation"]
 __version__ = "0.1.0"

@@ -1,6 +1,8 @@
-"""The public entry points: `compile` and `stats`."""
+"""The public entry points: `compile`, `from_pretrained`, `stats`, `record`, `demo_model_path`."""
 
 from __future__ import annotations
+
+import pathlib
 
 import torch
 from torch import nn
@@ -71,3 +73,18 @@ def stats(model: nn.Module, reset: bool = False) -> Stats:
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
     resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
     return read_stats(caches, resident, reset)
+
+
+def demo_model_path() -> pathlib.Path:
+    """The small MoE model asyncmoe ships (OLMoE routing shape: 64 experts, top-8; trained on Python's stdlib).
+
+    A transformers checkpoint directory: `AutoModelForCausalLM.from_pretrained(asyncmoe.demo_model_path())`.
+    How it was made: scripts/train_demo_model.py and the `training.json` beside it.
+    """
+    path = pathlib.Path(__file__).parent / "data" / "demo_model"
+    if not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the embedded demo model is missing from {path}: reinstall asyncmoe from a full checkout, "
+            "or remake it with `python scripts/train_demo_model.py --out asyncmoe/data/demo_model`"
+        )
+    return path

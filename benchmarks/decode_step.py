@@ -11,7 +11,11 @@ only; the host->GPU bandwidth is measured in the same run (pinned copy_, 512 MB)
 floor = max(unmodified graph ms/token, bytes per token / bandwidth).
 
 Random weights (real shapes), routers widened (std 1) so tokens spread over experts: the numbers say
-what the machinery costs, not how well a policy or predictor would do on real routing.
+what the machinery costs, not how well a policy or predictor would do on real routing. With
+`--replay TRACE` the asyncmoe models route by a recorded trace instead (MoE layer i by trace layer
+i mod its layers; docs/traces.md), e.g. benchmarks/traces/demo_val.npz, the embedded model's routing
+on held-out text (scripts/routing_stats.py). The gate predictor then sees the random router, not the
+trace, so only temporal and transition can predict.
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--eager-steps", type=int, default=16)
     p.add_argument("--eager-rounds", type=int, default=3)
+    p.add_argument("--replay", default=None, help="route asyncmoe models by this .npz trace (docs/traces.md)")
+    p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -111,14 +117,16 @@ def main():
 
     def run(model, label):
         out = [measure(model, label, True, args.steps, args.rounds, prompt)]
-        out.append(measure(model, label, False, args.eager_steps, args.eager_rounds, prompt))
+        if not args.no_eager:
+            out.append(measure(model, label, False, args.eager_steps, args.eager_rounds, prompt))
         return out
 
     rows = run(base, "unmodified")
     resident_ms = rows[0]["ms_per_token"]
     for cache in args.caches:
         for prefetch in (True, False) if cache < experts else (False,):
-            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=prefetch)
+            plan = asyncmoe.Prefetch(sources=("temporal", "transition")) if prefetch and args.replay else prefetch
+            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan, replay=args.replay)
             label = f"asyncmoe cache={cache}" + (" prefetch" if prefetch else (" no prefetch" if cache < experts else ""))
             rows += run(model, label)
             del model
@@ -137,7 +145,7 @@ def main():
     result = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "transformers": transformers.__version__, "h2d_GB_per_s": bandwidth, "steps": args.steps,
-        "rounds": args.rounds, "rows": rows,
+        "rounds": args.rounds, "replay": args.replay, "rows": rows,
     }
     if args.out:
         with open(args.out, "w") as f:

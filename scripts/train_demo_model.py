@@ -11,7 +11,8 @@ hidden 128, 64 experts of intermediate 96, top-8, untied embeddings (15.6 M para
 
 Writes the model in transformers format (config.json, model.safetensors, tokenizer files) plus
 `training.json` (command, seed, corpus, losses, validation perplexity against a unigram baseline)
-and `examples.json` (greedy and sampled generations from a code prompt).
+and `examples.json` (greedy and sampled generations from a code prompt, made on the CPU in fp32 from the
+saved weights, so that any machine reproduces them; `--examples-only` remakes them in `--out`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ def unigram_loss(train: torch.Tensor, val: torch.Tensor, vocab: int) -> float:
     return -logp[val].mean().item()
 
 
+def write_examples(model_dir: pathlib.Path) -> dict:
+    """Greedy and sampled generations from PROMPT, on the CPU in fp32 from the saved weights: any machine reproduces them."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    greedy = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    sampled = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=tokenizer.eos_token_id)
+    examples = {"prompt": PROMPT, "greedy": tokenizer.decode(greedy[0]), "sampled (T=0.8, top-p 0.95, seed 0)": tokenizer.decode(sampled[0])}
+    (model_dir / "examples.json").write_text(json.dumps(examples, indent=1))
+    return examples
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -104,7 +118,11 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-files", type=int, default=None, help="smoke runs: use only the first N files")
+    p.add_argument("--examples-only", action="store_true", help="only remake examples.json of the model in --out")
     args = p.parse_args()
+    if args.examples_only:
+        print(json.dumps(write_examples(pathlib.Path(args.out)), indent=1))
+        return
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     out = pathlib.Path(args.out)
@@ -149,12 +167,7 @@ def main():
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids.to(device)
-    greedy = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(args.seed)
-    sampled = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=tokenizer.eos_token_id)
-    examples = {"prompt": PROMPT, "greedy": tokenizer.decode(greedy[0]), "sampled (T=0.8, top-p 0.95, seed)": tokenizer.decode(sampled[0])}
-    (out / "examples.json").write_text(json.dumps(examples, indent=1))
+    examples = write_examples(out)
     report = {
         "command": " ".join(sys.argv), "seed": args.seed, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "corpus": f"{len(files)} .py files of Python {sys.version.split()[0]}'s standard library (PSF License v2), tests excluded",

@@ -259,10 +259,12 @@ def prefetch(
             gather_copy(host, slot, src, dst, count)
         return
     st = SlotState(*fields)
-    top = torch.argsort(-predicted, stable=True)[:budget]  # ties: lower expert id first, as the kernel does
-    want = torch.zeros_like(st.routed).index_fill_(0, top, True) & (predicted > 0)
-    nothing = torch.zeros_like(want)
-    src, dst, valid, count, evicted, wasted = admit(want, nothing, budget, policy, expert_to_slot, slot_to_expert, st)
+    resident = expert_to_slot[:-1] >= 0
+    fresh = predicted.masked_fill(resident, 0)  # a resident expert needs no copy: spend the budget elsewhere
+    top = torch.argsort(-fresh, stable=True)[:budget]  # ties: lower expert id first, as the kernel does
+    want = torch.zeros_like(st.routed).index_fill_(0, top, True) & (fresh > 0)
+    keep = resident & (predicted > 0)  # ... but do not evict it for a likelier one's sake
+    src, dst, valid, count, evicted, wasted = admit(want, keep, budget, policy, expert_to_slot, slot_to_expert, st)
     _put(st.source, dst, valid, nominated[src])
     for host, slot in zip(hosts, slots):
         gather_copy(host, slot, src, dst, count)

@@ -53,13 +53,15 @@ if triton is not None:
             tl.store(clock_ptr, clock)
 
         # --- which experts this call wants: `now` (2 in scratch), and `later` waves (1) ---
-        if PREFETCH:
+        e2s = tl.load(e2s_ptr + e, mask=emask, other=-1)
+        if PREFETCH:  # `now`: the M likeliest experts not resident; `later`: resident ones the predictor wants kept
             pred = tl.load(pred_ptr + e, mask=emask, other=0.0)
-            key = (pred.to(tl.int32, bitcast=True).to(tl.int64) << _SLOT_BITS) | (_SLOT_MASK - e)  # score desc, id asc
+            fresh = tl.where(e2s >= 0, 0.0, pred)
+            key = (fresh.to(tl.int32, bitcast=True).to(tl.int64) << _SLOT_BITS) | (_SLOT_MASK - e)  # score desc, id asc
             key = tl.where(emask, key, -1)
             kth = tl.min(tl.where(tl.arange(0, BE) < M, tl.sort(key, descending=True), 1 << 62))
-            now = ((key >= kth) & (pred > 0) & emask).to(tl.int32)
-            later = tl.zeros([BE], dtype=tl.int32)
+            now = ((key >= kth) & (fresh > 0) & emask).to(tl.int32)
+            later = ((e2s >= 0) & (pred > 0) & emask).to(tl.int32)
         else:
             need = tl.zeros([BE], dtype=tl.int32)
             for p0 in range(0, n_pairs, BP):
@@ -74,7 +76,6 @@ if triton is not None:
         tl.store(scratch_ptr + e, now * 2 + later, mask=emask)
 
         # --- misses first, in expert-id order, then the other experts (src is defined for all M, as in the reference) ---
-        e2s = tl.load(e2s_ptr + e, mask=emask, other=-1)
         missing = now & (e2s < 0).to(tl.int32)
         count = tl.sum(missing, axis=0)
         other = tl.where(emask, 1 - missing, 0)
