@@ -40,7 +40,9 @@ def demo(args) -> int:
     import asyncmoe
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype)
+    # bf16 on the GPU: transformers' fp32 grouped_mm copies from the host, so the resident fp32 model
+    # cannot be captured in a CUDA graph (seen on the H200 with transformers 5.17)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     path = asyncmoe.demo_model_path()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"asyncmoe demo on {device} ({where}), {dtype}")
@@ -73,10 +75,12 @@ def demo(args) -> int:
     print(f"{'fully resident (64/64)':<32} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} {'-':>9} {'-':>16} {'-':>15}")
     print(f"{f'asyncmoe cache={args.cache}/64':<32} {got.tokens_per_s:>9.1f} {got.decode_ms_per_token:>9.2f} "
           f"{s.totals['hit_rate']:>9.1%} {s.totals['prefetch_recall']:>16.1%} {moved / 1e6:>15.2f}")
-    same = torch.equal(got.tokens, base.tokens)
-    print(f"same tokens as the resident model: {same}\n")
+    agree = (got.tokens == base.tokens).cumprod(-1).sum().item() - ids.shape[1]
+    print(f"tokens equal to the resident model's: the first {agree} of {got.new_tokens}"
+          + ("" if dtype == torch.float32 else f" ({dtype}: the two models' logits are close, not bit-equal, so a near-tie "
+             "can go either way; in float32 they must all agree)") + "\n")
     print(s)
-    return 0 if same else 1
+    return 0 if agree == got.new_tokens or dtype != torch.float32 else 1
 
 
 def generate(args) -> int:
@@ -137,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
     p.add_argument("--tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--prompt", default=PROMPT)
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"],
-                   help="float32 (default) lets the cached model's tokens be compared exactly with the resident one's")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on the GPU, float32 on the CPU (where tokens must equal the resident model's)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.set_defaults(fn=demo)
     g = sub.add_parser("generate", help="generate from a local MoE checkpoint (config, safetensors, tokenizer)")
