@@ -1,0 +1,78 @@
+"""Baseline (c): the seed pull request's expert cache, re-implemented on transformers' experts interface.
+
+The seed (vLLM PR #37190, ../shared/seed) keeps C GPU slots per MoE layer and decides on the host:
+
+    unique_ids = topk_ids.unique().tolist()                 # a host sync per layer
+    for each unique expert:
+        hit  -> OrderedDict.move_to_end()
+        miss -> evict the least recently used (or take a free slot), synchronous copy_ from pinned
+                host memory into its slot, update the GPU mapping tensor
+    remap topk_ids -> slots through the mapping tensor, compute from the slot buffers
+
+and runs eager only (it needs --enforce-eager); more distinct experts than slots in one call is an
+error there, and here. The expert compute is asyncmoe's own (`routed_outputs`, `combine`), so a
+comparison with asyncmoe measures the cache management, not the matmuls.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from asyncmoe.experts import combine, routed_outputs
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
+from asyncmoe.providers import ExpertWeightProvider
+
+
+class SeedLRU(ExpertWeightProvider):
+    def __init__(self, experts: torch.nn.Module, num_slots: int, device: torch.device):
+        super().__init__()
+        params = dict(experts.named_parameters(recurse=False))
+        E = next(iter(params.values())).shape[0]
+        pin = device.type == "cuda"
+        self.host = {n: (p.detach().cpu().pin_memory() if pin else p.detach().cpu()) for n, p in params.items()}
+        self.slots = {n: torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for n, p in params.items()}
+        self.slot_of = torch.full((E,), -1, dtype=torch.int64, device=device)  # the persistent GPU mapping
+        self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
+        self.num_slots = num_slots
+        self.free = list(range(num_slots))
+        self.hits = self.misses = 0
+        for name in params:  # the module keeps its host copy, as asyncmoe's store does
+            del experts._parameters[name]
+            setattr(experts, name, self.host[name])
+
+    def forward(self, experts, hidden_states, top_k_index, top_k_weights):
+        unique = top_k_index.unique().tolist()
+        if len(unique) > self.num_slots:  # the seed raises too; feed such a prompt one token at a time
+            raise ValueError(f"{len(unique)} distinct experts in one call exceed the {self.num_slots} slots")
+        for e in unique:
+            if e in self.lru:
+                self.lru.move_to_end(e)
+                self.hits += 1
+                continue
+            slot = self.free.pop() if self.free else self.lru.popitem(last=False)[1]
+            for name, slots in self.slots.items():
+                slots[slot].copy_(self.host[name][e])  # synchronous: the host waits for each copy
+            self.slot_of[e] = slot
+            self.lru[e] = slot
+            self.misses += 1
+        slots = self.slot_of[top_k_index]
+        return combine(routed_outputs(experts, hidden_states, slots, self.slots), top_k_weights, hidden_states.dtype)
+
+
+def install(model: torch.nn.Module, cache: int, device: torch.device | str) -> torch.nn.Module:
+    """Give every experts module of `model` a seed-style cache of `cache` slots; the rest goes to `device`."""
+    device = torch.device(device)
+    experts = find_experts(model)
+    for _, m in experts:
+        setattr(m, PROVIDER, SeedLRU(m, cache, device))
+    model.to(device)
+    model.set_experts_implementation("asyncmoe")  # transformers hands each experts call to the provider
+    return model
+
+
+def hit_rate(model: torch.nn.Module) -> float:
+    providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
+    hits, misses = sum(p.hits for p in providers), sum(p.misses for p in providers)
+    return hits / (hits + misses) if hits + misses else float("nan")

@@ -1,0 +1,45 @@
+"""The baselines themselves, on the CPU: the seed cache's bookkeeping, accelerate's device map."""
+
+import copy
+
+import pytest
+import torch
+
+import asyncmoe
+from baselines import accelerate_offload, seed_lru
+from test_latency import TokenwisePrefill, base_model
+
+
+def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
+    model = seed_lru.install(copy.deepcopy(base_model("tiny")), cache=2, device="cpu")
+    provider = model.model.layers[0].mlp.experts.asyncmoe
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(1, 64)
+    w = torch.ones(1, 2) / 2
+    # As in the seed, a call walks its experts in id order: at [1, 0] expert 0 comes first and evicts the
+    # least recently used, 1, which this very call needs next, so 1 is copied again (a miss, not a hit).
+    for ids, hits in [([0, 1], 0), ([1, 2], 1), ([1, 0], 0)]:
+        before = provider.hits
+        provider(experts, x, torch.tensor([ids]), w)
+        assert provider.hits - before == hits
+    assert list(provider.lru) == [0, 1] and provider.misses == 5
+    with pytest.raises(ValueError, match="exceed the 2 slots"):
+        provider(experts, x.expand(2, 64), torch.tensor([[3, 4], [5, 6]]), w.expand(2, 2))
+
+
+def test_tokenwise_prefill_lets_the_seed_take_any_prompt():
+    model = seed_lru.install(copy.deepcopy(base_model("tiny")), cache=2, device="cpu")
+    ref = copy.deepcopy(base_model("tiny"))
+    ids = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    got = TokenwisePrefill(model, 1, 20, graph=False).generate(ids, 5).tokens
+    want = asyncmoe.Decoder(ref, 1, 20, graph=False).generate(ids, 5).tokens
+    assert torch.equal(got, want)
+
+
+def test_accelerate_device_map_puts_exactly_the_experts_on_the_cpu():
+    model = base_model("tiny")
+    dm = accelerate_offload.device_map(model, "cuda:0")
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    for n in names:  # every tensor covered by exactly one key
+        assert sum(n == k or n.startswith(k + ".") or k == "" for k in dm) == 1, n
+    assert {k for k, v in dm.items() if v == "cpu"} == {f"model.layers.{i}.mlp.experts" for i in range(2)}

@@ -1,0 +1,153 @@
+"""The latency suite: asyncmoe against the alternatives, same model, same prompt, side by side.
+
+    pytest benchmarks/ --benchmark-only             # GPU: every shape x system x cache size x batch
+    pytest benchmarks/ --benchmark-only --quick     # GPU: OLMoE shape, batch 1, cache 25% and 100%
+    pytest benchmarks/                              # CPU (CI): the smoke profile on a tiny shape
+
+Systems (issue 5): `unmodified` the transformers model fully resident (CUDA graph on the GPU);
+`accelerate` experts offloaded to the CPU by accelerate's hooks (GPU only); `seed` the seed PR's
+host-side LRU (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and
+`asyncmoe-graph-prefetch` (GPU only). Each case decodes `steps` greedy tokens after the same prompt;
+pytest-benchmark times the decode (prefill excluded), and `extra_info` holds tokens/s, hit rate,
+prefetch recall and bytes moved per token. In fp32 (the CPU profile) every system's tokens must
+equal the unmodified model's; in bf16 the agreement is recorded, not asserted (logits are close,
+not bit-equal, so a near-tie may go either way).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import transformers
+
+import asyncmoe
+from baselines import accelerate_offload, seed_lru
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+
+SHAPES = {  # (config class, model class, config); random weights, real shapes
+    "tiny": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=16, num_experts_per_tok=2)),
+    "olmoe-1b-7b": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
+}
+SYSTEMS = ["unmodified", "accelerate", "seed", "asyncmoe-eager", "asyncmoe-graph", "asyncmoe-graph-prefetch"]
+GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
+
+
+def profile(config) -> dict:
+    if not CUDA:
+        return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], steps=4, rounds=2)
+    if config.getoption("--quick"):
+        return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], steps=32, rounds=5)
+    return dict(shapes=list(SHAPES)[1:], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32], steps=32, rounds=5)
+
+
+def pytest_generate_tests(metafunc):
+    """Cases: (shape, system, cache fraction, batch). A full cache is asyncmoe's resident path; the unmodified model has no cache."""
+    if "case" not in metafunc.fixturenames:
+        return
+    p = profile(metafunc.config)
+    cases = [
+        (shape, system, fraction, batch)
+        for shape in p["shapes"] for system in SYSTEMS for fraction in p["caches"] for batch in p["batches"]
+        if (system == "unmodified") == (fraction == 1.0) or (system == "asyncmoe-graph" and fraction == 1.0)
+    ]
+    metafunc.parametrize("case", cases, ids=[f"{s}-{sys}-cache{f:g}-b{b}" for s, sys, f, b in cases])
+
+
+@functools.cache
+def base_model(shape: str) -> torch.nn.Module:
+    """Built once per shape on the CPU; each system takes its own copy."""
+    config_cls, model_cls, kw = SHAPES[shape]
+    config = getattr(transformers, config_cls)(**kw, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).to(DTYPE).eval()
+    with torch.no_grad():  # random routers send every token to the same few experts; spread them
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "router.weight")):
+                p.normal_(0, 1.0)
+    return model
+
+
+def build(system: str, shape: str, cache: int) -> torch.nn.Module:
+    model = copy.deepcopy(base_model(shape))
+    if system == "unmodified":
+        return model.to(DEVICE)
+    if system == "accelerate":
+        return accelerate_offload.install(model, DEVICE)
+    if system == "seed":
+        return seed_lru.install(model, cache, DEVICE)
+    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=system.endswith("prefetch"))
+
+
+class TokenwisePrefill(asyncmoe.Decoder):
+    """The seed serves at most `cache` distinct experts per call (it raises otherwise): feed the prompt token by token."""
+
+    def _forward(self, ids):
+        for t in range(ids.shape[1]):
+            logits = super()._forward(ids[:, t : t + 1])
+        return logits
+
+
+PROMPT = 16
+
+
+def prompt(shape: str, batch: int) -> torch.Tensor:
+    vocab = SHAPES[shape][2]["vocab_size"]
+    return torch.randint(1, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(DEVICE)
+
+
+@functools.cache
+def reference_tokens(shape: str, batch: int, steps: int) -> torch.Tensor:
+    dec = asyncmoe.Decoder(build("unmodified", shape, 0), batch, PROMPT + steps + 1, graph=False)
+    return dec.generate(prompt(shape, batch), steps + 1).tokens.cpu()
+
+
+def test_decode(benchmark, case, request):
+    shape, system, fraction, batch = case
+    if system in GPU_ONLY and not CUDA:
+        pytest.skip(f"{system} needs a CUDA GPU")
+    p = profile(request.config)
+    experts = SHAPES[shape][2]["num_experts"]
+    cache = max(1, round(fraction * experts))
+    model = build(system, shape, cache)
+    graph = CUDA and (system == "unmodified" or "graph" in system)
+    dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, batch, PROMPT + p["steps"] + 1, graph=graph)
+    ids = prompt(shape, batch)
+    cached = system.startswith("asyncmoe") and cache < experts
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+
+    def setup():  # not timed: the prompt, and the counters start afresh
+        dec.prefill(ids)
+        if cached:
+            asyncmoe.stats(model, reset=True)
+        sync()
+
+    def decode():
+        dec.decode(p["steps"])
+        sync()
+
+    benchmark.pedantic(decode, setup=setup, rounds=p["rounds"], iterations=1, warmup_rounds=1)
+    tokens = dec.history[:, : PROMPT + p["steps"] + 1].cpu()
+    want = reference_tokens(shape, batch, p["steps"])
+    agree = (tokens == want).all(0).cumprod(0).sum().item() - PROMPT
+    info = dict(shape=shape, system=system, cache=cache, experts=experts, batch=batch, steps=p["steps"],
+                device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE), tokens_agree=agree)
+    if cached:
+        s = asyncmoe.stats(model)
+        info.update(hit_rate=s.totals["hit_rate"], prefetch_recall=s.totals["prefetch_recall"],
+                    bytes_per_token=s.totals["bytes_h2d"] / (p["steps"] * batch))
+        assert s.totals["misses"] > 0 or cache >= batch * SHAPES[shape][2]["num_experts_per_tok"]
+    if system == "seed":
+        info["hit_rate"] = seed_lru.hit_rate(model)
+    benchmark.extra_info.update(info)
+    if DTYPE == torch.float32:
+        assert agree == p["steps"] + 1, f"{system}: tokens part from the unmodified model's after {agree}"
