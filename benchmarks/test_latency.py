@@ -12,18 +12,30 @@ pytest-benchmark times the decode (prefill excluded), and `extra_info` holds tok
 prefetch recall and bytes moved per token. In fp32 (the CPU profile) every system's tokens must
 equal the unmodified model's; in bf16 the agreement is recorded, not asserted (logits are close,
 not bit-equal, so a near-tie may go either way).
+
+Routing: `router` (the random-weight model's own router, widened so tokens spread) or `trace` (every
+system routes by a recorded trace through the same pre-hook, `replay_routing`: on the GPU the
+embedded model's held-out routing, benchmarks/traces/demo_val.npz, MoE layer i by trace layer
+i mod 6; on the CPU the tiny model's own recorded routing). For trace cases `extra_info` also holds
+the Belady floor: the fewest expert copies per token any cache of that size must make on the trace.
+`python benchmarks/report.py` runs the suite and writes the JSON, a markdown table and plots.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import pathlib
+import statistics
 
 import pytest
 import torch
 import transformers
 
 import asyncmoe
+from asyncmoe.integrations.transformers import find_experts, replay_routing
+from asyncmoe.trace import Trace
+from asyncmoe.trace.simulate import belady_misses
 from baselines import accelerate_offload, seed_lru
 
 CUDA = torch.cuda.is_available()
@@ -38,29 +50,33 @@ SHAPES = {  # (config class, model class, config); random weights, real shapes
         vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
 }
+DEMO_TRACE = pathlib.Path(__file__).parent / "traces" / "demo_val.npz"
 SYSTEMS = ["unmodified", "accelerate", "seed", "asyncmoe-eager", "asyncmoe-graph", "asyncmoe-graph-prefetch"]
 GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
 
 
 def profile(config) -> dict:
     if not CUDA:
-        return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], steps=4, rounds=2)
+        return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], routings=["router", "trace"], steps=4, rounds=2)
     if config.getoption("--quick"):
-        return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], steps=32, rounds=5)
-    return dict(shapes=list(SHAPES)[1:], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32], steps=32, rounds=5)
+        return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], routings=["trace"], steps=32, rounds=5)
+    return dict(shapes=list(SHAPES)[1:], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32], routings=["router", "trace"],
+                steps=32, rounds=5)
 
 
 def pytest_generate_tests(metafunc):
-    """Cases: (shape, system, cache fraction, batch). A full cache is asyncmoe's resident path; the unmodified model has no cache."""
+    """Cases: (shape, routing, system, cache fraction, batch). A full cache is asyncmoe's resident path; the
+    unmodified model has no cache."""
     if "case" not in metafunc.fixturenames:
         return
     p = profile(metafunc.config)
     cases = [
-        (shape, system, fraction, batch)
-        for shape in p["shapes"] for system in SYSTEMS for fraction in p["caches"] for batch in p["batches"]
+        (shape, routing, system, fraction, batch)
+        for shape in p["shapes"] for routing in p["routings"] for system in SYSTEMS for fraction in p["caches"]
+        for batch in p["batches"]
         if (system == "unmodified") == (fraction == 1.0) or (system == "asyncmoe-graph" and fraction == 1.0)
     ]
-    metafunc.parametrize("case", cases, ids=[f"{s}-{sys}-cache{f:g}-b{b}" for s, sys, f, b in cases])
+    metafunc.parametrize("case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"b{b}"]) for s, r, sys, f, b in cases])
 
 
 @functools.cache
@@ -100,25 +116,65 @@ class TokenwisePrefill(asyncmoe.Decoder):
 PROMPT = 16
 
 
-def prompt(shape: str, batch: int) -> torch.Tensor:
+def prompt(shape: str, batch: int, seed: int | None = None) -> torch.Tensor:
     vocab = SHAPES[shape][2]["vocab_size"]
-    return torch.randint(1, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(DEVICE)
+    g = torch.Generator().manual_seed(batch if seed is None else seed)
+    return torch.randint(1, vocab, (batch, PROMPT), generator=g).to(DEVICE)
 
 
 @functools.cache
-def reference_tokens(shape: str, batch: int, steps: int) -> torch.Tensor:
-    dec = asyncmoe.Decoder(build("unmodified", shape, 0), batch, PROMPT + steps + 1, graph=False)
+def trace_for(shape: str) -> Trace:
+    """The embedded model's routing where the shape routes like it (64 experts, top-8), else the shape's own."""
+    kw = SHAPES[shape][2]
+    if (kw["num_experts"], kw["num_experts_per_tok"]) == (64, 8):
+        return Trace.load(DEMO_TRACE)
+    model = build("unmodified", shape, 0)
+    with asyncmoe.record(model) as rec:
+        for batch in range(4):
+            rec.new_sequence()
+            asyncmoe.Decoder(model, 1, 64, graph=False).generate(prompt(shape, 1, seed=100 + batch), 40)
+    return rec.trace
+
+
+def make(system: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
+    model = build(system, shape, cache)
+    if routing == "trace":
+        replay_routing(model, trace_for(shape), DEVICE)
+    return model
+
+
+@functools.cache
+def reference_tokens(shape: str, routing: str, batch: int, steps: int) -> torch.Tensor:
+    dec = asyncmoe.Decoder(make("unmodified", shape, routing, 0), batch, PROMPT + steps + 1, graph=False)
     return dec.generate(prompt(shape, batch), steps + 1).tokens.cpu()
 
 
+@functools.cache
+def h2d_bandwidth() -> float:
+    """GB/s of a pinned host -> GPU copy_ of 512 MB, median of 10, measured in this run."""
+    from decode_step import h2d_bandwidth as measure
+
+    return measure()
+
+
+def expert_bytes(model: torch.nn.Module) -> int:
+    _, m = find_experts(model)[0]
+    tensors = [t for t in vars(m).values() if isinstance(t, torch.Tensor)] + list(m.parameters(recurse=False))
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
 def test_decode(benchmark, case, request):
-    shape, system, fraction, batch = case
+    shape, routing, system, fraction, batch = case
     if system in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
     p = profile(request.config)
-    experts = SHAPES[shape][2]["num_experts"]
+    kw = SHAPES[shape][2]
+    experts, k = kw["num_experts"], kw["num_experts_per_tok"]
     cache = max(1, round(fraction * experts))
-    model = build(system, shape, cache)
+    if CUDA:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = make(system, shape, routing, cache)
     graph = CUDA and (system == "unmodified" or "graph" in system)
     dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, batch, PROMPT + p["steps"] + 1, graph=graph)
     ids = prompt(shape, batch)
@@ -129,6 +185,8 @@ def test_decode(benchmark, case, request):
         dec.prefill(ids)
         if cached:
             asyncmoe.stats(model, reset=True)
+        if system == "seed":
+            seed_lru.reset(model)
         sync()
 
     def decode():
@@ -137,17 +195,25 @@ def test_decode(benchmark, case, request):
 
     benchmark.pedantic(decode, setup=setup, rounds=p["rounds"], iterations=1, warmup_rounds=1)
     tokens = dec.history[:, : PROMPT + p["steps"] + 1].cpu()
-    want = reference_tokens(shape, batch, p["steps"])
-    agree = (tokens == want).all(0).cumprod(0).sum().item() - PROMPT
-    info = dict(shape=shape, system=system, cache=cache, experts=experts, batch=batch, steps=p["steps"],
-                device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE), tokens_agree=agree)
+    agree = (tokens == reference_tokens(shape, routing, batch, p["steps"])).all(0).cumprod(0).sum().item() - PROMPT
+    info = dict(shape=shape, routing=routing, system=system, cache=cache, experts=experts, batch=batch,
+                steps=p["steps"], device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
+                ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / p["steps"], tokens_agree=agree)
+    if CUDA:
+        info.update(h2d_GB_per_s=h2d_bandwidth(), peak_gpu_bytes=torch.cuda.max_memory_allocated())
     if cached:
         s = asyncmoe.stats(model)
         info.update(hit_rate=s.totals["hit_rate"], prefetch_recall=s.totals["prefetch_recall"],
-                    bytes_per_token=s.totals["bytes_h2d"] / (p["steps"] * batch))
-        assert s.totals["misses"] > 0 or cache >= batch * SHAPES[shape][2]["num_experts_per_tok"]
+                    bytes_per_token=s.totals["bytes_h2d"] / p["steps"], host_bytes=s.totals["host_bytes"],
+                    hit_rate_per_layer=[layer.hit_rate for layer in s.layers])
+        assert s.totals["misses"] > 0 or cache >= batch * k  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
+    if routing == "trace" and cache < experts:
+        trace = trace_for(shape)
+        misses = sum(belady_misses(trace.ids[:, l], cache) for l in range(trace.layers)) / trace.layers  # per layer
+        info["belady_bytes_per_token"] = misses / trace.tokens * len(find_experts(model)) * expert_bytes(model)
     benchmark.extra_info.update(info)
     if DTYPE == torch.float32:
         assert agree == p["steps"] + 1, f"{system}: tokens part from the unmodified model's after {agree}"
+

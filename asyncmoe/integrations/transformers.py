@@ -219,6 +219,11 @@ def _install_replay(experts: list[tuple[str, nn.Module]], trace: Trace, device: 
         m.register_forward_pre_hook(_replay_hook, with_kwargs=True)
 
 
+def replay_routing(model: nn.Module, trace: Trace, device: torch.device | str) -> None:
+    """Route every MoE layer of `model` (asyncmoe-compiled or not) by `trace` instead of its router; see `Replay`."""
+    _install_replay(find_experts(model), trace, torch.device(device))
+
+
 def install(
     model: nn.Module,
     cache: int,

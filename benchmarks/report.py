@@ -1,0 +1,129 @@
+"""Run the latency suite and write its results: the raw JSON, a markdown table, and plots.
+
+    python benchmarks/report.py            # full profile (GPU); --quick for the 10-minute profile
+    python benchmarks/report.py --quick --out docs/results
+
+Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
+with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
+system) and bench-<date>-hits.png (hit rate per layer). Per case: median ms/token and its spread over
+rounds, tokens/s, hit rate, prefetch recall, MB moved per token, floor = max(resident ms/token,
+bytes moved / H2D bandwidth measured in the same run), the Belady floor (the same with the fewest
+bytes any cache of that size must move on the trace), limit ratio = time / Belady floor (trace
+routing) or time / floor, and the speedups over accelerate (b) and the seed (c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).parent
+
+
+def rows(data: dict) -> list[dict]:
+    """One row per case with the derived columns; groups share shape, routing and batch."""
+    cases = [dict(b["extra_info"], spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"])
+             for b in data["benchmarks"]]
+    out = []
+    for c in cases:
+        group = [d for d in cases if (d["shape"], d["routing"], d["batch"]) == (c["shape"], c["routing"], c["batch"])]
+        resident = next((d["ms_per_token"] for d in group if d["system"] == "unmodified"), None)
+        c = dict(c, tokens_per_s=1e3 * c["batch"] / c["ms_per_token"])
+        bw = c.get("h2d_GB_per_s")
+        if resident and bw and "bytes_per_token" in c:
+            c["floor_ms"] = max(resident, c["bytes_per_token"] / (bw * 1e6))
+            if "belady_bytes_per_token" in c:
+                c["belady_floor_ms"] = max(resident, c["belady_bytes_per_token"] / (bw * 1e6))
+            c["limit_ratio"] = c["ms_per_token"] / c.get("belady_floor_ms", c["floor_ms"])
+        for base, key in (("accelerate", "speedup_vs_accelerate"), ("seed", "speedup_vs_seed")):
+            other = next((d for d in group if d["system"] == base and d["cache"] == c["cache"]), None)
+            if other and c["system"] != base:
+                c[key] = other["ms_per_token"] / c["ms_per_token"]
+        out.append(c)
+    return sorted(out, key=lambda r: (r["shape"], r["routing"], r["batch"], -r["cache"], r["system"]))
+
+
+def markdown(table: list[dict], data: dict) -> str:
+    def f(r, key, fmt):
+        return format(r[key], fmt) if key in r else ""
+
+    machine = data.get("machine_info", {}).get("node", "")
+    head = ["shape", "routing", "batch", "system", "cache", "ms/token", "spread", "tokens/s", "hit", "recall",
+            "MB/token", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed", "tokens agree"]
+    lines = [f"Device: {table[0]['device'] if table else '?'} ({machine}); dtype {table[0]['dtype'] if table else '?'}.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        cells = [r["shape"], r["routing"], str(r["batch"]), r["system"], f"{r['cache']}/{r['experts']}",
+                 f(r, "ms_per_token", ".3f"), f(r, "spread_ms", ".3f"), f(r, "tokens_per_s", ".1f"),
+                 f(r, "hit_rate", ".1%"), f(r, "prefetch_recall", ".1%"),
+                 format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
+                 f(r, "floor_ms", ".3f"), f(r, "belady_floor_ms", ".3f"), f(r, "limit_ratio", ".2f"),
+                 f(r, "speedup_vs_accelerate", ".1f"), f(r, "speedup_vs_seed", ".2f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(table: list[dict], stem: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["shape"], r["routing"], r["batch"]) for r in table})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (shape, routing, batch) in zip(axes[0], groups):
+        for system in sorted({r["system"] for r in table}):
+            pts = sorted((r["cache"] / r["experts"], r["ms_per_token"]) for r in table
+                         if (r["shape"], r["routing"], r["batch"], r["system"]) == (shape, routing, batch, system))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=system)
+        ax.set(title=f"{shape}, {routing} routing, batch {batch}", xlabel="cache / experts", ylabel="ms/token", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    ms = stem.with_name(stem.name + "-ms.png")
+    fig.savefig(ms, dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in table:
+        if "hit_rate_per_layer" in r and r["system"].startswith("asyncmoe"):
+            ax.plot(r["hit_rate_per_layer"], label=f"{r['shape']} {r['routing']} {r['system']} {r['cache']}/{r['experts']} b{r['batch']}")
+    ax.set(xlabel="MoE layer", ylabel="hit rate", ylim=(0, 1))
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    hits = stem.with_name(stem.name + "-hits.png")
+    fig.savefig(hits, dpi=120)
+    return [ms, hits]
+
+
+def write(json_path: pathlib.Path) -> list[pathlib.Path]:
+    data = json.loads(json_path.read_text())
+    table = rows(data)
+    stem = json_path.with_suffix("")
+    md = stem.with_suffix(".md")
+    md.write_text(markdown(table, data))
+    try:
+        return [md, *plots(table, stem)]
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')")
+        return [md]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="docs/results")
+    args = p.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"bench-{datetime.date.today().isoformat()}.json"
+    cmd = [sys.executable, "-m", "pytest", str(HERE / "test_latency.py"), "--benchmark-only", f"--benchmark-json={json_path}", "-q"]
+    subprocess.run(cmd + (["--quick"] if args.quick else []), check=True)
+    for path in write(json_path):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
