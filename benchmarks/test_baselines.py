@@ -1,17 +1,15 @@
 """The baselines themselves, on the CPU: the seed cache's bookkeeping, accelerate's device map."""
 
-import copy
-
 import pytest
 import torch
 
 import asyncmoe
 from baselines import accelerate_offload, seed_lru
-from test_latency import TokenwisePrefill, base_model
+from test_latency import TokenwisePrefill, build
 
 
 def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
-    model = seed_lru.install(copy.deepcopy(base_model("tiny")), cache=2, device="cpu")
+    model = build("seed", "tiny", 2)
     provider = model.model.layers[0].mlp.experts.asyncmoe
     experts = model.model.layers[0].mlp.experts
     x = torch.randn(1, 64)
@@ -28,8 +26,8 @@ def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
 
 
 def test_tokenwise_prefill_lets_the_seed_take_any_prompt():
-    model = seed_lru.install(copy.deepcopy(base_model("tiny")), cache=2, device="cpu")
-    ref = copy.deepcopy(base_model("tiny"))
+    model = build("seed", "tiny", 2)
+    ref = build("unmodified", "tiny", 16)
     ids = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(0))
     got = TokenwisePrefill(model, 1, 20, graph=False).generate(ids, 5).tokens
     want = asyncmoe.Decoder(ref, 1, 20, graph=False).generate(ids, 5).tokens
@@ -37,7 +35,7 @@ def test_tokenwise_prefill_lets_the_seed_take_any_prompt():
 
 
 def test_accelerate_device_map_puts_exactly_the_experts_on_the_cpu():
-    model = base_model("tiny")
+    model = build("unmodified", "tiny", 16)
     dm = accelerate_offload.device_map(model, "cuda:0")
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     for n in names:  # every tensor covered by exactly one key
