@@ -25,9 +25,9 @@ HERE = pathlib.Path(__file__).parent
 
 
 def rows(data: dict) -> list[dict]:
-    """One row per case with the derived columns; groups share shape, routing and batch."""
+    """One row per decode case with the derived columns; groups share shape, routing and batch."""
     cases = [dict(b["extra_info"], spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"])
-             for b in data["benchmarks"]]
+             for b in data["benchmarks"] if "steps" in b["extra_info"]]
     out = []
     for c in cases:
         group = [d for d in cases if (d["shape"], d["routing"], d["batch"]) == (c["shape"], c["routing"], c["batch"])]
@@ -47,6 +47,21 @@ def rows(data: dict) -> list[dict]:
     return sorted(out, key=lambda r: (r["shape"], r["routing"], r["batch"], -r["cache"], r["system"]))
 
 
+def prefill_rows(data: dict) -> list[dict]:
+    """One row per prefill case, with the speedups over accelerate and the seed at the same cache size."""
+    cases = [b["extra_info"] for b in data["benchmarks"] if "prompt" in b["extra_info"]]
+    out = []
+    for c in cases:
+        group = [d for d in cases if (d["shape"], d["routing"], d["prompt"], d["cache"]) == (c["shape"], c["routing"], c["prompt"], c["cache"])]
+        c = dict(c)
+        for base, key in (("accelerate", "speedup_vs_accelerate"), ("seed", "speedup_vs_seed")):
+            other = next((d for d in group if d["system"] == base), None)
+            if other and c["system"] != base:
+                c[key] = other["ms_per_prefill"] / c["ms_per_prefill"]
+        out.append(c)
+    return sorted(out, key=lambda r: (r["shape"], r["routing"], r["prompt"], -r["cache"], r["system"]))
+
+
 def markdown(table: list[dict], data: dict) -> str:
     def f(r, key, fmt):
         return format(r[key], fmt) if key in r else ""
@@ -64,6 +79,15 @@ def markdown(table: list[dict], data: dict) -> str:
                  f(r, "floor_ms", ".3f"), f(r, "belady_floor_ms", ".3f"), f(r, "limit_ratio", ".2f"),
                  f(r, "speedup_vs_accelerate", ".1f"), f(r, "speedup_vs_seed", ".2f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
+    prefill = prefill_rows(data)
+    if prefill:
+        head = ["shape", "routing", "prompt", "system", "cache", "ms", "tokens/s", "x accelerate", "x seed", "first token agrees"]
+        lines += ["", "Prefill, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in prefill:
+            cells = [r["shape"], r["routing"], str(r["prompt"]), r["system"], f"{r['cache']}/{r['experts']}",
+                     f(r, "ms_per_prefill", ".1f"), f(r, "tokens_per_s", ".0f"), f(r, "speedup_vs_accelerate", ".1f"),
+                     f(r, "speedup_vs_seed", ".2f"), str(r["first_token_agrees"])]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,7 +16,7 @@ not bit-equal, so a near-tie may go either way).
 Routing: `router` (the random-weight model's own router, widened so tokens spread) or `trace` (every
 system routes by a recorded trace through the same pre-hook, `replay_routing`: on the GPU the
 embedded model's held-out routing, benchmarks/traces/demo_val.npz, MoE layer i by trace layer
-i mod 6; on the CPU the tiny model's own recorded routing). For trace cases `extra_info` also holds
+i mod 6, or a synthetic trace with its statistics where the shape's experts differ: `trace_for`). For trace cases `extra_info` also holds
 the Belady floor: the fewest expert copies per token any cache of that size must make on the trace.
 `python benchmarks/report.py` runs the suite and writes the JSON, a markdown table and plots.
 """
@@ -37,6 +37,7 @@ from asyncmoe.integrations.transformers import find_experts, find_router, replay
 from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 from baselines import accelerate_offload, seed_lru
+from synthetic import synthetic
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -77,17 +78,19 @@ GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
 
 def profile(config) -> dict:
     if not CUDA:
-        return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], routings=["router", "trace"], steps=4, rounds=2)
+        return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], routings=["router", "trace"], steps=4, rounds=2,
+                    prompts=[32])
     if config.getoption("--quick"):
-        return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], routings=["trace"], steps=32, rounds=5)
+        return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], routings=["trace"], steps=32, rounds=5,
+                    prompts=[512])
     return dict(shapes=list(SHAPES)[1:], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32], routings=["router", "trace"],
-                steps=32, rounds=5)
+                steps=32, rounds=5, prompts=[512, 2048])
 
 
 def pytest_generate_tests(metafunc):
     """Cases: (shape, routing, system, cache fraction, batch). A full cache is asyncmoe's resident path; the
     unmodified model has no cache."""
-    if "case" not in metafunc.fixturenames:
+    if "case" not in metafunc.fixturenames and "prefill_case" not in metafunc.fixturenames:
         return
     p = profile(metafunc.config)
     cases = [
@@ -96,7 +99,12 @@ def pytest_generate_tests(metafunc):
         for batch in p["batches"]
         if (system == "unmodified") == (fraction == 1.0) or (system == "asyncmoe-graph" and fraction == 1.0)
     ]
-    metafunc.parametrize("case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"b{b}"]) for s, r, sys, f, b in cases])
+    if "case" in metafunc.fixturenames:
+        metafunc.parametrize("case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"b{b}"]) for s, r, sys, f, b in cases])
+    if "prefill_case" in metafunc.fixturenames:  # batch 1; a graph changes nothing for one eager prompt
+        cases = [(s, r, sys, f, n) for s, r, sys, f, b in cases if b == 1 and "graph" not in sys for n in p["prompts"]]
+        cases += [(s, r, "asyncmoe-eager", 1.0, n) for s in p["shapes"] for r in p["routings"] for n in p["prompts"]]
+        metafunc.parametrize("prefill_case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"prompt{n}"]) for s, r, sys, f, n in cases])
 
 
 def build(system: str, shape: str, cache: int) -> torch.nn.Module:
@@ -138,15 +146,15 @@ def prompt(shape: str, batch: int, seed: int | None = None) -> torch.Tensor:
 
 @functools.cache
 def trace_for(shape: str) -> Trace:
-    """The embedded model's routing where the shape routes like it (64 experts, top-8), else the shape's own."""
-    if routing_shape(shape) == (64, 8):
-        return Trace.load(DEMO_TRACE)
-    model = build("unmodified", shape, 0)
-    with asyncmoe.record(model) as rec:
-        for batch in range(4):
-            rec.new_sequence()
-            asyncmoe.Decoder(model, 1, 64, graph=False).generate(prompt(shape, 1, seed=100 + batch), 40)
-    return rec.trace
+    """The routing a `trace` case replays, mapped onto the shape so:
+    64 experts, top-8 (OLMoE): the embedded model's held-out routing as recorded;
+    64 experts, top-k < 8 (DeepSeek-V2-Lite): the same, each token's first k ids (router order: its top-k);
+    other shapes: a synthetic trace with the embedded model's reuse and skew (benchmarks/synthetic.py)."""
+    experts, k = routing_shape(shape)
+    if experts == 64 and k <= 8:
+        demo = Trace.load(DEMO_TRACE)
+        return Trace(demo.ids[:, :, :k], demo.num_experts, starts=demo.starts)
+    return synthetic(experts, k, layers=6, tokens=4096)
 
 
 def make(system: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
@@ -200,7 +208,10 @@ def test_decode(benchmark, case, request):
     cached = system.startswith("asyncmoe") and cache < experts
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
-    def setup():  # not timed: the prompt, and the counters start afresh
+    def setup():  # not timed: the prompt, and the counters (and the trace) start afresh
+        for _, m in find_experts(model):
+            if hasattr(m, "asyncmoe_replay"):
+                m.asyncmoe_replay.cursor.zero_()
         dec.prefill(ids)
         if cached:
             asyncmoe.stats(model, reset=True)
@@ -236,3 +247,42 @@ def test_decode(benchmark, case, request):
     if DTYPE == torch.float32:
         assert agree == p["steps"] + 1, f"{system}: tokens part from the unmodified model's after {agree}"
 
+
+
+def test_prefill(benchmark, prefill_case, request):
+    """One prompt of `n` tokens. The seed cannot take more distinct experts than slots in one call, so it
+    feeds the prompt token by token (as it would have to); everything else runs the prompt in one forward."""
+    shape, routing, system, fraction, n = prefill_case
+    if system in GPU_ONLY and not CUDA:
+        pytest.skip(f"{system} needs a CUDA GPU")
+    experts, k = routing_shape(shape)
+    cache = max(k, round(fraction * experts))
+    model = make(system, shape, routing, cache)
+    dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, 1, n + 1, graph=False)
+    vocab = SHAPES[shape][2]["vocab_size"]
+    ids = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+
+    def setup():
+        for _, m in find_experts(model):
+            if hasattr(m, "asyncmoe_replay"):
+                m.asyncmoe_replay.cursor.zero_()
+        sync()
+
+    def prefill():
+        first = dec.prefill(ids)
+        sync()
+        return first
+
+    rounds = 2 if system in ("seed", "accelerate") else profile(request.config)["rounds"]
+    first = benchmark.pedantic(prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    setup()
+    want = asyncmoe.Decoder(make("unmodified", shape, routing, 0), 1, n + 1, graph=False).prefill(ids)
+    ms = statistics.median(benchmark.stats.stats.data) * 1e3
+    benchmark.extra_info.update(
+        shape=shape, routing=routing, system=system, cache=cache, experts=experts, prompt=n, ms_per_prefill=ms,
+        tokens_per_s=n / ms * 1e3, device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
+        first_token_agrees=bool(torch.equal(first, want)),
+    )
+    if DTYPE == torch.float32:
+        assert torch.equal(first, want), f"{system}: the first new token differs from the unmodified model's"

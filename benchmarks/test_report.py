@@ -25,6 +25,7 @@ def test_report_rows_and_files(tmp_path):
     assert eager["speedup_vs_seed"] == pytest.approx(seed["ms_per_token"] / eager["ms_per_token"])
     paths = report.write(json_path)
     md = paths[0].read_text()
-    assert md.count("\n| tiny | router |") == len(table)
+    prefill = report.prefill_rows(data)
+    assert prefill and md.count("\n| tiny | router |") == len(table) + len(prefill)
     for png in paths[1:]:
         assert png.read_bytes()[:4] == b"\x89PNG"
