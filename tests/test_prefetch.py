@@ -77,11 +77,16 @@ def test_transition_scores_learn_a_mapping():
     assert s.argmax() == 5 and (s > 0).sum() == 1
 
 
-def test_combine_marks_nominators():
-    scores, sources = combine([(GATE, torch.tensor([0.5, 0, 0])), (TEMPORAL, temporal_scores(torch.tensor([True, False, True])))])
-    assert scores.tolist() == [0.75, 0, 0.5]
-    assert sources.tolist() == [GATE | TEMPORAL, 0, TEMPORAL]
-    assert TRANSITION not in sources.tolist()
+def test_combine_ranks_the_gate_first_and_drops_weak_support():
+    gate = (GATE, torch.tensor([0.5, 0, 0, 0]))
+    temporal = (TEMPORAL, temporal_scores(torch.tensor([True, False, True, False])))
+    transition = (TRANSITION, torch.tensor([0.0, 0.0, 0.4, 0.2]))
+    scores, sources = combine([gate, temporal, transition])
+    # expert 0: the gate's (1 + 0.5); 2: temporal and transition agree (mean 0.7); 3: mean 0.1 < MIN_SUPPORT
+    assert scores.tolist() == pytest.approx([1.5, 0, 0.7, 0])
+    assert sources.tolist() == [GATE | TEMPORAL, 0, TEMPORAL | TRANSITION, 0]
+    scores, sources = combine([temporal])
+    assert scores.tolist() == [1, 0, 1, 0] and sources.tolist() == [TEMPORAL, 0, TEMPORAL, 0]
 
 
 @pytest.mark.parametrize("bad", [dict(sources=("oracle",)), dict(sources=()), dict(depth=0)])

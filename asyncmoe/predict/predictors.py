@@ -11,8 +11,9 @@ Dims: T tokens, H hidden, E experts (of the target layer), E' experts of the sou
   call's routing at layer l (j = 1) or the target's previous-layer routing of the last call
   (j > 1), the expected share of tokens going to each expert; keeps its top-p.
 
-Scores are in [0, 1] per expert; the combined score is their mean. All fixed-shape tensor ops,
-computed on the compute stream; the prefetch op reads the result on the side stream.
+Scores are in [0, 1] per expert; `combine` ranks the gate's nominations first, then experts the
+other predictors back with enough support. All fixed-shape tensor ops, computed on the compute
+stream; the prefetch op reads the result on the side stream.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 SOURCES = ("gate", "temporal", "transition")  # bit i of a slot's `source`: nominated by SOURCES[i]
 GATE, TEMPORAL, TRANSITION = 1, 2, 4
+MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be prefetched (see `combine`)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,25 @@ def transition_scores(routed_before: torch.Tensor, transitions: torch.Tensor, ke
 
 
 def combine(parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(source bit, scores [E])] -> (mean score [E], bits of the sources that nominated each expert [E] int8)."""
-    scores = torch.stack([s for _, s in parts]).mean(dim=0)
-    sources = sum(torch.where(s > 0, bit, 0) for bit, s in parts).to(torch.int8)
-    return scores, sources
+    """[(source bit, scores [E])] -> (score [E], bits of the sources that nominated each expert [E] int8).
+
+    The gate's nominations rank first (score 1 + gate score); after them come the experts that the
+    other predictors back with a mean score of at least MIN_SUPPORT. Why not a plain mean of all: on
+    the embedded model's held-out text (cache 16 of 64, measured on the CPU) the mean left 10.96
+    demand misses per token and fetched 23.8 experts per token, 11.9 of them never used; the gate
+    alone 9.75 and 17.7 (6.7 unused): the weaker predictors (28% of their fetches used) spent the
+    budget and evicted what the gate had fetched. Gate first with this threshold: 9.84 and 18.3 (6.9).
+    """
+    gate = [s for bit, s in parts if bit == GATE]
+    others = [(bit, s) for bit, s in parts if bit != GATE]
+    score = torch.zeros_like(parts[0][1])
+    sources = torch.zeros(score.shape, dtype=torch.int8, device=score.device)
+    if others:
+        support = torch.stack([s for _, s in others]).mean(dim=0)
+        confident = support >= MIN_SUPPORT
+        score = torch.where(confident, support, score)
+        sources = sum((torch.where(confident & (s > 0), bit, 0) for bit, s in others), sources).to(torch.int8)
+    if gate:
+        score = torch.where(gate[0] > 0, 1 + gate[0], score)
+        sources = sources | torch.where(gate[0] > 0, GATE, 0).to(torch.int8)
+    return score, sources
