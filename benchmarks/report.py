@@ -68,7 +68,8 @@ def markdown(table: list[dict], data: dict) -> str:
 
     machine = data.get("machine_info", {}).get("node", "")
     head = ["shape", "routing", "batch", "system", "cache", "ms/token", "spread", "tokens/s", "hit", "recall",
-            "MB/token", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed", "tokens agree"]
+            "MB/token", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed", "peak GPU GiB", "host GiB",
+            "tokens agree"]
     lines = [f"Device: {table[0]['device'] if table else '?'} ({machine}); dtype {table[0]['dtype'] if table else '?'}.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
@@ -77,7 +78,9 @@ def markdown(table: list[dict], data: dict) -> str:
                  f(r, "hit_rate", ".1%"), f(r, "prefetch_recall", ".1%"),
                  format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
                  f(r, "floor_ms", ".3f"), f(r, "belady_floor_ms", ".3f"), f(r, "limit_ratio", ".2f"),
-                 f(r, "speedup_vs_accelerate", ".1f"), f(r, "speedup_vs_seed", ".2f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
+                 f(r, "speedup_vs_accelerate", ".1f"), f(r, "speedup_vs_seed", ".2f"),
+                 format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
+                 format(r["host_bytes"] / 2**30, ".3f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
     prefill = prefill_rows(data)
     if prefill:

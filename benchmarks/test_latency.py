@@ -178,6 +178,17 @@ def h2d_bandwidth() -> float:
     return measure()
 
 
+def host_bytes(system: str, model: torch.nn.Module) -> int:
+    """Host memory holding experts: pinned for asyncmoe and the seed, pageable for accelerate."""
+    if system == "unmodified":
+        return 0
+    if system == "seed":
+        return sum(t.numel() * t.element_size() for _, m in find_experts(model) for t in seed_lru.provider(m).host.values())
+    if system == "accelerate":
+        return sum(p.numel() * p.element_size() for _, m in find_experts(model) for p in accelerate_offload.weights(m))
+    return asyncmoe.stats(model).totals["host_bytes"] if any(hasattr(m, "asyncmoe") for _, m in find_experts(model)) else 0
+
+
 def expert_bytes(model: torch.nn.Module) -> int:
     _, m = find_experts(model)[0]
     tensors = [t for t in vars(m).values() if isinstance(t, torch.Tensor)] + list(m.parameters(recurse=False))
@@ -231,10 +242,11 @@ def test_decode(benchmark, case, request):
                 ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / p["steps"], tokens_agree=agree)
     if CUDA:
         info.update(h2d_GB_per_s=h2d_bandwidth(), peak_gpu_bytes=torch.cuda.max_memory_allocated())
+    info["host_bytes"] = host_bytes(system, model)
     if cached:
         s = asyncmoe.stats(model)
         info.update(hit_rate=s.totals["hit_rate"], prefetch_recall=s.totals["prefetch_recall"],
-                    bytes_per_token=s.totals["bytes_h2d"] / p["steps"], host_bytes=s.totals["host_bytes"],
+                    bytes_per_token=s.totals["bytes_h2d"] / p["steps"],
                     hit_rate_per_layer=[layer.hit_rate for layer in s.layers])
         assert s.totals["misses"] > 0 or cache >= batch * k  # a cache smaller than one step's experts must miss
     if system == "seed":

@@ -37,3 +37,11 @@ def install(model: torch.nn.Module, device) -> torch.nn.Module:
     from accelerate import dispatch_model
 
     return dispatch_model(model.cpu(), device_map(model, device), main_device=device)
+
+
+def weights(experts: torch.nn.Module) -> list[torch.Tensor]:
+    """The experts module's host copies: accelerate keeps them in its hook's weights map, off the module."""
+    hook = getattr(experts, "_hf_hook", None)
+    if hook is None or getattr(hook, "weights_map", None) is None:
+        return list(experts.parameters(recurse=False))
+    return [hook.weights_map[name] for name, _ in experts.named_parameters(recurse=False)]

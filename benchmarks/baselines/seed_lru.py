@@ -72,12 +72,16 @@ def install(model: torch.nn.Module, cache: int, device: torch.device | str) -> t
     return model
 
 
+def provider(experts: torch.nn.Module) -> SeedLRU:
+    return getattr(experts, PROVIDER)
+
+
 def reset(model: torch.nn.Module) -> None:
     for _, m in find_experts(model):
-        getattr(m, PROVIDER).hits = getattr(m, PROVIDER).misses = 0
+        provider(m).hits = provider(m).misses = 0
 
 
 def hit_rate(model: torch.nn.Module) -> float:
-    providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
+    providers = [provider(m) for _, m in find_experts(model)]
     hits, misses = sum(p.hits for p in providers), sum(p.misses for p in providers)
     return hits / (hits + misses) if hits + misses else float("nan")
