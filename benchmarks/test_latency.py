@@ -164,6 +164,13 @@ def make(system: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
     return model
 
 
+def rewind(model: torch.nn.Module) -> None:
+    """Replay the trace from its first token again, so that every round routes the same."""
+    for _, m in find_experts(model):
+        if hasattr(m, "asyncmoe_replay"):
+            m.asyncmoe_replay.cursor.zero_()
+
+
 @functools.cache
 def reference_tokens(shape: str, routing: str, batch: int, steps: int) -> torch.Tensor:
     dec = asyncmoe.Decoder(make("unmodified", shape, routing, 0), batch, PROMPT + steps + 1, graph=False)
@@ -220,9 +227,7 @@ def test_decode(benchmark, case, request):
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
     def setup():  # not timed: the prompt, and the counters (and the trace) start afresh
-        for _, m in find_experts(model):
-            if hasattr(m, "asyncmoe_replay"):
-                m.asyncmoe_replay.cursor.zero_()
+        rewind(model)
         dec.prefill(ids)
         if cached:
             asyncmoe.stats(model, reset=True)
@@ -276,9 +281,7 @@ def test_prefill(benchmark, prefill_case, request):
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
     def setup():
-        for _, m in find_experts(model):
-            if hasattr(m, "asyncmoe_replay"):
-                m.asyncmoe_replay.cursor.zero_()
+        rewind(model)
         sync()
 
     def prefill():
