@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: environment, the cuda-marked tests, the timing scripts. Writes everything under $OUT.
-# usage: scripts/gpu_run.sh [pytest-args...]   (default: -m cuda tests/)
+# usage: [COMMIT=id TESTS="files" BENCH="scripts" PARALLEL=1] scripts/gpu_run.sh [pytest-args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,12 +11,19 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 [ -f probe_gpu.py ] && python3 probe_gpu.py 2>&1 | tee "$OUT/probe.txt"
-# one process per test file: a CUDA error is sticky and would fail every later test of the process
-for f in ${TESTS:-tests/test_*.py}; do
-  grep -q "cuda" "$f" || continue
-  python3 -m pytest -q -rs -s -p no:cacheprovider -m cuda "$f" "$@" 2>&1 | tee -a "$OUT/pytest.txt" | tail -6
-  echo "pytest $f exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.txt"
+# one process per test file: a CUDA error is sticky and would fail every later test of the process.
+# PARALLEL=1 runs the files side by side (one GPU is big enough; saves device time, not for timings)
+run_tests() {
+  python3 -m pytest -q -rs -s -p no:cacheprovider -m cuda "$1" "${@:2}" > "/tmp/pytest.$(basename "$1").txt" 2>&1
+  echo "pytest $1 exit: $?" >> "/tmp/pytest.$(basename "$1").txt"
+}
+FILES=$(for f in ${TESTS:-tests/test_*.py}; do grep -q "cuda" "$f" && echo "$f"; done)
+for f in $FILES; do
+  if [ "${PARALLEL:-0}" = 1 ]; then run_tests "$f" "$@" & else run_tests "$f" "$@"; fi
 done
+wait
+for f in $FILES; do cat "/tmp/pytest.$(basename "$f").txt"; done > "$OUT/pytest.txt"
+grep -a "exit:\| passed\| failed" "$OUT/pytest.txt"
 for script in ${BENCH:-}; do
   echo "== $script"
   python3 benchmarks/$script.py --out "$OUT/$script.json" 2>&1 | tee "$OUT/$script.txt" | tail -30
