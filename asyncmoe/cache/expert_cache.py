@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels.cache_step import cache_step, triton
 from ..kernels.gather_copy import gather_copy
 from ..predict.predictors import SOURCES
-from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICIES, SlotState, get_policy
+from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_IDS, SlotState, get_policy
 
 COUNTERS = (
     "calls", "hits", "misses", "evictions", "bytes_h2d",  # ensure: every byte moved, prefetches included
@@ -213,7 +213,7 @@ def ensure(
     *fields, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         out, src, dst, count = cache_step(
-            ids.reshape(-1), None, None, wave, list(POLICIES).index(policy), min(C, E, ids.numel()),
+            ids.reshape(-1), None, None, wave, POLICY_IDS[policy], min(C, E, ids.numel()),
             expert_to_slot, slot_to_expert, fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):
@@ -252,7 +252,7 @@ def prefetch(
     *fields, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         _, src, dst, count = cache_step(
-            None, predicted, nominated, 0, list(POLICIES).index(policy), budget, expert_to_slot, slot_to_expert,
+            None, predicted, nominated, 0, POLICY_IDS[policy], budget, expert_to_slot, slot_to_expert,
             fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):

@@ -81,7 +81,8 @@ class LFRU(Policy):
         return (s.freq << 20) // (1 + s.clock - s.last_use)
 
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU())}  # this order: the kernel's ids
+POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU())}
+POLICY_IDS = {name: i for i, name in enumerate(POLICIES)}  # the fused kernel's POLICY constant
 
 
 def get_policy(name: str) -> Policy:

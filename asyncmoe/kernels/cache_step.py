@@ -26,7 +26,6 @@ except ImportError:  # non-Linux
     triton = None
 
 SLOT_BITS = 12  # slots per layer < 4096
-LRU, FIFO, LFU, LFRU = range(4)  # the order of asyncmoe.cache.policies.POLICIES
 
 if triton is not None:
     _SLOT_BITS = tl.constexpr(SLOT_BITS)
@@ -91,7 +90,7 @@ if triton is not None:
         last_use = tl.load(last_use_ptr + c, mask=cmask, other=0)
         born = tl.load(born_ptr + c, mask=cmask, other=0)
         freq = tl.load(freq_ptr + c, mask=cmask, other=0)
-        if POLICY == 0:
+        if POLICY == 0:  # ids: asyncmoe.cache.policies.POLICY_IDS (lru, fifo, lfu, lfru)
             score = last_use
         elif POLICY == 1:
             score = born
