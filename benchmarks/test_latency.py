@@ -33,7 +33,7 @@ import torch
 import transformers
 
 import asyncmoe
-from asyncmoe.integrations.transformers import find_experts, find_router, replay_routing
+from asyncmoe.integrations.transformers import find_experts, find_router, replay_routing, rewind_replay
 from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 from baselines import accelerate_offload, seed_lru
@@ -164,13 +164,6 @@ def make(system: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
     return model
 
 
-def rewind(model: torch.nn.Module) -> None:
-    """Replay the trace from its first token again, so that every round routes the same."""
-    for _, m in find_experts(model):
-        if hasattr(m, "asyncmoe_replay"):
-            m.asyncmoe_replay.cursor.zero_()
-
-
 @functools.cache
 def reference_tokens(shape: str, routing: str, batch: int, steps: int) -> torch.Tensor:
     dec = asyncmoe.Decoder(make("unmodified", shape, routing, 0), batch, PROMPT + steps + 1, graph=False)
@@ -227,7 +220,7 @@ def test_decode(benchmark, case, request):
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
     def setup():  # not timed: the prompt, and the counters (and the trace) start afresh
-        rewind(model)
+        rewind_replay(model)
         dec.prefill(ids)
         if cached:
             asyncmoe.stats(model, reset=True)
@@ -281,7 +274,7 @@ def test_prefill(benchmark, prefill_case, request):
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
 
     def setup():
-        rewind(model)
+        rewind_replay(model)
         sync()
 
     def prefill():

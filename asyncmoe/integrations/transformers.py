@@ -224,6 +224,13 @@ def replay_routing(model: nn.Module, trace: Trace, device: torch.device | str) -
     _install_replay(find_experts(model), trace, torch.device(device))
 
 
+def rewind_replay(model: nn.Module) -> None:
+    """Start every replayed layer at the trace's first token again (eager; a captured graph keeps the cursors)."""
+    for _, m in find_experts(model):
+        if hasattr(m, "asyncmoe_replay"):
+            m.asyncmoe_replay.cursor.zero_()
+
+
 def install(
     model: nn.Module,
     cache: int,
