@@ -96,6 +96,7 @@ def _prefetch(
     scores: Tensor,
     sources: Tensor,
     budget: int,
+    copy_programs: int,
     policy: str,
     predicted: Tensor,
     nominated: Tensor,
@@ -108,34 +109,38 @@ def _prefetch(
 ) -> None:
     """Admit up to `budget` predicted experts [E scores, E source bits] into a later layer's cache, on a side stream.
 
+    The copy runs on at most `copy_programs` Triton programs (0: one per block), so the compute
+    stream keeps most SMs while it runs.
+
     The scores are first copied, on the compute stream, into the target's own buffers: the side
     stream must not read a temporary the compute stream may free and reuse meanwhile.
     """
     predicted.copy_(scores)
     nominated.copy_(sources)
     args = (predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots)
+    kwargs = dict(copy_programs=copy_programs or None)
     if not expert_to_slot.is_cuda:
-        expert_cache.prefetch(*args)
+        expert_cache.prefetch(*args, **kwargs)
         return
     compute = torch.cuda.current_stream()
     side = _side_stream(expert_to_slot.device)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
-        expert_cache.prefetch(*args)
+        expert_cache.prefetch(*args, **kwargs)
         _event(expert_to_slot.data_ptr()).record(side)
 
 
 @_prefetch.register_fake
-def _(scores, sources, budget, policy, predicted, nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
+def _(scores, sources, budget, copy_programs, policy, predicted, nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
     E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
     torch._check(scores.shape == (E,), lambda: f"scores must be [num_experts={E}], got {tuple(scores.shape)}")
     torch._check(sources.shape == (E,), lambda: f"sources must be [num_experts={E}], got {tuple(sources.shape)}")
     torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
 
 
-def prefetch(cache: ExpertCache, scores: Tensor, sources: Tensor, budget: int) -> None:
+def prefetch(cache: ExpertCache, scores: Tensor, sources: Tensor, budget: int, copy_programs: int | None = None) -> None:
     torch.ops.asyncmoe.prefetch(
-        scores, sources, budget, cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot,
+        scores, sources, budget, copy_programs or 0, cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot,
         cache.slot_to_expert, cache.state, cache.counters, cache.hosts, cache.slots,
     )
 

@@ -82,7 +82,7 @@ class CachedProvider(ExpertWeightProvider):
                 parts.append((TRANSITION, transition_scores(target.previous.cache.routed, target.cache.transitions, target.budget)))
             if parts:
                 scores, sources = combine_scores(parts)
-                ops.prefetch(target.cache, scores, sources, target.budget)
+                ops.prefetch(target.cache, scores, sources, target.budget, plan.copy_programs)
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:

@@ -3,7 +3,8 @@ against the copy engine (`copy_` from pinned memory, one call per expert).
 
     python benchmarks/copy_bandwidth.py --out bw.json
 
-OLMoE-size experts (gate_up 2048x2048 + down 2048x1024, bf16: 12.6 MB). Median of `--reps` timed
+OLMoE-size experts (gate_up 2048x2048 + down 2048x1024, bf16: 12.6 MB); the kernel with its full grid
+(block size and warps swept) and with its grid capped at 8-128 programs (prefetch's setting). Median of `--reps` timed
 copies with CUDA events; the source experts rotate so every copy reads host memory, not a cache.
 """
 
@@ -66,6 +67,11 @@ def main():
                     gc.BLOCK_BYTES, gc.NUM_WARPS = block_bytes, warps
                     gc.gather_copy_triton(view, slots, src_dev[i], dst, count)
                 variants[f"triton kernel block={block_bytes // 1024}K warps={warps}"] = kernel
+        for programs in (8, 16, 32, 64, 128):  # a capped grid, as prefetch runs it beside the compute
+            def capped(i, programs=programs):
+                gc.BLOCK_BYTES, gc.NUM_WARPS = 32768, 4
+                gc.gather_copy_triton(view, slots, src_dev[i], dst, count, programs)
+            variants[f"triton kernel programs={programs}"] = capped
         for name, fn in variants.items():
             fn(args.reps)  # warm-up / compile
             torch.cuda.synchronize()

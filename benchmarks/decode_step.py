@@ -90,7 +90,7 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
         s = asyncmoe.stats(model)
         row.update(bytes_per_token=moved / (rounds * steps), hit_rate=s.totals["hit_rate"],
                    prefetch_recall=s.totals["prefetch_recall"], wasted_per_token=s.totals["wasted_bytes"] / steps)
-    print(f"{label:<40} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
+    print(f"{label:<50} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
           + (f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
              f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%" if cached else ""), flush=True)
     return row
@@ -106,6 +106,8 @@ def main():
     p.add_argument("--eager-rounds", type=int, default=3)
     p.add_argument("--replay", default=None, help="route asyncmoe models by this .npz trace (docs/traces.md)")
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
+    p.add_argument("--budgets", type=int, nargs="+", default=[0], help="prefetch budgets to try (0: top-k)")
+    p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -124,10 +126,14 @@ def main():
     rows = run(base, "unmodified")
     resident_ms = rows[0]["ms_per_token"]
     for cache in args.caches:
-        for prefetch in (True, False) if cache < experts else (False,):
-            plan = asyncmoe.Prefetch(sources=("temporal", "transition")) if prefetch and args.replay else prefetch
-            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan, replay=args.replay)
-            label = f"asyncmoe cache={cache}" + (" prefetch" if prefetch else (" no prefetch" if cache < experts else ""))
+        sources = ("temporal", "transition") if args.replay else asyncmoe.Prefetch().sources
+        plans = [asyncmoe.Prefetch(sources=sources, budget=b or None, copy_programs=c or None)
+                 for b in args.budgets for c in args.copy_programs] if cache < experts else []
+        for plan in plans + [None]:
+            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay)
+            label = f"asyncmoe cache={cache}" + (
+                f" prefetch budget={plan.budget or 'k'} programs={plan.copy_programs or 'all'}" if plan
+                else (" no prefetch" if cache < experts else ""))
             rows += run(model, label)
             del model
             gc.collect()
@@ -136,11 +142,11 @@ def main():
         if "bytes_per_token" in r:
             r["floor_ms"] = max(resident_ms, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
             r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"]
-    print(f"\n{'system':<40} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}")
+    print(f"\n{'system':<50} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}")
     for r in rows:
         extra = (f"{r['bytes_per_token'] / 1e6:>9.1f} {r['floor_ms']:>9.3f} {r['limit_ratio']:>6.2f}"
                  if "floor_ms" in r else f"{'':>9} {'':>9} {'':>6}")
-        print(f"{r['system']:<40} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
+        print(f"{r['system']:<50} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
               f"{r['ms_per_token'] / resident_ms:>10.3f}x")
     result = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

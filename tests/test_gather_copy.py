@@ -58,3 +58,15 @@ def test_odd_row_sizes_use_narrow_words(device):
         gather_copy_triton(host, ours, src, dst, n)
         gather_copy_reference(host, ref, src, dst, n)
         assert torch.equal(bits(ours), bits(ref))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("programs", [1, 3, None])  # one program does all, a few stride, one per block
+def test_capped_grid_copies_every_block(device, programs):
+    """Rows of 80 KB span three 32 KB blocks (the last partial); a capped grid hands them out grid-stride."""
+    host, slots, src, dst = case(torch.float32, device, row=(5, 4000), seed=3)
+    ours, ref = slots.clone(), slots.clone()
+    n = torch.tensor(3, device=device)
+    gather_copy_triton(host, ours, src, dst, n, programs)
+    gather_copy_reference(host, ref, src, dst, n)
+    assert torch.equal(ours, ref)

@@ -37,7 +37,7 @@ def test_prefetch_opcheck():
     scores = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0])
     sources = (scores > 0).to(torch.int8) * 3
     args = (
-        scores, sources, 2, "lru", cache.predicted.clone(), cache.nominated.clone(), cache.expert_to_slot.clone(),
+        scores, sources, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(), cache.expert_to_slot.clone(),
         cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(), cache.hosts, clone(cache.slots),
     )
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)

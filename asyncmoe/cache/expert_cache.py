@@ -247,8 +247,11 @@ def prefetch(
     hosts: list[torch.Tensor],
     slots: list[torch.Tensor],
     use_kernel: bool | None = None,
+    copy_programs: int | None = None,
 ) -> None:
-    """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots."""
+    """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots.
+
+    `copy_programs` caps the copy kernel's grid (see gather_copy)."""
     *fields, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         _, src, dst, count = cache_step(
@@ -256,7 +259,7 @@ def prefetch(
             fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):
-            gather_copy(host, slot, src, dst, count)
+            gather_copy(host, slot, src, dst, count, copy_programs)
         return
     st = SlotState(*fields)
     resident = expert_to_slot[:-1] >= 0
@@ -267,7 +270,7 @@ def prefetch(
     src, dst, valid, count, evicted, wasted = admit(want, keep, budget, policy, expert_to_slot, slot_to_expert, st)
     _put(st.source, dst, valid, nominated[src])
     for host, slot in zip(hosts, slots):
-        gather_copy(host, slot, src, dst, count)
+        gather_copy(host, slot, src, dst, count, copy_programs)
     zero = torch.zeros_like(count)
     add = [zero, zero, zero, evicted, count * _expert_bytes(slots), count, wasted] + [zero] * (1 + len(SOURCES))
     counters.add_(torch.stack(add))

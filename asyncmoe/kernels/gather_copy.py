@@ -2,10 +2,15 @@
 
 M pairs are planned (a static maximum), `count` of them are real, and `count` lives in device
 memory: the host never learns it, so the copy can sit inside a CUDA graph and be replayed with
-different indices. The Triton kernel launches a grid sized for all M pairs; programs past `count`
-return at once, so a call with no misses moves no bytes. Reading the source through the UVA view
-streams host memory over PCIe from the SMs (~50 GB/s on an H200, Gen5 x16), with no copy engine
-and no host involvement.
+different indices. Reading the source through the UVA view streams host memory over PCIe from the
+SMs (~50 GB/s on an H200, Gen5 x16), with no copy engine and no host involvement.
+
+The work is `count` rows cut into 32 KB blocks, handed out grid-stride. By default the grid has a
+program per planned block (M rows' worth; those past `count` return at once), the fastest when the
+compute waits for the copy anyway. `programs=P` caps the grid: a prefetch running beside the
+compute then holds P programs' worth of SMs instead of flooding every SM with copy programs that
+the compute stream's kernels would queue behind; a few dozen programs keep enough loads in flight
+to fill the link.
 
 Dims: E experts, C slots, M planned copies.
 """
@@ -44,19 +49,20 @@ if triton is not None:
 
     @triton.jit
     def _gather_copy_kernel(
-        src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, count_ptr, row_elems, BLOCK: tl.constexpr
+        src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, count_ptr, row_elems, row_blocks, BLOCK: tl.constexpr
     ):
-        pair = tl.program_id(0)
-        if pair < tl.load(count_ptr):
+        work = tl.load(count_ptr) * row_blocks  # blocks to move: row i's blocks are i*row_blocks ...
+        for w in range(tl.program_id(0), work, tl.num_programs(0)):
+            pair = w // row_blocks
             s = tl.load(src_idx_ptr + pair).to(tl.int64)
             d = tl.load(dst_idx_ptr + pair).to(tl.int64)
-            offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            offs = (w % row_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offs < row_elems
             x = tl.load(src_ptr + s * row_elems + offs, mask=mask)
             tl.store(dst_ptr + d * row_elems + offs, x, mask=mask)
 
 
-BLOCK_BYTES = 32768  # per program; 12.6 MB experts -> ~400 programs each, enough loads in flight for PCIe
+BLOCK_BYTES = 32768  # per block; 12.6 MB experts -> ~400 blocks each
 NUM_WARPS = 4
 
 
@@ -68,12 +74,13 @@ def _word_dtype(row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
-def gather_copy_triton(host, slots, src, dst, count) -> None:
+def gather_copy_triton(host, slots, src, dst, count, programs: int | None = None) -> None:
     row_bytes = slots[0].numel() * slots.element_size()
     word = _word_dtype(row_bytes)
     row_elems = row_bytes // word.itemsize
     block = BLOCK_BYTES // word.itemsize
-    grid = (src.numel(), triton.cdiv(row_elems, block))
+    row_blocks = triton.cdiv(row_elems, block)
+    grid = (min(src.numel() * row_blocks, programs or src.numel() * row_blocks),)
     _gather_copy_kernel[grid](
         host.view(host.shape[0], -1).view(word),
         slots.view(slots.shape[0], -1).view(word),
@@ -81,14 +88,15 @@ def gather_copy_triton(host, slots, src, dst, count) -> None:
         dst,
         count.reshape(1),
         row_elems,
+        row_blocks,
         BLOCK=block,
         num_warps=NUM_WARPS,
     )
 
 
-def gather_copy(host, slots, src, dst, count) -> None:
+def gather_copy(host, slots, src, dst, count, programs: int | None = None) -> None:
     """The copy the cache uses: the Triton kernel on CUDA, the reference elsewhere."""
     if slots.is_cuda and triton is not None:
-        gather_copy_triton(host, slots, src, dst, count)
+        gather_copy_triton(host, slots, src, dst, count, programs)
     else:
         gather_copy_reference(host, slots, src, dst, count)

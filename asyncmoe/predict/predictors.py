@@ -31,12 +31,15 @@ MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be pr
 @dataclass(frozen=True)
 class Prefetch:
     """Prefetch settings. `per_token`: experts each token nominates (default: the model's top-k);
-    `budget`: most experts admitted per target layer per call (default: top-k); `depth`: layers ahead."""
+    `budget`: most experts admitted per target layer per call (default: top-k); `depth`: layers ahead;
+    `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block,
+    which floods the SMs the compute needs)."""
 
     sources: tuple[str, ...] = SOURCES
     depth: int = 1
     per_token: int | None = None
     budget: int | None = None
+    copy_programs: int | None = 32
 
     def __post_init__(self):
         unknown = set(self.sources) - set(SOURCES)
@@ -44,6 +47,8 @@ class Prefetch:
             raise ValueError(f"prefetch sources must be a non-empty subset of {SOURCES}, got {self.sources}")
         if self.depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
+        if self.copy_programs is not None and self.copy_programs < 1:
+            raise ValueError(f"prefetch copy_programs must be >= 1 or None, got {self.copy_programs}")
 
 
 def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int) -> torch.Tensor:
