@@ -33,7 +33,7 @@ import asyncmoe
 
 SHAPES = {
     # OLMoE-1B-7B: 16 layers, 64 experts top-8, hidden 2048, expert intermediate 1024
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+    "olmoe": ("OlmoeConfig", dict(
         vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
     )),
@@ -41,11 +41,11 @@ SHAPES = {
 
 
 def build(shape: str, dtype=torch.bfloat16):
-    config_cls, model_cls, kw = SHAPES[shape]
+    config_cls, kw = SHAPES[shape]
     config = getattr(transformers, config_cls)(**kw)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = getattr(transformers, model_cls)(config).to(dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()  # rotary tables fp32, as loaded
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "router.weight")):

@@ -53,7 +53,8 @@ def test_graph_replay_equals_eager_fp32(family, kind, batch, cache):
     graphed, eager = asyncmoe.Decoder(a, batch, n, graph=True), asyncmoe.Decoder(b, batch, n, graph=False)
     assert lockstep(graphed, eager, ids, STEPS) <= 1e-5
     s = asyncmoe.stats(a)
-    assert s.totals["misses"] > STEPS // 4 and s.totals["evictions"] > 0  # eviction really happened, every few steps
+    copies = s.totals["misses"] + s.totals["prefetched"]  # prefetch may fetch an expert before it is missed
+    assert copies > STEPS // 4 and s.totals["evictions"] > 0  # slots really were refilled, every few steps
     unmodified = asyncmoe.Decoder(ref, batch, n, graph=False).generate(ids, STEPS + 1).tokens
     assert torch.equal(graphed.history[:, : graphed.length], unmodified)
     print(f"\n{family} {kind} batch={batch} cache={cache}: hit rate {100 * s.totals['hit_rate']:.1f}%, "
