@@ -25,7 +25,8 @@ def _timed(model, ids, new_tokens: int, cached: bool, repeats: int = 3):
 
 
 def demo(args) -> int:
-    """The embedded model with a small expert cache, streamed, then timed next to the same model fully resident."""
+    """The embedded model with a small expert cache, streamed, then timed next to the same model fully resident
+    and with prefetch off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import asyncmoe
@@ -59,13 +60,16 @@ def demo(args) -> int:
     base, _ = _timed(resident, ids, args.tokens, cached=False)
     got, graphed = _timed(cached, ids, args.tokens, cached=True)
     s = asyncmoe.stats(cached)
-    moved = s.totals["bytes_h2d"] / got.new_tokens  # the last timed run, prefill included
+    plain = asyncmoe.from_pretrained(path, cache=args.cache, dtype=dtype, device=device, policy=args.policy, prefetch=False)
+    bare, _ = _timed(plain, ids, args.tokens, cached=True)
     mode = "CUDA graph" if graphed else "eager"
-    print(f"{'greedy, ' + str(args.tokens) + ' tokens, ' + mode:<32} {'tokens/s':>9} {'ms/token':>9} {'hit rate':>9} "
+    print(f"{'greedy, ' + str(args.tokens) + ' tokens, ' + mode:<34} {'tokens/s':>9} {'ms/token':>9} {'hit rate':>9} "
           f"{'prefetch recall':>16} {'MB moved/token':>15}")
-    print(f"{'fully resident (64/64)':<32} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} {'-':>9} {'-':>16} {'-':>15}")
-    print(f"{f'asyncmoe cache={args.cache}/64':<32} {got.tokens_per_s:>9.1f} {got.decode_ms_per_token:>9.2f} "
-          f"{s.totals['hit_rate']:>9.1%} {s.totals['prefetch_recall']:>16.1%} {moved / 1e6:>15.2f}")
+    print(f"{'fully resident (64/64)':<34} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} {'-':>9} {'-':>16} {'-':>15}")
+    for label, run, totals in [("", got, s.totals), (", no prefetch", bare, asyncmoe.stats(plain).totals)]:
+        moved = totals["bytes_h2d"] / run.new_tokens  # the last timed run, prefill included
+        print(f"{f'asyncmoe cache={args.cache}/64{label}':<34} {run.tokens_per_s:>9.1f} {run.decode_ms_per_token:>9.2f} "
+              f"{totals['hit_rate']:>9.1%} {totals['prefetch_recall']:>16.1%} {moved / 1e6:>15.2f}")
     agree = (got.tokens == base.tokens).cumprod(-1).sum().item() - ids.shape[1]
     print(f"tokens equal to the resident model's: the first {agree} of {got.new_tokens}"
           + ("" if dtype == torch.float32 else f" ({dtype}: the two models' logits are close, not bit-equal, so a near-tie "

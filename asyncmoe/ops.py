@@ -90,7 +90,7 @@ def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = Fals
 
 @torch.library.custom_op(
     "asyncmoe::prefetch",
-    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "slots"),
+    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
 )
 def _prefetch(
     scores: Tensor,
@@ -104,6 +104,7 @@ def _prefetch(
     slot_to_expert: Tensor,
     state: list[Tensor],
     counters: Tensor,
+    outcomes: Tensor,
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> None:
@@ -118,7 +119,7 @@ def _prefetch(
     predicted.copy_(scores)
     nominated.copy_(sources)
     args = (predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots)
-    kwargs = dict(copy_programs=copy_programs or None)
+    kwargs = dict(copy_programs=copy_programs or None, outcomes=outcomes)
     if not expert_to_slot.is_cuda:
         expert_cache.prefetch(*args, **kwargs)
         return
@@ -131,7 +132,7 @@ def _prefetch(
 
 
 @_prefetch.register_fake
-def _(scores, sources, budget, copy_programs, policy, predicted, nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
+def _(scores, sources, budget, copy_programs, policy, predicted, nominated, expert_to_slot, slot_to_expert, state, counters, outcomes, hosts, slots):
     E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
     torch._check(scores.shape == (E,), lambda: f"scores must be [num_experts={E}], got {tuple(scores.shape)}")
     torch._check(sources.shape == (E,), lambda: f"sources must be [num_experts={E}], got {tuple(sources.shape)}")
@@ -141,7 +142,7 @@ def _(scores, sources, budget, copy_programs, policy, predicted, nominated, expe
 def prefetch(cache: ExpertCache, scores: Tensor, sources: Tensor, budget: int, copy_programs: int | None = None) -> None:
     torch.ops.asyncmoe.prefetch(
         scores, sources, budget, copy_programs or 0, cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot,
-        cache.slot_to_expert, cache.state, cache.counters, cache.hosts, cache.slots,
+        cache.slot_to_expert, cache.state, cache.counters, cache.outcomes, cache.hosts, cache.slots,
     )
 
 

@@ -38,7 +38,8 @@ def test_prefetch_opcheck():
     sources = (scores > 0).to(torch.int8) * 3
     args = (
         scores, sources, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(), cache.expert_to_slot.clone(),
-        cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(), cache.hosts, clone(cache.slots),
+        cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(), cache.outcomes.clone(), cache.hosts,
+        clone(cache.slots),
     )
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
 

@@ -93,3 +93,28 @@ def test_combine_ranks_the_gate_first_and_drops_weak_support():
 def test_bad_prefetch_settings(bad):
     with pytest.raises(ValueError, match="prefetch"):
         asyncmoe.Prefetch(**bad)
+
+
+@pytest.mark.parametrize("useful", [True, False])
+def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(useful):
+    """Each step prefetches one expert and then routes to it (useful) or to another one (wasted). A
+    wasted stream of prefetches switches the layer's prefetch off, except every EXPLORE_EVERY-th call."""
+    from asyncmoe import ops
+    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, ExpertCache
+
+    E, steps = 16, 6 * EXPLORE_EVERY
+    cache = ExpertCache({"w": torch.randn(E, 3)}, 2, "lru")
+    admitted = []
+    for step in range(steps):
+        guess = step % E
+        prefetched = cache.counters[COUNTERS.index("prefetched")].item()
+        scores = torch.nn.functional.one_hot(torch.tensor(guess), E).float()
+        ops.prefetch(cache, scores, torch.full((E,), GATE, dtype=torch.int8), 1)
+        admitted.append(cache.counters[COUNTERS.index("prefetched")].item() - prefetched)
+        routed = guess if useful else (guess + E // 2) % E
+        ops.ensure(cache, torch.tensor([[routed]]), 0)
+    late = admitted[steps // 2 :]
+    if useful:
+        assert all(late)  # every prefetch admitted
+    else:
+        assert 0 < sum(late) <= len(late) // EXPLORE_EVERY + 1  # only the exploring calls

@@ -32,6 +32,15 @@ COUNTERS = (
     "prefetched", "wasted",  # experts a prefetch admitted; prefetched experts evicted before any use
     "prefetch_hits", "hits_gate", "hits_temporal", "hits_transition",  # routed experts found prefetched, by nominator
 )
+WASTED = COUNTERS.index("wasted")
+assert COUNTERS[WASTED + 1] == "prefetch_hits"  # the prefetch gate reads the two as one slice
+
+# The prefetch gate (see `gate_prefetch`). A wasted copy costs about what a used one saves when one
+# expert's copy takes as long as a layer's compute (OLMoE-1B-7B shape on the H200: 0.27 vs 0.25 ms),
+# so a layer prefetches while at least half of its recent prefetches were used.
+MIN_PRECISION = 0.5
+OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
+EXPLORE_EVERY = 16  # a gated layer still prefetches every 16th call, to notice when predictions improve
 
 
 class ExpertCache(nn.Module):
@@ -70,6 +79,8 @@ class ExpertCache(nn.Module):
         # they must outlive the call (a temporary could be reused by the allocator under the side stream)
         self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
+        # prefetch outcomes: decayed (wasted, used) counts, and the counters they were last read from
+        self.register_buffer("outcomes", torch.zeros(4, dtype=torch.float32, device=device), persistent=False)
         # `transitions` [E_prev, E], decayed counts of (expert routed at the previous MoE layer -> here),
         # is registered by the integration when a transition predictor feeds this layer.
 
@@ -248,11 +259,14 @@ def prefetch(
     slots: list[torch.Tensor],
     use_kernel: bool | None = None,
     copy_programs: int | None = None,
+    outcomes: torch.Tensor | None = None,  # [4] float: see gate_prefetch; None: never gate
 ) -> None:
     """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots.
 
     `copy_programs` caps the copy kernel's grid (see gather_copy)."""
     *fields, scratch = state
+    if outcomes is not None:
+        gate_prefetch(predicted, counters, outcomes, SlotState(*fields).clock)
     if _use_kernel(expert_to_slot, use_kernel):
         _, src, dst, count = cache_step(
             None, predicted, nominated, 0, POLICY_IDS[policy], budget, expert_to_slot, slot_to_expert,
@@ -274,6 +288,23 @@ def prefetch(
     zero = torch.zeros_like(count)
     add = [zero, zero, zero, evicted, count * _expert_bytes(slots), count, wasted] + [zero] * (1 + len(SOURCES))
     counters.add_(torch.stack(add))
+
+
+def gate_prefetch(predicted: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, clock: torch.Tensor) -> None:
+    """Zero the predictions (so nothing is admitted) while this layer's prefetches are mostly wasted.
+
+    Why: a copy that is never used still holds the link and the SMs, and the layer's `ensure` waits
+    for it; with predictions that miss (a random-weight router, routing replayed from a trace that the
+    gate cannot see) prefetch made decode up to 2.3x slower than none (docs/results). The estimate is
+    a decayed count of prefetched experts used vs evicted unused, fed by the counters' growth since
+    the last call (a stats reset only restarts the counters, not the estimate).
+    """
+    seen = counters[WASTED : WASTED + 2].float()  # (wasted, used) so far
+    outcomes[:2].mul_(OUTCOME_DECAY).add_((seen - outcomes[2:]).clamp(min=0))
+    outcomes[2:].copy_(seen)
+    wasted, used = outcomes[0], outcomes[1]
+    on = (used + 1) >= MIN_PRECISION * (used + wasted + 2)  # with no evidence yet: on
+    predicted.mul_(on | (clock % EXPLORE_EVERY == 0))
 
 
 def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor) -> None:

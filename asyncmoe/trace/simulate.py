@@ -101,7 +101,7 @@ def _step(ids_t, caches, transitions, prefetch: tuple[str, ...], budget: int):
             scores, sources = combine(parts)
             expert_cache.prefetch(
                 scores, sources, budget, target.policy, target.expert_to_slot, target.slot_to_expert, target.state,
-                target.counters, [], [],
+                target.counters, [], [], outcomes=target.outcomes,
             )
 
 
