@@ -6,7 +6,7 @@ names every tensor an op writes, so functionalization orders the expert compute 
 reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
-Streams: `prefetch` forks a side stream from the current (compute) stream, admits and copies there,
+Streams: `prefetch` forks a side stream from the current (compute) stream, predicts, admits and copies there,
 and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
 event before it reads the tables. Every prefetch targets a later layer of the same forward, whose
 `ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture
@@ -20,6 +20,8 @@ from torch import Tensor
 
 from .cache import expert_cache
 from .cache.expert_cache import ExpertCache
+from .cache.policies import SlotState
+from .predict.predictors import GATE, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _ready: dict[int, torch.cuda.Event] = {}  # per target cache (keyed by its expert_to_slot address)
@@ -93,8 +95,10 @@ def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = Fals
     mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
 )
 def _prefetch(
-    scores: Tensor,
-    sources: Tensor,
+    gate: Tensor | None,
+    temporal: bool,
+    routed_before: Tensor | None,
+    transitions: Tensor | None,
     budget: int,
     copy_programs: int,
     policy: str,
@@ -108,41 +112,73 @@ def _prefetch(
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> None:
-    """Admit up to `budget` predicted experts [E scores, E source bits] into a later layer's cache, on a side stream.
+    """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side stream.
 
-    The copy runs on at most `copy_programs` Triton programs (0: one per block), so the compute
-    stream keeps most SMs while it runs.
-
-    The scores are first copied, on the compute stream, into the target's own buffers: the side
-    stream must not read a temporary the compute stream may free and reuse meanwhile.
+    Predictors (predict.predictors): `gate` scores [E] computed by the caller from this layer's
+    hidden states; `temporal` (the target's routing last call, its own `routed`); `routed_before` and
+    `transitions` for the transition predictor. Only the gate's input is a temporary of the compute
+    stream, so only it is computed there, then copied into the target's `predicted` (the side stream
+    must not read memory the compute stream may reuse meanwhile); the rest of the prediction, ~40
+    small kernels per layer measured at ~90 µs on the critical path when it ran on the compute
+    stream, runs on the side stream. The copy runs on at most `copy_programs` Triton programs (0: one
+    per block), so the compute stream keeps most SMs while it runs.
     """
-    predicted.copy_(scores)
-    nominated.copy_(sources)
-    args = (predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots)
-    kwargs = dict(copy_programs=copy_programs or None, outcomes=outcomes)
+    if gate is not None:
+        predicted.copy_(gate)
+    args = (expert_to_slot, slot_to_expert, state, counters, hosts, slots)
+
+    def run():
+        parts = [(GATE, predicted)] if gate is not None else []
+        if temporal:
+            parts.append((TEMPORAL, temporal_scores(SlotState(*state[:-1]).routed)))
+        if routed_before is not None:
+            parts.append((TRANSITION, transition_scores(routed_before, transitions, budget)))
+        score, sources = combine(parts)
+        predicted.copy_(score)
+        nominated.copy_(sources)
+        expert_cache.prefetch(predicted, nominated, budget, policy, *args, copy_programs=copy_programs or None, outcomes=outcomes)
+
     if not expert_to_slot.is_cuda:
-        expert_cache.prefetch(*args, **kwargs)
+        run()
         return
     compute = torch.cuda.current_stream()
     side = _side_stream(expert_to_slot.device)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
-        expert_cache.prefetch(*args, **kwargs)
+        run()
         _event(expert_to_slot.data_ptr()).record(side)
 
 
 @_prefetch.register_fake
-def _(scores, sources, budget, copy_programs, policy, predicted, nominated, expert_to_slot, slot_to_expert, state, counters, outcomes, hosts, slots):
+def _(gate, temporal, routed_before, transitions, budget, copy_programs, policy, predicted, nominated, expert_to_slot,
+      slot_to_expert, state, counters, outcomes, hosts, slots):
     E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
-    torch._check(scores.shape == (E,), lambda: f"scores must be [num_experts={E}], got {tuple(scores.shape)}")
-    torch._check(sources.shape == (E,), lambda: f"sources must be [num_experts={E}], got {tuple(sources.shape)}")
+    torch._check(gate is not None or temporal or routed_before is not None, lambda: "prefetch needs a predictor")
+    torch._check(gate is None or gate.shape == (E,), lambda: f"gate scores must be [num_experts={E}], got {tuple(gate.shape)}")
+    torch._check(
+        (routed_before is None) == (transitions is None), lambda: "the transition predictor needs routed_before and transitions"
+    )
+    torch._check(
+        transitions is None or transitions.shape == (routed_before.shape[0], E),
+        lambda: f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(transitions.shape)}",
+    )
     torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
 
 
-def prefetch(cache: ExpertCache, scores: Tensor, sources: Tensor, budget: int, copy_programs: int | None = None) -> None:
+def prefetch(
+    cache: ExpertCache,
+    gate: Tensor | None = None,
+    temporal: bool = False,
+    routed_before: Tensor | None = None,
+    budget: int = 1,
+    copy_programs: int | None = None,
+) -> None:
+    """`asyncmoe::prefetch` into `cache`; `routed_before` (the previous layer's routing) turns on the transition predictor."""
+    transitions = cache.transitions if routed_before is not None else None
     torch.ops.asyncmoe.prefetch(
-        scores, sources, budget, copy_programs or 0, cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot,
-        cache.slot_to_expert, cache.state, cache.counters, cache.outcomes, cache.hosts, cache.slots,
+        gate, temporal, routed_before, transitions, budget, copy_programs or 0, cache.policy, cache.predicted,
+        cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
+        cache.hosts, cache.slots,
     )
 
 

@@ -17,8 +17,7 @@ from torch import nn
 from . import ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .experts import combine, routed_outputs
-from .predict.predictors import GATE, TEMPORAL, TRANSITION, Prefetch, gate_scores, temporal_scores, transition_scores
-from .predict.predictors import combine as combine_scores
+from .predict.predictors import Prefetch, gate_scores
 
 
 class ExpertWeightProvider(nn.Module):
@@ -73,16 +72,12 @@ class CachedProvider(ExpertWeightProvider):
         if "transition" in plan.sources and self.previous is not None:
             ops.observe(self.previous.cache, self.cache)
         for depth, target in enumerate(self.targets, start=1):
-            parts = []
+            gate = None
             if "gate" in plan.sources and depth == 1 and target.router is not None:
-                parts.append((GATE, gate_scores(hidden_states, *target.router, target.per_token)))
-            if "temporal" in plan.sources:
-                parts.append((TEMPORAL, temporal_scores(target.cache.routed)))
-            if "transition" in plan.sources and target.previous is not None:
-                parts.append((TRANSITION, transition_scores(target.previous.cache.routed, target.cache.transitions, target.budget)))
-            if parts:
-                scores, sources = combine_scores(parts)
-                ops.prefetch(target.cache, scores, sources, target.budget, plan.copy_programs)
+                gate = gate_scores(hidden_states, *target.router, target.per_token)
+            before = target.previous.cache.routed if "transition" in plan.sources and target.previous is not None else None
+            if gate is not None or "temporal" in plan.sources or before is not None:
+                ops.prefetch(target.cache, gate, "temporal" in plan.sources, before, target.budget, plan.copy_programs)
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:

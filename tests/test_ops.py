@@ -32,14 +32,15 @@ def test_ensure_opcheck(policy, wave):
     torch.library.opcheck(torch.ops.asyncmoe.ensure.default, ensure_args(cache, ids, wave))
 
 
-def test_prefetch_opcheck():
+@pytest.mark.parametrize("predictors", ["gate", "temporal", "gate+temporal+transition"])
+def test_prefetch_opcheck(predictors):
     cache = warm_cache("lru")
-    scores = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0])
-    sources = (scores > 0).to(torch.int8) * 3
+    gate = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0]) if "gate" in predictors else None
+    before, transitions = (torch.arange(10) % 3 == 0, torch.rand(10, 10)) if "transition" in predictors else (None, None)
     args = (
-        scores, sources, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(), cache.expert_to_slot.clone(),
-        cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(), cache.outcomes.clone(), cache.hosts,
-        clone(cache.slots),
+        gate, "temporal" in predictors, before, transitions, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(),
+        cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(),
+        cache.outcomes.clone(), cache.hosts, clone(cache.slots),
     )
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
 

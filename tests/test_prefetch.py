@@ -28,12 +28,14 @@ def test_prefetch_on_off_identical(family, cache):
 
 def test_prefetch_hits_are_counted_by_nominator():
     from asyncmoe import ops
+    from asyncmoe.cache import expert_cache
     from asyncmoe.cache.expert_cache import ExpertCache
 
     cache = ExpertCache({"w": torch.randn(8, 3)}, 3, "lru")
     scores = torch.tensor([0, 0.9, 0, 0, 0.2, 0.5, 0, 0])
     sources = torch.tensor([0, GATE | TEMPORAL, 0, 0, TRANSITION, GATE, 0, 0], dtype=torch.int8)
-    ops.prefetch(cache, scores, sources, 2)  # admits 1 and 5, the two likeliest
+    tables = (cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.hosts, cache.slots)
+    expert_cache.prefetch(scores, sources, 2, "lru", *tables)  # admits 1 and 5, the two likeliest
     assert sorted(e for e in cache.slot_to_expert.tolist() if e >= 0) == [1, 5]
     assert torch.equal(cache.slot_w[cache.expert_to_slot[[1, 5]]], cache.host_w[[1, 5]])
     ops.ensure(cache, torch.tensor([[1, 2]]), 0)  # 1 was prefetched, 2 misses
@@ -109,7 +111,7 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(useful):
         guess = step % E
         prefetched = cache.counters[COUNTERS.index("prefetched")].item()
         scores = torch.nn.functional.one_hot(torch.tensor(guess), E).float()
-        ops.prefetch(cache, scores, torch.full((E,), GATE, dtype=torch.int8), 1)
+        ops.prefetch(cache, gate=scores, budget=1)
         admitted.append(cache.counters[COUNTERS.index("prefetched")].item() - prefetched)
         routed = guess if useful else (guess + E // 2) % E
         ops.ensure(cache, torch.tensor([[routed]]), 0)
