@@ -167,10 +167,10 @@ def _(gate, temporal, routed_before, transitions, budget, copy_programs, policy,
 
 def prefetch(
     cache: ExpertCache,
+    budget: int,
     gate: Tensor | None = None,
     temporal: bool = False,
     routed_before: Tensor | None = None,
-    budget: int = 1,
     copy_programs: int | None = None,
 ) -> None:
     """`asyncmoe::prefetch` into `cache`; `routed_before` (the previous layer's routing) turns on the transition predictor."""

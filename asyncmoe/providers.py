@@ -77,7 +77,7 @@ class CachedProvider(ExpertWeightProvider):
                 gate = gate_scores(hidden_states, *target.router, target.per_token)
             before = target.previous.cache.routed if "transition" in plan.sources and target.previous is not None else None
             if gate is not None or "temporal" in plan.sources or before is not None:
-                ops.prefetch(target.cache, gate, "temporal" in plan.sources, before, target.budget, plan.copy_programs)
+                ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs)
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:

@@ -111,7 +111,7 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(useful):
         guess = step % E
         prefetched = cache.counters[COUNTERS.index("prefetched")].item()
         scores = torch.nn.functional.one_hot(torch.tensor(guess), E).float()
-        ops.prefetch(cache, gate=scores, budget=1)
+        ops.prefetch(cache, 1, gate=scores)
         admitted.append(cache.counters[COUNTERS.index("prefetched")].item() - prefetched)
         routed = guess if useful else (guess + E // 2) % E
         ops.ensure(cache, torch.tensor([[routed]]), 0)
