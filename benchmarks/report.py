@@ -2,6 +2,8 @@
 
     python benchmarks/report.py            # full profile (GPU); --quick for the 10-minute profile
     python benchmarks/report.py --quick --out docs/results
+    python benchmarks/report.py -k "deepseek and b1" --out run1   # the full profile, one part per device call
+    python benchmarks/report.py --from-json run1/*.json run2/*.json   # ... then one table of all parts
 
 Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
 with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
@@ -138,16 +140,29 @@ def write(json_path: pathlib.Path) -> list[pathlib.Path]:
         return [md]
 
 
+def merge(paths: list[pathlib.Path]) -> dict:
+    """Several runs' JSON as one (the first run's machine info). Split runs along shape, routing and
+    batch (`-k "olmoe and router and b1"`): the speedups compare systems within a group, so a group
+    must come from one run."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="docs/results")
+    p.add_argument("-k", default=None, help="only the cases pytest -k selects: the full profile needs several device calls")
+    p.add_argument("--from-json", nargs="+", type=pathlib.Path, help="merge these runs and write their table and plots")
     args = p.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"bench-{datetime.date.today().isoformat()}.json"
-    cmd = [sys.executable, "-m", "pytest", str(HERE / "test_latency.py"), "--benchmark-only", f"--benchmark-json={json_path}", "-q"]
-    subprocess.run(cmd + (["--quick"] if args.quick else []), check=True)
+    if args.from_json:
+        json_path.write_text(json.dumps(merge(args.from_json)))
+    else:
+        cmd = [sys.executable, "-m", "pytest", str(HERE / "test_latency.py"), "--benchmark-only", f"--benchmark-json={json_path}", "-q"]
+        subprocess.run(cmd + (["--quick"] if args.quick else []) + (["-k", args.k] if args.k else []), check=True)
     for path in write(json_path):
         print(path)
 

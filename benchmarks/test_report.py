@@ -29,3 +29,9 @@ def test_report_rows_and_files(tmp_path):
     assert prefill and md.count("\n| tiny | router |") == len(table) + len(prefill)
     for png in paths[1:]:
         assert png.read_bytes()[:4] == b"\x89PNG"
+    # split into two runs and merged back: the same rows
+    half = len(data["benchmarks"]) // 2
+    parts = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, benches in zip(parts, [data["benchmarks"][:half], data["benchmarks"][half:]]):
+        path.write_text(json.dumps(dict(data, benchmarks=benches)))
+    assert report.rows(report.merge(parts)) == table
