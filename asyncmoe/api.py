@@ -34,9 +34,12 @@ def compile(
     runs: realistic routing for random-weight models of real shapes (docs/traces.md).
     Returns the same model.
     """
-    plan = Prefetch() if prefetch is True else (prefetch or None)
     trace = Trace.load(replay) if isinstance(replay, str) else replay
-    return hf.install(model, cache, policy, device, plan, trace)
+    return hf.install(model, cache, policy, device, _plan(prefetch), trace)
+
+
+def _plan(prefetch: bool | Prefetch) -> Prefetch | None:
+    return Prefetch() if prefetch is True else (prefetch or None)
 
 
 def record(model: nn.Module) -> hf.TraceRecorder:
@@ -61,8 +64,7 @@ def from_pretrained(
     `kwargs` go to `AutoModelForCausalLM.from_pretrained`.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    plan = Prefetch() if prefetch is True else (prefetch or None)
-    return hf.load(path, cache, dtype, device, policy, plan, **kwargs)
+    return hf.load(path, cache, dtype, device, policy, _plan(prefetch), **kwargs)
 
 
 def stats(model: nn.Module, reset: bool = False) -> Stats:

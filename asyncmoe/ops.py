@@ -20,8 +20,6 @@ from torch import Tensor
 
 from .cache import expert_cache
 from .cache.expert_cache import ExpertCache
-from .cache.policies import SlotState
-from .predict.predictors import GATE, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _ready: dict[int, torch.cuda.Event] = {}  # per target cache (keyed by its expert_to_slot address)
@@ -125,18 +123,12 @@ def _prefetch(
     """
     if gate is not None:
         predicted.copy_(gate)
-    args = (expert_to_slot, slot_to_expert, state, counters, hosts, slots)
 
     def run():
-        parts = [(GATE, predicted)] if gate is not None else []
-        if temporal:
-            parts.append((TEMPORAL, temporal_scores(SlotState(*state[:-1]).routed)))
-        if routed_before is not None:
-            parts.append((TRANSITION, transition_scores(routed_before, transitions, budget)))
-        score, sources = combine(parts)
-        predicted.copy_(score)
-        nominated.copy_(sources)
-        expert_cache.prefetch(predicted, nominated, budget, policy, *args, copy_programs=copy_programs or None, outcomes=outcomes)
+        expert_cache.predict_and_prefetch(
+            predicted if gate is not None else None, temporal, routed_before, transitions, budget, policy, predicted,
+            nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots, outcomes, copy_programs or None,
+        )
 
     if not expert_to_slot.is_cuda:
         run()

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..kernels.cache_step import cache_step, triton
 from ..kernels.gather_copy import gather_copy
-from ..predict.predictors import SOURCES
+from ..predict.predictors import GATE, SOURCES, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
 from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_IDS, SlotState, get_policy
 
 COUNTERS = (
@@ -288,6 +288,38 @@ def prefetch(
     zero = torch.zeros_like(count)
     add = [zero, zero, zero, evicted, count * _expert_bytes(slots), count, wasted] + [zero] * (1 + len(SOURCES))
     counters.add_(torch.stack(add))
+
+
+def predict_and_prefetch(
+    gate: torch.Tensor | None,  # [E] the gate predictor's scores (computed from hidden states by the caller)
+    temporal: bool,
+    routed_before: torch.Tensor | None,  # [E'] the previous layer's routing: turns on the transition predictor
+    transitions: torch.Tensor | None,  # [E', E]
+    budget: int,
+    policy: str,
+    predicted: torch.Tensor,
+    nominated: torch.Tensor,
+    expert_to_slot: torch.Tensor,
+    slot_to_expert: torch.Tensor,
+    state: list[torch.Tensor],
+    counters: torch.Tensor,
+    hosts: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    outcomes: torch.Tensor,
+    copy_programs: int | None = None,
+) -> None:
+    """Score the target layer's experts by the chosen predictors, combine them, and `prefetch`: what the
+    prefetch op runs on its side stream, and the simulator inline."""
+    parts = [(GATE, gate)] if gate is not None else []
+    if temporal:
+        parts.append((TEMPORAL, temporal_scores(SlotState(*state[:-1]).routed)))
+    if routed_before is not None:
+        parts.append((TRANSITION, transition_scores(routed_before, transitions, budget)))
+    score, sources = combine(parts)
+    predicted.copy_(score)
+    nominated.copy_(sources)
+    prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
+             copy_programs=copy_programs, outcomes=outcomes)
 
 
 def gate_prefetch(

@@ -178,16 +178,16 @@ class Decoder:
         t0 = time.perf_counter()
         first = self.prefill(input_ids, do_sample, temperature, top_k, top_p, seed)
         if callback:
-            callback(first.tolist())
+            callback(first.tolist())  # host sync, between graph replays: streaming asked for it
         sync()
         t1 = time.perf_counter()
         n = 1
-        check_every = 1 if callback else 16  # stopping at EOS costs a sync; streaming syncs every token anyway
+        check_every = 1 if callback else 16  # the EOS check is a host sync between replays; streaming syncs anyway
         while n < max_new_tokens:
             self.decode(1)
             n += 1
             if callback:
-                callback(self.tok[:, 0].tolist())
+                callback(self.tok[:, 0].tolist())  # host sync between replays, as above
             if eos_token_id is not None and n % check_every == 0 and (self.history[:, L : L + n] == eos_token_id).any(1).all():
                 break
         sync()
