@@ -1,6 +1,6 @@
 """Decode latency at one model shape: the unmodified model against asyncmoe, eager and in a CUDA graph.
 
-    python benchmarks/decode_step.py --shape olmoe --caches 64 32 16 --out decode_step.json
+    python benchmarks/decode_step.py --shape olmoe-1b-7b --caches 64 32 16 --out decode_step.json
 
 Systems, batch-1 greedy decode, the same prompt (16 random tokens) for all:
   unmodified            the transformers model fully resident (a: CUDA graph; and eager)
@@ -30,28 +30,7 @@ import torch
 import transformers
 
 import asyncmoe
-
-SHAPES = {
-    # OLMoE-1B-7B: 16 layers, 64 experts top-8, hidden 2048, expert intermediate 1024
-    "olmoe": ("OlmoeConfig", dict(
-        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
-    )),
-}
-
-
-def build(shape: str, dtype=torch.bfloat16):
-    config_cls, kw = SHAPES[shape]
-    config = getattr(transformers, config_cls)(**kw)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()  # rotary tables fp32, as loaded
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "router.weight")):
-                p.normal_(0, 1.0)
-    return model
-
+from shapes import SHAPES, random_model, routing_shape
 
 def h2d_bandwidth(nbytes: int = 512 * 2**20, reps: int = 10) -> float:
     """GB/s of a pinned host -> GPU copy_ (the copy engine), median of `reps`."""
@@ -98,7 +77,7 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", default="olmoe", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
     p.add_argument("--caches", type=int, nargs="+", default=[64, 32, 16])
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
@@ -113,8 +92,8 @@ def main():
 
     bandwidth = h2d_bandwidth()
     print(f"pinned host->GPU copy_: {bandwidth:.1f} GB/s", flush=True)
-    base = build(args.shape)
-    experts = base.config.num_experts
+    base = random_model(args.shape, torch.bfloat16, "cuda")
+    experts = routing_shape(args.shape)[0]
     prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
 
     def run(model, label):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import asyncmoe
-from baselines import accelerate_offload, seed_lru
+from baselines import accelerate_offload
 from test_latency import TokenwisePrefill, build
 
 

@@ -23,53 +23,24 @@ the Belady floor: the fewest expert copies per token any cache of that size must
 
 from __future__ import annotations
 
-import copy
 import functools
 import pathlib
 import statistics
 
 import pytest
 import torch
-import transformers
 
 import asyncmoe
-from asyncmoe.integrations.transformers import find_experts, find_router, replay_routing, rewind_replay
+from asyncmoe.integrations.transformers import find_experts, replay_routing, rewind_replay
 from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 from baselines import accelerate_offload, seed_lru
+from shapes import SHAPES, random_model, routing_shape
 from synthetic import synthetic
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
-
-SHAPES = {  # (config class, config); random weights, real shapes
-    "tiny": ("OlmoeConfig", dict(
-        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, num_experts=16, num_experts_per_tok=2)),
-    "olmoe-1b-7b": ("OlmoeConfig", dict(
-        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
-    "deepseek-v2-lite": ("DeepseekV2Config", dict(  # 31.4 GB bf16, 26 MoE layers
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
-        first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, num_attention_heads=16,
-        num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128)),
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(  # 61.1 GB bf16, 48 MoE layers
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-        num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128)),
-    # 24 of Mixtral-8x7B's 32 layers: 68 GB of experts, what the 128 GB GPU host can pin beside the rest
-    "mixtral-8x7b-24l": ("MixtralConfig", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=24, num_local_experts=8,
-        num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8)),
-}
-
-
-def routing_shape(shape: str) -> tuple[int, int]:
-    kw = SHAPES[shape][1]
-    experts = kw.get("num_experts") or kw.get("n_routed_experts") or kw["num_local_experts"]
-    return experts, kw["num_experts_per_tok"]
-
 
 DEMO_TRACE = pathlib.Path(__file__).parent / "traces" / "demo_val.npz"
 SYSTEMS = ["unmodified", "accelerate", "seed", "asyncmoe-eager", "asyncmoe-graph", "asyncmoe-graph-prefetch"]
@@ -108,15 +79,8 @@ def pytest_generate_tests(metafunc):
 
 
 def build(system: str, shape: str, cache: int) -> torch.nn.Module:
-    """A fresh model per case, the same weights every time (seeded init on one device): one at a time in memory."""
-    config_cls, kw = SHAPES[shape]
-    config = getattr(transformers, config_cls)(**kw, pad_token_id=0, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE).eval()  # rotary tables fp32, as loaded
-    with torch.no_grad():  # random routers send every token to the same few experts; spread them
-        for name, m in find_experts(model):
-            find_router(model, name, m)[0].normal_(0, 1.0)
+    """A fresh model per case, the same weights every time: one at a time in memory."""
+    model = random_model(shape, DTYPE, DEVICE)
     if system == "unmodified":
         return model
     if system == "accelerate":

@@ -1,9 +1,6 @@
 """Bad input gets a clear error that says what to do."""
 
-import copy
-
 import pytest
-import torch
 import transformers
 
 import asyncmoe

@@ -53,11 +53,11 @@ LOAD = textwrap.dedent(
 @torch.no_grad()
 def test_olmoe_checkpoint_loads_without_its_experts_on_the_gpu(tmp_path):
     sys.path.insert(0, "benchmarks")
-    from decode_step import build
+    from shapes import random_model
 
     import asyncmoe
 
-    resident = build("olmoe")
+    resident = random_model("olmoe-1b-7b", torch.bfloat16, "cuda")
     ckpt_bytes = sum(p.numel() * p.element_size() for p in resident.parameters())
     experts_bytes = sum(p.numel() * p.element_size() for n, p in resident.named_parameters() if ".experts." in n)
     resident_gpu = torch.cuda.memory_allocated()
@@ -67,7 +67,7 @@ def test_olmoe_checkpoint_loads_without_its_experts_on_the_gpu(tmp_path):
     # the same weights compiled in memory: the loaded model must match it token for token. Against the
     # unmodified model it need not: asyncmoe's bf16 logits are close to, not bit-equal with, the unmodified
     # model's (tests/test_cuda.py bounds them), and at a near-tie greedy picks differ (seen at token 17 here).
-    # build() makes the model as a checkpoint load does (rotary tables in fp32): with `.to(bf16)` they were
+    # random_model() makes the model as a checkpoint load does (rotary tables in fp32): with `.to(bf16)` they were
     # bf16 in memory, fp32 once loaded, and the two parted at the second token (seen on the H200).
     compiled = asyncmoe.compile(resident, cache=16)
     want = asyncmoe.Decoder(compiled, 1, 48).generate(ids, 32).tokens[0].tolist()

@@ -1,7 +1,5 @@
 """asyncmoe.stats: per-layer rows and totals, read on request, printable."""
 
-import copy
-
 import torch
 
 import asyncmoe

@@ -160,7 +160,7 @@ def admit(
     policy's score, so a wanted expert is never evicted: at most C are wanted, and every missing
     wanted expert leaves a slot not holding a wanted one.
     """
-    E, C = want.numel(), slot_to_expert.numel()
+    E = want.numel()
     missing = want & (expert_to_slot[:E] < 0)
     count = missing.sum()
     src = torch.argsort((~missing).to(torch.int8), stable=True)[:max_new]  # missing experts first
