@@ -21,6 +21,7 @@ def compile(
     device: torch.device | str | None = None,
     prefetch: bool | Prefetch = True,
     replay: Trace | str | None = None,
+    time_stalls: bool = False,
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
 
@@ -32,10 +33,12 @@ def compile(
     computes (True: gate + temporal + transition for the next layer; a `Prefetch` to choose).
     `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose work still
     runs: realistic routing for random-weight models of real shapes (docs/traces.md).
+    `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its own
+    decision and copies (`stats` reports them); three one-thread kernels per layer call, so off by default.
     Returns the same model.
     """
     trace = Trace.load(replay) if isinstance(replay, str) else replay
-    return hf.install(model, cache, policy, device, _plan(prefetch), trace)
+    return hf.install(model, cache, policy, device, _plan(prefetch), trace, time_stalls)
 
 
 def _plan(prefetch: bool | Prefetch) -> Prefetch | None:
@@ -54,6 +57,7 @@ def from_pretrained(
     device: torch.device | str | None = None,
     policy: str = "lfru",
     prefetch: bool | Prefetch = True,
+    time_stalls: bool = False,
     **kwargs,
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
@@ -61,10 +65,10 @@ def from_pretrained(
     Non-expert weights go to `device` (default: cuda when available), every expert to pinned host
     memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
     (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
-    `kwargs` go to `AutoModelForCausalLM.from_pretrained`.
+    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return hf.load(path, cache, dtype, device, policy, _plan(prefetch), **kwargs)
+    return hf.load(path, cache, dtype, device, policy, _plan(prefetch), time_stalls, **kwargs)
 
 
 def stats(model: nn.Module, reset: bool = False) -> Stats:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .cache import expert_cache
 from .cache.expert_cache import ExpertCache
+from .kernels import clock
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _ready: dict[int, torch.cuda.Event] = {}  # per target cache (keyed by its expert_to_slot address)
@@ -39,7 +40,7 @@ def _event(key: int) -> torch.cuda.Event:
 
 @torch.library.custom_op(
     "asyncmoe::ensure",
-    mutates_args=("expert_to_slot", "slot_to_expert", "state", "counters", "slots"),
+    mutates_args=("expert_to_slot", "slot_to_expert", "state", "counters", "timer", "slots"),
 )
 def _ensure(
     top_k_index: Tensor,
@@ -50,6 +51,7 @@ def _ensure(
     slot_to_expert: Tensor,
     state: list[Tensor],
     counters: Tensor,
+    timer: Tensor,
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> Tensor:
@@ -57,17 +59,24 @@ def _ensure(
 
     Decided on the device with fixed-shape ops (see `cache.expert_cache`); misses are copied
     host -> slot by the gather-copy kernel, whose count stays in device memory. `wait`: first wait
-    for the prefetch into this layer issued earlier in the forward.
+    for the prefetch into this layer issued earlier in the forward. A non-empty `timer` (CUDA) times
+    the wait and the rest on the GPU clock (kernels.clock).
     """
+    timed = timer.numel() > 0
+    if timed:
+        clock.stamp(timer, 0)
     if wait and expert_to_slot.is_cuda:
         torch.cuda.current_stream().wait_event(_event(expert_to_slot.data_ptr()))
-    return expert_cache.ensure(
-        top_k_index, wave, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots
-    )
+    if timed:
+        clock.stamp(timer, 1)
+    out = expert_cache.ensure(top_k_index, wave, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots)
+    if timed:
+        clock.lap(timer)
+    return out
 
 
 @_ensure.register_fake
-def _(top_k_index, wave, wait, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots):
+def _(top_k_index, wave, wait, policy, expert_to_slot, slot_to_expert, state, counters, timer, hosts, slots):
     C = slot_to_expert.shape[0]
     torch._check(top_k_index.dim() == 2, lambda: f"top_k_index must be [tokens, top_k], got {top_k_index.dim()}D")
     torch._check(
@@ -76,6 +85,7 @@ def _(top_k_index, wave, wait, policy, expert_to_slot, slot_to_expert, state, co
         f"resident at once; use cache>={top_k_index.shape[1]}",
     )
     torch._check(len(hosts) == len(slots), lambda: "hosts and slots must pair up")
+    torch._check(timer.numel() in (0, 4), lambda: f"timer must be empty (not timed) or [4], got {tuple(timer.shape)}")
     torch._check(expert_to_slot.dtype == torch.int64, lambda: "expert_to_slot must be int64")
     return torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
 
@@ -84,7 +94,7 @@ def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = Fals
     """`asyncmoe::ensure` on one layer's cache buffers; slot ids [T, k], -1 for pairs of other waves."""
     return torch.ops.asyncmoe.ensure(
         top_k_index, wave, wait, cache.policy, cache.expert_to_slot, cache.slot_to_expert, cache.state,
-        cache.counters, cache.hosts, cache.slots,
+        cache.counters, cache.timer, cache.hosts, cache.slots,
     )
 
 

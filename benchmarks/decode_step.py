@@ -8,7 +8,9 @@ Systems, batch-1 greedy decode, the same prompt (16 random tokens) for all:
 Per case: `--rounds` rounds of prefill + `--steps` decode steps; the figure is the median over rounds
 of ms per decode step. Bytes moved per token come from asyncmoe's counters over the decode steps
 only; the host->GPU bandwidth is measured in the same run (pinned copy_, 512 MB) and
-floor = max(unmodified graph ms/token, bytes per token / bandwidth).
+floor = max(unmodified graph ms/token, bytes per token / bandwidth). `--time-stalls` also reports,
+per token, how long the layers waited for their prefetch and for their own `ensure` (GPU clock;
+the timing kernels add their own cost, so compare ms/token only between runs with the same flag).
 
 Random weights (real shapes), routers widened (std 1) so tokens spread over experts: the numbers say
 what the machinery costs, not how well a policy or predictor would do on real routing. With
@@ -69,9 +71,13 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
         s = asyncmoe.stats(model)
         row.update(bytes_per_token=moved / (rounds * steps), hit_rate=s.totals["hit_rate"],
                    prefetch_recall=s.totals["prefetch_recall"], wasted_per_token=s.totals["wasted_bytes"] / steps)
+        if s.totals["stall_ns"] is not None:  # the last round's, on the GPU clock
+            row.update({f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps for k in ("wait_ns", "ensure_ns", "stall_ns")})
     print(f"{label:<50} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
           + (f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
-             f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%" if cached else ""), flush=True)
+             f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%" if cached else "")
+          + (f"  stalls/token: wait {row['wait_ms_per_token']:.3f} ms, ensure {row['ensure_ms_per_token']:.3f} ms"
+             if "stall_ms_per_token" in row else ""), flush=True)
     return row
 
 
@@ -87,6 +93,7 @@ def main():
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument("--budgets", type=int, nargs="+", default=[0], help="prefetch budgets to try (0: top-k)")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
+    p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -109,7 +116,8 @@ def main():
         plans = [asyncmoe.Prefetch(sources=sources, budget=b or None, copy_programs=c or None)
                  for b in args.budgets for c in args.copy_programs] if cache < experts else []
         for plan in plans + [None]:
-            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay)
+            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay,
+                                     time_stalls=args.time_stalls and cache < experts)
             label = f"asyncmoe cache={cache}" + (
                 f" prefetch budget={plan.budget or 'k'} programs={plan.copy_programs or 'all'}" if plan
                 else (" no prefetch" if cache < experts else ""))
@@ -130,7 +138,7 @@ def main():
     result = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "transformers": transformers.__version__, "h2d_GB_per_s": bandwidth, "steps": args.steps,
-        "rounds": args.rounds, "replay": args.replay, "rows": rows,
+        "rounds": args.rounds, "replay": args.replay, "time_stalls": args.time_stalls, "rows": rows,
     }
     if args.out:
         with open(args.out, "w") as f:

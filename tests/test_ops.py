@@ -20,7 +20,7 @@ def warm_cache(policy: str) -> ExpertCache:
 def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
     return (
         ids, wave, False, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
-        cache.counters.clone(), cache.hosts, clone(cache.slots),
+        cache.counters.clone(), cache.timer.clone(), cache.hosts, clone(cache.slots),
     )
 
 

@@ -125,3 +125,34 @@ def test_transformers_generate_with_static_cache_compiled():
     kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, cache_implementation="static")
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     assert asyncmoe.stats(model).totals["misses"] > 0
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@torch.no_grad()
+def test_stall_timing_in_the_graph(prefetch):
+    """GPU-clock stall times: present per layer, within the decode's own elapsed time, and no change to outputs."""
+    ref = tiny("olmoe", device="cuda")
+    ids = prompts("random", 1).cuda()
+    n, steps = ids.shape[1] + 65, 64
+    timed = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=prefetch, time_stalls=True), 1, n)
+    plain = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=prefetch), 1, n)
+    timed.prefill(ids), plain.prefill(ids)
+    asyncmoe.stats(timed.model, reset=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    timed.decode(steps)
+    end.record()
+    end.synchronize()
+    plain.decode(steps)
+    assert torch.equal(timed.history, plain.history)
+    s = asyncmoe.stats(timed.model)
+    elapsed_ns = start.elapsed_time(end) * 1e6
+    for layer in s.layers:  # every call decides on the GPU: its ensure takes time; waits are never negative
+        assert layer.calls == steps and layer.ensure_ns > 0 and layer.wait_ns >= 0
+    assert 0 < s.totals["stall_ns"] < elapsed_ns  # the stalls sit on the compute stream, one after another
+    per_call = {k: s.totals[k] / 1e3 / s.totals["calls"] for k in ("wait_ns", "ensure_ns")}
+    print(f"\nprefetch={prefetch}: per layer call: wait {per_call['wait_ns']:.1f} us, ensure {per_call['ensure_ns']:.1f} us; "
+          f"stalls {s.totals['stall_ns'] / elapsed_ns:.1%} of the decode; misses {s.totals['misses']}")
+    if not prefetch:  # nothing to wait for: the two stamps are one kernel boundary apart
+        assert per_call["wait_ns"] < 20
+    assert "wait us" in str(s)

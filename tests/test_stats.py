@@ -1,5 +1,6 @@
 """asyncmoe.stats: per-layer rows and totals, read on request, printable."""
 
+import pytest
 import torch
 
 import asyncmoe
@@ -24,6 +25,14 @@ def test_stats_rows_totals_and_table():
 
     asyncmoe.stats(model, reset=True)
     assert asyncmoe.stats(model).totals["misses"] == 0
+    assert s.totals["stall_ns"] is None and s.layers[0].stall_ns is None and "wait us" not in table  # not timed
+
+
+def test_stall_timing_needs_cuda():
+    model = tiny("qwen3_moe")
+    with pytest.raises(ValueError, match="time_stalls reads the GPU's clock.*device='cuda'"):
+        asyncmoe.compile(model, cache=4, time_stalls=True)
+    assert asyncmoe.stats(asyncmoe.compile(model, cache=4)).totals["calls"] == 0  # the refusal left the model as it was
 
 
 def test_resident_model_says_so():

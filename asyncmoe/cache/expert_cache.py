@@ -51,7 +51,7 @@ class ExpertCache(nn.Module):
     for a CUDA cache, the host tensor itself for a CPU one.
     """
 
-    def __init__(self, hosts: dict[str, torch.Tensor], num_slots: int, policy: str):
+    def __init__(self, hosts: dict[str, torch.Tensor], num_slots: int, policy: str, time_stalls: bool = False):
         super().__init__()
         get_policy(policy)  # fail on a bad name now, not at the first forward
         first = next(iter(hosts.values()))
@@ -81,6 +81,9 @@ class ExpertCache(nn.Module):
         self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
         # prefetch outcomes: decayed (wasted, used) counts, and the counters they were last read from
         self.register_buffer("outcomes", torch.zeros(4, dtype=torch.float32, device=device), persistent=False)
+        # stall timing (kernels.clock): two GPU-clock stamps, then the summed ns of waiting for the prefetch
+        # and of `ensure`'s own decision and copy; empty when not timed (an op cannot take an optional mutated tensor)
+        self.register_buffer("timer", torch.zeros(4 if time_stalls else 0, **i64), persistent=False)
         # `transitions` [E_prev, E], decayed counts of (expert routed at the previous MoE layer -> here),
         # is registered by the integration when a transition predictor feeds this layer.
 

@@ -29,6 +29,9 @@ class LayerStats:
     expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
+    # GPU-clock time on the compute stream, summed over calls (compile(..., time_stalls=True); else None):
+    wait_ns: int | None = None  # waiting for the prefetch into this layer to finish
+    ensure_ns: int | None = None  # `ensure`'s decision and its copies of the misses
 
     @property
     def hit_rate(self) -> float:
@@ -40,6 +43,11 @@ class LayerStats:
     def prefetch_recall(self) -> float:
         looked_up = self.hits + self.misses
         return self.prefetch_hits / looked_up if looked_up else float("nan")
+
+    @property
+    def stall_ns(self) -> int | None:
+        """Time the layer's expert compute waited for the cache: the prefetch wait plus `ensure`."""
+        return None if self.wait_ns is None else self.wait_ns + self.ensure_ns
 
     @property
     def prefetch_bytes(self) -> int:
@@ -62,6 +70,9 @@ class Stats:
             "hits_gate", "hits_temporal", "hits_transition", "prefetch_bytes", "wasted_bytes", "gpu_bytes", "host_bytes",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
+        timed = [r for r in self.layers if r.wait_ns is not None]
+        for k in ("wait_ns", "ensure_ns", "stall_ns"):
+            self.totals[k] = sum(getattr(r, k) for r in timed) if timed else None
         looked_up = self.totals["hits"] + self.totals["misses"]
         self.totals["hit_rate"] = self.totals["hits"] / looked_up if looked_up else float("nan")
         self.totals["prefetch_recall"] = self.totals["prefetch_hits"] / looked_up if looked_up else float("nan")
@@ -69,17 +80,22 @@ class Stats:
     def __str__(self) -> str:
         if not self.layers:
             return f"all {self.resident_layers} MoE layers resident (cache >= num_experts): nothing to count"
+        timed = self.totals["stall_ns"] is not None
         head = (
             f"{'layer':>5} {'slots':>5} {'calls':>7} {'hits':>8} {'misses':>8} {'hit%':>6} {'evict':>7} "
             f"{'prefetch':>8} {'pf-hit%':>7} {'wasted':>7} {'MB h2d':>9}"
-        )
+        ) + (f" {'wait us':>8} {'ensure us':>9}" if timed else "")
         rows = [head, "-" * len(head)]
 
         def row(label, slots, r):
+            per_call = (
+                f" {r['wait_ns'] / 1e3 / max(r['calls'], 1):>8.1f} {r['ensure_ns'] / 1e3 / max(r['calls'], 1):>9.1f}"
+                if timed else ""
+            )
             return (
                 f"{label:>5} {slots:>7}{r['calls']:>6} {r['hits']:>8} {r['misses']:>8} {100 * r['hit_rate']:>6.1f} "
                 f"{r['evictions']:>7} {r['prefetched']:>8} {100 * r['prefetch_recall']:>7.1f} {r['wasted']:>7} "
-                f"{r['bytes_h2d'] / 1e6:>9.1f}"
+                f"{r['bytes_h2d'] / 1e6:>9.1f}" + per_call
             )
 
         for r in self.layers:
@@ -94,6 +110,8 @@ class Stats:
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
             )
         rows.append(f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
+        if timed:
+            rows.append("wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; deciding and copying misses")
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
         return "\n".join(rows)
@@ -106,18 +124,22 @@ def _nbytes(tensors) -> int:
 def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, reset: bool = False) -> Stats:
     if not caches:
         return Stats([], resident_layers)
-    counters = torch.stack([c.counters for _, c in caches]).tolist()  # the one host sync, on request
+    # the timer's two sums (zeros for an untimed cache) ride along: still the one host sync, on request
+    rows = torch.stack([torch.cat([c.counters, c.timer[2:] if c.timer.numel() else c.counters[:2] * 0]) for _, c in caches])
+    rows = rows.tolist()
     if reset:
         for _, c in caches:
             c.counters.zero_()
+            c.timer.zero_()
     layers = []
-    for i, ((name, c), row) in enumerate(zip(caches, counters)):
+    for i, ((name, c), row) in enumerate(zip(caches, rows)):
         vals = dict(zip(COUNTERS, row))
+        wait, ensure = row[len(COUNTERS):] if c.timer.numel() else (None, None)
         gpu = _nbytes(b for n, b in c.named_buffers() if not n.startswith("host_"))
         layers.append(
             LayerStats(
                 layer=i, name=name, slots=c.num_slots, experts=c.num_experts, **vals, expert_bytes=c.expert_bytes,
-                gpu_bytes=gpu, host_bytes=_nbytes(c.hosts),
+                gpu_bytes=gpu, host_bytes=_nbytes(c.hosts), wait_ns=wait, ensure_ns=ensure,
             )
         )
     return Stats(layers, resident_layers)

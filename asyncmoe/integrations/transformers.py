@@ -147,7 +147,7 @@ def find_router(model: nn.Module, name: str, experts: nn.Module) -> tuple[torch.
     return None
 
 
-def _offload(m: nn.Module, num_slots: int, policy: str, device: torch.device) -> CachedProvider:
+def _offload(m: nn.Module, num_slots: int, policy: str, device: torch.device, time_stalls: bool) -> ExpertCache:
     """Move the module's expert tensors to the host store and give it a cache of `num_slots` slots."""
     params = dict(m.named_parameters(recurse=False))
     specs = [(p.shape, p.dtype) for p in params.values()]
@@ -168,7 +168,7 @@ def _offload(m: nn.Module, num_slots: int, policy: str, device: torch.device) ->
         # and nothing in the forward reads it. `state_dict` still returns it (see the hook below).
         del m._parameters[name]
         setattr(m, name, host)
-    cache = ExpertCache(dict(zip(params, views)), num_slots, policy)
+    cache = ExpertCache(dict(zip(params, views)), num_slots, policy, time_stalls)
     cache.pinned_block = block  # keeps the registration alive as long as the cache
     m._asyncmoe_offloaded = tuple(params)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)
@@ -238,6 +238,7 @@ def install(
     device: torch.device | str | None,
     prefetch: Prefetch | None,
     replay: Trace | None = None,
+    time_stalls: bool = False,
 ) -> nn.Module:
     """Give every experts module of `model` a provider and switch it to the `"asyncmoe"` implementation."""
     experts = find_experts(model)
@@ -247,6 +248,11 @@ def install(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if time_stalls and device.type != "cuda":
+        raise ValueError(
+            f"time_stalls reads the GPU's clock, so it needs a CUDA device; this model runs on {device}. "
+            "Pass device='cuda', or leave time_stalls off (on the CPU nothing waits: there are no streams)."
+        )
     if device.type == "cuda":
         total = sum(block_bytes([(p.shape, p.dtype) for p in m.parameters(recurse=False)]) for _, m in experts)
         on_gpu = sum(p.numel() * p.element_size() for _, m in experts for p in m.parameters(recurse=False) if p.is_cuda)
@@ -261,7 +267,7 @@ def install(
             provider = ResidentProvider(implementation, fn)
             m.to(device)
         else:
-            provider = CachedProvider(_offload(m, cache, policy, device), find_router(model, name, m))
+            provider = CachedProvider(_offload(m, cache, policy, device, time_stalls), find_router(model, name, m))
             cached.append(provider)
         setattr(m, PROVIDER, provider)
     model.to(device)
@@ -308,7 +314,9 @@ def checkpoint_bytes(files: list[pathlib.Path], dtype: torch.dtype) -> int:
     return total * dtype.itemsize
 
 
-def load(path, cache: int, dtype: torch.dtype, device, policy: str, prefetch: Prefetch | None, **kwargs) -> nn.Module:
+def load(
+    path, cache: int, dtype: torch.dtype, device, policy: str, prefetch: Prefetch | None, time_stalls: bool, **kwargs
+) -> nn.Module:
     """Load a checkpoint onto the CPU with transformers (its own weight conversions), then install asyncmoe on `device`.
 
     The experts go from the loaded CPU tensors to pinned host memory layer by layer and never to the GPU.
@@ -320,7 +328,7 @@ def load(path, cache: int, dtype: torch.dtype, device, policy: str, prefetch: Pr
         needed = checkpoint_bytes(checkpoint_files(local), dtype)
         check_host_memory(needed, f"loading {path} in {dtype}")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    model = install(model, cache, policy, device, prefetch)
+    model = install(model, cache, policy, device, prefetch, time_stalls=time_stalls)
     providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
     blocks = [p.cache.pinned_block for p in providers if isinstance(p, CachedProvider)]
     where = f"pinned host memory: {human_bytes(sum(b.nbytes for b in blocks if b))}" if any(blocks) else "host memory"
