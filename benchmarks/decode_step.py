@@ -73,7 +73,7 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
                    prefetch_recall=s.totals["prefetch_recall"], wasted_per_token=s.totals["wasted_bytes"] / steps)
         if s.totals["stall_ns"] is not None:  # the last round's, on the GPU clock
             row.update({f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps for k in ("wait_ns", "ensure_ns", "stall_ns")})
-    print(f"{label:<50} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
+    print(f"{label:<72} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
           + (f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
              f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%" if cached else "")
           + (f"  stalls/token: wait {row['wait_ms_per_token']:.3f} ms, ensure {row['ensure_ms_per_token']:.3f} ms"
@@ -93,6 +93,7 @@ def main():
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument("--budgets", type=int, nargs="+", default=[0], help="prefetch budgets to try (0: top-k)")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
+    p.add_argument("--sources", nargs="+", default=None, help="prefetch predictors (default: all; temporal transition with --replay)")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -112,14 +113,14 @@ def main():
     rows = run(base, "unmodified")
     resident_ms = rows[0]["ms_per_token"]
     for cache in args.caches:
-        sources = ("temporal", "transition") if args.replay else asyncmoe.Prefetch().sources
+        sources = tuple(args.sources or (("temporal", "transition") if args.replay else asyncmoe.Prefetch().sources))
         plans = [asyncmoe.Prefetch(sources=sources, budget=b or None, copy_programs=c or None)
                  for b in args.budgets for c in args.copy_programs] if cache < experts else []
         for plan in plans + [None]:
             model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay,
                                      time_stalls=args.time_stalls and cache < experts)
             label = f"asyncmoe cache={cache}" + (
-                f" prefetch budget={plan.budget or 'k'} programs={plan.copy_programs or 'all'}" if plan
+                f" prefetch {'+'.join(plan.sources)} budget={plan.budget or 'k'} programs={plan.copy_programs or 'all'}" if plan
                 else (" no prefetch" if cache < experts else ""))
             rows += run(model, label)
             del model
@@ -129,11 +130,11 @@ def main():
         if "bytes_per_token" in r:
             r["floor_ms"] = max(resident_ms, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
             r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"]
-    print(f"\n{'system':<50} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}")
+    print(f"\n{'system':<72} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}")
     for r in rows:
         extra = (f"{r['bytes_per_token'] / 1e6:>9.1f} {r['floor_ms']:>9.3f} {r['limit_ratio']:>6.2f}"
                  if "floor_ms" in r else f"{'':>9} {'':>9} {'':>6}")
-        print(f"{r['system']:<50} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
+        print(f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
               f"{r['ms_per_token'] / resident_ms:>10.3f}x")
     result = {
         "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
