@@ -21,6 +21,7 @@ from torch import Tensor
 from .cache import expert_cache
 from .cache.expert_cache import ExpertCache
 from .kernels import clock
+from .predict import predictors
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 _ready: dict[int, torch.cuda.Event] = {}  # per target cache (keyed by its expert_to_slot address)
@@ -182,6 +183,29 @@ def prefetch(
         cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
         cache.hosts, cache.slots,
     )
+
+
+@torch.library.custom_op("asyncmoe::gate_scores", mutates_args=())
+def _gate_scores(x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int) -> Tensor:
+    """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] -> scores [E].
+
+    An op so that torch.compile need not trace the Triton kernel it launches on CUDA (predict.predictors).
+    """
+    return predictors.gate_scores(x, weight, bias, per_token)
+
+
+@_gate_scores.register_fake
+def _(x, weight, bias, per_token):
+    torch._check(
+        x.dim() == 2 and x.shape[1] == weight.shape[1],
+        lambda: f"gate scores need x [tokens, {weight.shape[1]}] for a router of {weight.shape[1]} inputs, got {tuple(x.shape)}",
+    )
+    torch._check(per_token > 0, lambda: f"per_token must be positive, got {per_token}")
+    return x.new_empty(weight.shape[0], dtype=torch.float32)
+
+
+def gate_scores(x: Tensor, router: tuple[Tensor, Tensor | None], per_token: int) -> Tensor:
+    return torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token)
 
 
 @torch.library.custom_op("asyncmoe::observe", mutates_args=("transitions",))

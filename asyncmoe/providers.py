@@ -17,7 +17,7 @@ from torch import nn
 from . import ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .experts import combine, routed_outputs
-from .predict.predictors import Prefetch, gate_scores
+from .predict.predictors import Prefetch
 
 
 class ExpertWeightProvider(nn.Module):
@@ -74,7 +74,7 @@ class CachedProvider(ExpertWeightProvider):
         for depth, target in enumerate(self.targets, start=1):
             gate = None
             if "gate" in plan.sources and depth == 1 and target.router is not None:
-                gate = gate_scores(hidden_states, *target.router, target.per_token)
+                gate = ops.gate_scores(hidden_states, target.router, target.per_token)
             before = target.previous.cache.routed if "transition" in plan.sources and target.previous is not None else None
             if gate is not None or "temporal" in plan.sources or before is not None:
                 ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs)

@@ -45,6 +45,12 @@ def test_prefetch_opcheck(predictors):
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_scores_opcheck(bias):
+    x, weight = torch.randn(3, 8), torch.randn(10, 8)
+    torch.library.opcheck(torch.ops.asyncmoe.gate_scores.default, (x, weight, torch.randn(10) if bias else None, 4))
+
+
 def test_observe_opcheck():
     previous = torch.tensor([True, False, True])
     routed = torch.tensor([False, True, True, False])

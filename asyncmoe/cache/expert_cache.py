@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..kernels.cache_step import cache_step, triton
+from ..kernels import predict as predict_kernels
 from ..kernels.gather_copy import gather_copy
 from ..predict.predictors import GATE, SOURCES, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
 from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_IDS, SlotState, get_policy
@@ -350,8 +351,13 @@ def gate_prefetch(
     predicted.mul_(torch.where(on, 1.0, explore * likeliest))
 
 
-def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor) -> None:
-    """Learn expert transitions online: decay the counts, add (routed at the previous layer) x (routed here)."""
+def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, use_kernel: bool | None = None) -> None:
+    """Learn expert transitions online: decay the counts, add (routed at the previous layer) x (routed here).
+
+    On CUDA one Triton launch (kernels.predict); this is its reference."""
+    if predict_kernels.use_kernels(transitions) if use_kernel is None else use_kernel:
+        predict_kernels.observe(previous, routed, transitions, TRANSITION_DECAY)
+        return
     transitions.mul_(TRANSITION_DECAY).add_(previous[:, None].float() * routed[None, :].float())
 
 

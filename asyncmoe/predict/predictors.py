@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import predict as predict_kernels
+
 SOURCES = ("gate", "temporal", "transition")  # bit i of a slot's `source`: nominated by SOURCES[i]
 GATE, TEMPORAL, TRANSITION = 1, 2, 4
 MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be prefetched (see `combine`)
@@ -52,8 +54,14 @@ class Prefetch:
             raise ValueError(f"prefetch copy_programs must be >= 1 or None, got {self.copy_programs}")
 
 
-def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int) -> torch.Tensor:
-    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> [E]."""
+def gate_scores(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, use_kernel: bool | None = None
+) -> torch.Tensor:
+    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> [E].
+
+    On CUDA a decode-sized call is one Triton launch (kernels.predict); this is its reference."""
+    if (predict_kernels.use_kernels(x) if use_kernel is None else use_kernel) and x.shape[0] <= predict_kernels.MAX_TOKENS:
+        return predict_kernels.gate_scores(x, weight, bias, per_token)
     probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
     top = probs.topk(min(per_token, probs.shape[-1]), dim=-1)
     chosen = torch.zeros_like(probs).scatter_(1, top.indices, top.values)  # [T, E]
