@@ -14,6 +14,10 @@ SHAPES = {  # (config class, config); random weights, real shapes
     "tiny": ("OlmoeConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, num_experts=16, num_experts_per_tok=2)),
+    "tiny-deepseek": ("DeepseekV2Config", dict(  # the DeepSeek-V2 layout (MLA, shared experts, a first dense layer)
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
     "olmoe-1b-7b": ("OlmoeConfig", dict(
         vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
         num_key_value_heads=16, num_experts=64, num_experts_per_tok=8)),
