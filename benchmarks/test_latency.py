@@ -24,6 +24,7 @@ the Belady floor: the fewest expert copies per token any cache of that size must
 from __future__ import annotations
 
 import functools
+import gc
 import pathlib
 import statistics
 
@@ -79,7 +80,14 @@ def pytest_generate_tests(metafunc):
 
 
 def build(system: str, shape: str, cache: int) -> torch.nn.Module:
-    """A fresh model per case, the same weights every time: one at a time in memory."""
+    """A fresh model per case, the same weights every time: one at a time in memory. The last case's model
+    is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B shape a run was
+    SIGKILLed after the accelerate case, most likely for host memory: its 57 GB of host experts, if
+    still waiting for the cycle collector, and the seed's 57 GB of pinned ones exceed the 125 GB GPU
+    host (docs/results/2026-11-30)."""
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
     model = random_model(shape, DTYPE, DEVICE)
     if system == "unmodified":
         return model
