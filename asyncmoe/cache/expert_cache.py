@@ -355,7 +355,7 @@ def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Ten
     """Learn expert transitions online: decay the counts, add (routed at the previous layer) x (routed here).
 
     On CUDA one Triton launch (kernels.predict); this is its reference."""
-    if predict_kernels.use_kernels(transitions) if use_kernel is None else use_kernel:
+    if _use_kernel(transitions, use_kernel):
         predict_kernels.observe(previous, routed, transitions, TRANSITION_DECAY)
         return
     transitions.mul_(TRANSITION_DECAY).add_(previous[:, None].float() * routed[None, :].float())

@@ -124,9 +124,9 @@ def _nbytes(tensors) -> int:
 def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, reset: bool = False) -> Stats:
     if not caches:
         return Stats([], resident_layers)
-    # the timer's two sums (zeros for an untimed cache) ride along: still the one host sync, on request
-    rows = torch.stack([torch.cat([c.counters, c.timer[2:] if c.timer.numel() else c.counters[:2] * 0]) for _, c in caches])
-    rows = rows.tolist()
+    # the timer's two sums (zeros for an untimed cache) ride along with the counters
+    rows = torch.stack([torch.cat([c.counters, c.timer[2:] if c.timer.numel() else c.counters.new_zeros(2)]) for _, c in caches])
+    rows = rows.tolist()  # the one host sync: stats are read on request, never inside a forward
     if reset:
         for _, c in caches:
             c.counters.zero_()

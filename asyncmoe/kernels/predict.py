@@ -29,6 +29,7 @@ except ImportError:  # non-Linux
     triton = None
 
 MAX_TOKENS = 64  # more tokens (prefill) take the torch path: one program would serialise their matmuls
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does when a kernel is decorated
 
 if triton is not None:
 
@@ -98,7 +99,7 @@ def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _gate_scores[(1,)](
         x, weight, bias if bias is not None else weight, out, T, H, E, x.stride(0),
         PER_TOKEN=min(per_token, E), HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1",  # the interpreter's 16-bit tl.dot is wrong (triton 3.8)
+        UPCAST=INTERPRET,  # the interpreter's 16-bit tl.dot is wrong (triton 3.8)
         BT=16, BH=64, BE=max(16, triton.next_power_of_2(E)), num_warps=4,
     )
     return out
