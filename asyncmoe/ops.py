@@ -127,10 +127,10 @@ def _prefetch(
     hidden states; `temporal` (the target's routing last call, its own `routed`); `routed_before` and
     `transitions` for the transition predictor. Only the gate's input is a temporary of the compute
     stream, so only it is computed there, then copied into the target's `predicted` (the side stream
-    must not read memory the compute stream may reuse meanwhile); the rest of the prediction, ~40
-    small kernels per layer measured at ~90 µs on the critical path when it ran on the compute
-    stream, runs on the side stream. The copy runs on at most `copy_programs` Triton programs (0: one
-    per block), so the compute stream keeps most SMs while it runs.
+    must not read memory the compute stream may reuse meanwhile); the rest of the prediction runs on
+    the side stream: on CUDA one kernel for the scores and the prefetch gate, one for the decision,
+    then the copy (in torch ops it was ~40 kernels per layer beside the compute). The copy runs on at
+    most `copy_programs` Triton programs (0: one per block), so the compute stream keeps most SMs.
     """
     if gate is not None:
         predicted.copy_(gate)

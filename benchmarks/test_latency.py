@@ -84,10 +84,14 @@ def build(system: str, shape: str, cache: int) -> torch.nn.Module:
     is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B shape a run was
     SIGKILLed after the accelerate case, most likely for host memory: its 57 GB of host experts, if
     still waiting for the cycle collector, and the seed's 57 GB of pinned ones exceed the 125 GB GPU
-    host (docs/results/2026-11-30)."""
+    host (docs/results/2026-11-30). The seed's experts are pinned with `pin_memory()`, whose caching host
+    allocator keeps freed blocks (72 GB for Qwen3's 57 GB: it rounds to powers of two) until told to let
+    go: the next Qwen3 case then found 50 of the 54 GiB it pins (docs/results/2026-11-30)."""
     gc.collect()
     if CUDA:
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        torch._C._host_emptyCache()  # torch has no public name for it (2.11)
     model = random_model(shape, DTYPE, DEVICE)
     if system == "unmodified":
         return model

@@ -1,11 +1,12 @@
-"""The compute-stream predictor kernels against their plain-torch references: under TRITON_INTERPRET=1 on the CPU, on cuda for real."""
+"""The predictor kernels against their plain-torch references: under TRITON_INTERPRET=1 on the CPU, on cuda for real."""
 
 import pytest
 import torch
 
-from asyncmoe.cache.expert_cache import observe
+from asyncmoe.cache import expert_cache
+from asyncmoe.cache.expert_cache import COUNTERS, ExpertCache, observe
 from asyncmoe.predict.predictors import gate_scores
-from test_cache_step import devices
+from test_cache_step import assert_same, devices
 
 
 @pytest.mark.parametrize("device", devices())
@@ -39,3 +40,48 @@ def test_observe_kernel_matches_reference(device, E_before, E):
         observe(before, routed, want, use_kernel=False)
         observe(before, routed, got, use_kernel=True)
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6)  # a fused multiply-add may round once where torch rounds twice
+
+
+def _prefetch_pair(E_before, E, C, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    hosts = {"w": torch.randn(E, 2, 3, generator=g).to(device)}
+    caches = [ExpertCache(hosts, C, "lfru") for _ in range(2)]
+    transitions = (torch.rand(E_before, E, generator=g) * (torch.rand(E_before, E, generator=g) < 3 / E) * 9).to(device)  # a few successors each
+    for c in caches:
+        c.register_buffer("transitions", transitions.clone(), persistent=False)
+    return caches, g
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("sources", [("gate",), ("temporal", "transition"), ("gate", "temporal", "transition"), ("transition",)])
+@pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 40), (64, 64, 16, 8, 8)])
+def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
+    """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
+    calls that route, prefetch, waste prefetches (so the gate closes) and reach an exploring call (the 32nd)."""
+    (kernel, reference), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
+    scored = 0
+    for step in range(steps):
+        ids = (torch.rand(1, E, generator=g) * torch.linspace(2, 1, E)).topk(k, dim=-1).indices.to(device)
+        before = (torch.rand(E_before, generator=g) < 3 / E_before).to(device)  # few: shares big enough to pass MIN_SUPPORT
+        gate = torch.rand(E, generator=g) * (torch.rand(E, generator=g) < 0.15)
+        gate[step % E] = 0.25  # a tie with another nomination now and then
+        for cache, use_kernel in ((kernel, True), (reference, False)):
+            c = cache
+            expert_cache.ensure(ids, 0, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, c.hosts, c.slots,
+                                use_kernel=use_kernel)
+            c.predicted.copy_(gate)
+            expert_cache.predict_and_prefetch(
+                c.predicted if "gate" in sources else None, "temporal" in sources,
+                before if "transition" in sources else None, c.transitions if "transition" in sources else None,
+                k, c.policy, c.predicted, c.nominated, c.expert_to_slot, c.slot_to_expert, c.state, c.counters,
+                c.hosts, c.slots, c.outcomes, use_kernel=use_kernel,
+            )
+        torch.testing.assert_close(kernel.predicted, reference.predicted, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(kernel.outcomes, reference.outcomes, atol=0, rtol=1e-6)  # a fused multiply-add
+        assert torch.equal(kernel.nominated, reference.nominated), step
+        assert_same(kernel, reference)
+        scored += int((reference.predicted > 0).sum())
+    assert scored > 0
+    if "gate" in sources:
+        assert reference.counters[COUNTERS.index("prefetched")] > 0
+        assert reference.outcomes[0] > 0  # wasted prefetches: the gate's estimate moved

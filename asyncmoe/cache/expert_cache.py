@@ -25,7 +25,7 @@ from torch import nn
 from ..kernels.cache_step import cache_step, triton
 from ..kernels import predict as predict_kernels
 from ..kernels.gather_copy import gather_copy
-from ..predict.predictors import GATE, SOURCES, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
+from ..predict.predictors import GATE, MIN_SUPPORT, SOURCES, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
 from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_IDS, SlotState, get_policy
 
 COUNTERS = (
@@ -42,6 +42,9 @@ assert COUNTERS[WASTED + 1] == "prefetch_hits"  # the prefetch gate reads the tw
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
 EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
+PREFETCH_CONSTANTS = dict(
+    WASTED=WASTED, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION, OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY
+)  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
 
 
 class ExpertCache(nn.Module):
@@ -311,9 +314,22 @@ def predict_and_prefetch(
     slots: list[torch.Tensor],
     outcomes: torch.Tensor,
     copy_programs: int | None = None,
+    use_kernel: bool | None = None,
 ) -> None:
     """Score the target layer's experts by the chosen predictors, combine them, and `prefetch`: what the
-    prefetch op runs on its side stream, and the simulator inline."""
+    prefetch op runs on its side stream, and the simulator inline.
+
+    On CUDA the scoring, combining and gating are one Triton launch (kernels.predict.prefetch_scores),
+    the decision another (kernels.cache_step), then the copy; the torch code below is their reference."""
+    if _use_kernel(expert_to_slot, use_kernel):
+        st = SlotState(*state[:-1])
+        predict_kernels.prefetch_scores(
+            gate is not None, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
+            expert_to_slot, counters, outcomes, st.clock, PREFETCH_CONSTANTS,
+        )
+        prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
+                 use_kernel=True, copy_programs=copy_programs)
+        return
     parts = [(GATE, gate)] if gate is not None else []
     if temporal:
         parts.append((TEMPORAL, temporal_scores(SlotState(*state[:-1]).routed)))
@@ -323,7 +339,7 @@ def predict_and_prefetch(
     predicted.copy_(score)
     nominated.copy_(sources)
     prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
-             copy_programs=copy_programs, outcomes=outcomes)
+             use_kernel=False, copy_programs=copy_programs, outcomes=outcomes)
 
 
 def gate_prefetch(

@@ -1,18 +1,23 @@
-"""The predictor work that sits on the compute stream, one launch each instead of a chain of small kernels.
+"""The predictors' work, one launch each instead of a chain of small kernels.
 
-Why: inside a decode step's CUDA graph every kernel on the compute stream costs a few µs, however
-small. Measured on an H200 (OLMoE shape, cache 32, docs/results/2026-11-30): the gate predictor's
-eight kernels added ~33 µs per layer, and the transition update's five, with the rest of the
-prefetch, ~31 µs, while the compute stream waited for the side stream only ~7 µs per layer.
+Why: inside a decode step's CUDA graph every kernel costs a few µs, however small, and the side
+stream's kernels share the GPU with the compute beside them. Measured on an H200 (OLMoE shape,
+cache 32, docs/results/2026-11-30): the gate predictor's eight kernels added ~33 µs per layer, and
+the transition update's five, with the rest of the prefetch, ~31 µs, while the compute stream
+waited for the side stream only ~7 µs per layer.
 
+Compute stream (their inputs are this step's temporaries):
 - `gate_scores`: layer l+1's router on layer l's MoE input [T, H], softmax, each token's top-p, mean
   over tokens -> [E]. One program: decode has a handful of tokens, and one program keeps the sum
   over tokens in a fixed order (no atomics), so a replayed graph decides as the eager step does.
 - `observe`: the transition counts' decay-and-add, one program per row.
+Side stream:
+- `prefetch_scores`: the temporal and transition scores, their combination with the gate's, and the
+  prefetch gate, ~35 kernels of the torch code, in one program.
 
-References: `predict.predictors.gate_scores` and `cache.expert_cache.observe` (plain torch). The
-kernels agree with them to rounding: the router's matmul accumulates in another order than cuBLAS,
-and the update may fuse its multiply-add.
+References: `predict.predictors.gate_scores`, `cache.expert_cache.observe` and the torch branch of
+`cache.expert_cache.predict_and_prefetch`. The kernels agree with them to rounding: the matmuls
+and row sums accumulate in another order, and an update may fuse its multiply-add.
 Dims: T tokens, H hidden, E experts (target layer), E' experts (previous layer).
 """
 
@@ -85,6 +90,69 @@ if triton is not None:
         tl.store(transitions_ptr + row * E + e, counts * DECAY + before * routed, mask=emask)
 
 
+    @triton.jit
+    def _prefetch_scores(
+        pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
+        E, E_before, keep, WASTED: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
+        OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr,
+        GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
+    ):
+        e = tl.arange(0, BE)
+        emask = e < E
+        support = tl.zeros([BE], dtype=tl.float32)
+        if TEMPORAL:  # the experts this layer routed to last call
+            temporal = tl.load(routed_ptr + e, mask=emask, other=0).to(tl.float32)
+            support += temporal
+        if TRANSITION:  # share of the previous layer's routed experts' transitions that lead to each expert
+            share = tl.zeros([BE], dtype=tl.float32)
+            n_before = 0.0
+            for r0 in range(0, E_before, BR):
+                r = r0 + tl.arange(0, BR)
+                rmask = r < E_before
+                counts = tl.load(transitions_ptr + r[:, None] * E + e[None, :], mask=rmask[:, None] & emask[None, :], other=0.0)
+                before = tl.load(before_ptr + r, mask=rmask, other=0).to(tl.float32)
+                rows = counts / tl.maximum(tl.sum(counts, axis=1), 1e-6)[:, None]
+                share += tl.sum(rows * before[:, None], axis=0)
+                n_before += tl.sum(before, axis=0)
+            share = share / tl.maximum(n_before, 1.0)
+            key = (share.to(tl.int32, bitcast=True).to(tl.int64) << 12) | (4095 - e)  # share >= 0: its bits sort as it does
+            key = tl.where(emask, key, -1)
+            kth = tl.min(tl.where(e < keep, tl.sort(key, descending=True), 1 << 62))
+            transition = tl.where(key >= kth, share, 0.0)
+            support += transition
+        # combine: the gate's nominations first, then what the others back with enough support
+        sources = tl.zeros([BE], dtype=tl.int32)
+        score = tl.zeros([BE], dtype=tl.float32)
+        if TEMPORAL + TRANSITION > 0:
+            support = support / (TEMPORAL + TRANSITION)
+            confident = support >= MIN_SUPPORT
+            score = tl.where(confident, support, 0.0)
+            if TEMPORAL:
+                sources += tl.where(confident & (temporal > 0), 2, 0).to(tl.int32)  # distinct bits: + is |
+            if TRANSITION:
+                sources += tl.where(confident & (transition > 0), 4, 0).to(tl.int32)
+        if GATE:  # the caller put the gate's scores in `predicted`
+            gate = tl.load(pred_ptr + e, mask=emask, other=0.0)
+            score = tl.where(gate > 0, 1 + gate, score)
+            sources += tl.where(gate > 0, 1, 0).to(tl.int32)
+        # the prefetch gate: off while most recent prefetches were wasted, but for an explorer every EXPLORE_EVERY calls
+        k = tl.arange(0, 2)
+        seen = tl.load(counters_ptr + WASTED + k).to(tl.float32)  # (wasted, used) so far
+        estimate = tl.load(outcomes_ptr + k) * OUTCOME_DECAY + tl.maximum(seen - tl.load(outcomes_ptr + 2 + k), 0.0)
+        tl.store(outcomes_ptr + k, estimate)
+        tl.store(outcomes_ptr + 2 + k, seen)
+        wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
+        used = tl.sum(tl.where(k == 1, estimate, 0.0), axis=0)
+        on = (used + 1) >= MIN_PRECISION * (used + wasted + 2)
+        fresh = tl.where(tl.load(e2s_ptr + e, mask=emask, other=0) >= 0, 0.0, score)
+        fresh = tl.where(emask, fresh, -1.0)
+        likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
+        explore = (tl.load(clock_ptr) % EXPLORE_EVERY == 0).to(tl.int32)
+        score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
+        tl.store(pred_ptr + e, score, mask=emask)
+        tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
+
+
 def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and triton is not None
 
@@ -109,3 +177,22 @@ def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Ten
     """transitions [E', E] = transitions * decay + outer(previous [E'], routed [E]) (bool masks), in place."""
     E = routed.shape[0]
     _observe[(previous.shape[0],)](previous, routed, transitions, E, decay, BE=triton.next_power_of_2(E), num_warps=1)
+
+
+def prefetch_scores(
+    gate: bool, routed: torch.Tensor | None, routed_before: torch.Tensor | None, transitions: torch.Tensor | None, keep: int,
+    predicted: torch.Tensor, nominated: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor,
+    outcomes: torch.Tensor, clock: torch.Tensor, constants: dict,
+) -> None:
+    """Write the target layer's combined and gated scores into `predicted` [E] (which holds the gate's
+    scores when `gate`) and the nominating sources into `nominated` [E]; `routed` [E] turns on the
+    temporal predictor, `routed_before` [E'] with `transitions` [E', E] the transition one.
+    `constants`: the references' thresholds (WASTED, MIN_SUPPORT, MIN_PRECISION, OUTCOME_DECAY, EXPLORE_EVERY)."""
+    E = predicted.shape[0]
+    temporal, transition = routed is not None, routed_before is not None
+    _prefetch_scores[(1,)](
+        predicted, nominated, routed if temporal else nominated, routed_before if transition else nominated,
+        transitions if transition else predicted, expert_to_slot, counters, outcomes, clock,
+        E, routed_before.shape[0] if transition else 0, keep, **constants,
+        GATE=gate, TEMPORAL=temporal, TRANSITION=transition, BE=triton.next_power_of_2(E), BR=16, num_warps=4,
+    )

@@ -77,8 +77,8 @@ def transition_scores(routed_before: torch.Tensor, transitions: torch.Tensor, ke
     """routed_before [E'] bool, transitions [E', E] decayed counts -> [E], the top `keep` of them."""
     rows = transitions / transitions.sum(dim=1, keepdim=True).clamp(min=1e-6)  # P(e here | e' before)
     share = (routed_before.float() @ rows) / routed_before.sum().clamp(min=1)  # [E]
-    top = share.topk(min(keep, share.shape[0]))
-    return torch.zeros_like(share).scatter_(0, top.indices, top.values)
+    top = torch.argsort(-share, stable=True)[:keep]  # ties (a row with one successor gives exactly 1): lower id first
+    return torch.zeros_like(share).scatter_(0, top, share[top])
 
 
 def combine(parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
