@@ -45,7 +45,7 @@ def run(cache, kind, args, use_kernel):
 
 def assert_same(kernel: ExpertCache, reference: ExpertCache):
     for (name, a), (_, b) in zip(kernel.named_buffers(), reference.named_buffers()):
-        if name in ("scratch", "predicted", "nominated"):
+        if name in ("scratch", "predicted", "nominated", "outcomes"):  # outcomes: float, compared by the predictor tests
             continue
         if name == "expert_to_slot":  # the last row is the reference's trash row for masked writes
             a, b = a[:-1], b[:-1]
