@@ -97,26 +97,29 @@ def test_bad_prefetch_settings(bad):
         asyncmoe.Prefetch(**bad)
 
 
-@pytest.mark.parametrize("useful", [True, False])
-def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(useful):
-    """Each step prefetches one expert and then routes to it (useful) or to another one (wasted). A
-    wasted stream of prefetches switches the layer's prefetch off, except every EXPLORE_EVERY-th call."""
+@pytest.mark.parametrize("use", ["timely", "late", "never"])
+def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
+    """Every other call prefetches one expert; routing then uses it in that call (timely), in the call
+    after (late), or never. Only timely prefetches keep the layer prefetching: otherwise prefetch
+    switches off, except every EXPLORE_EVERY-th call."""
     from asyncmoe import ops
     from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, ExpertCache
 
     E, steps = 16, 6 * EXPLORE_EVERY
-    cache = ExpertCache({"w": torch.randn(E, 3)}, 2, "lru")
-    admitted = []
+    cache = ExpertCache({"w": torch.randn(E, 3)}, 4, "lru")
+    admitted, guess = [], 0
     for step in range(steps):
-        guess = step % E
-        prefetched = cache.counters[COUNTERS.index("prefetched")].item()
-        scores = torch.nn.functional.one_hot(torch.tensor(guess), E).float()
-        ops.prefetch(cache, 1, gate=scores)
-        admitted.append(cache.counters[COUNTERS.index("prefetched")].item() - prefetched)
-        routed = guess if useful else (guess + E // 2) % E
+        if step % 2 == 0:
+            guess = step // 2 % (E - 2)
+            prefetched = cache.counters[COUNTERS.index("prefetched")].item()
+            ops.prefetch(cache, 1, gate=torch.nn.functional.one_hot(torch.tensor(guess), E).float())
+            admitted.append(cache.counters[COUNTERS.index("prefetched")].item() - prefetched)
+            routed = guess if use == "timely" else E - 1
+        else:
+            routed = guess if use == "late" else E - 2
         ops.ensure(cache, torch.tensor([[routed]]), 0)
-    late = admitted[steps // 2 :]
-    if useful:
+    late = admitted[len(admitted) // 2 :]  # the prefetching calls of the second half
+    if use == "timely":
         assert all(late)  # every prefetch admitted
     else:
-        assert 0 < sum(late) <= len(late) // EXPLORE_EVERY + 1  # only the exploring calls
+        assert 0 < sum(late) <= steps // 2 // EXPLORE_EVERY + 1  # only the exploring calls

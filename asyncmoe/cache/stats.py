@@ -26,6 +26,7 @@ class LayerStats:
     hits_gate: int  # ... nominated by each predictor (an expert can be nominated by several)
     hits_temporal: int
     hits_transition: int
+    prefetch_timely: int  # prefetch hits in the very call the prefetch was for
     expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
@@ -67,7 +68,7 @@ class Stats:
     def __post_init__(self):
         keys = (
             "calls", "hits", "misses", "evictions", "bytes_h2d", "prefetched", "wasted", "prefetch_hits",
-            "hits_gate", "hits_temporal", "hits_transition", "prefetch_bytes", "wasted_bytes", "gpu_bytes", "host_bytes",
+            "hits_gate", "hits_temporal", "hits_transition", "prefetch_timely", "prefetch_bytes", "wasted_bytes", "gpu_bytes", "host_bytes",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]
@@ -108,6 +109,7 @@ class Stats:
             rows.append(
                 "prefetch hits by predictor (an expert can have several): "
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
+                + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched for"
             )
         rows.append(f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
         if timed:

@@ -139,6 +139,7 @@ if triton is not None:
             used = tl.load(used_ptr + c, mask=cmask, other=0).to(tl.int32)
             source = tl.load(source_ptr + c, mask=cmask, other=0).to(tl.int32)
             first_use = hit & (used == 0) & (source != 0)
+            timely = first_use & (tl.load(born_ptr + c, mask=cmask, other=0) == clock - 1)
             last_use = tl.load(last_use_ptr + c, mask=cmask, other=0)
             freq = tl.load(freq_ptr + c, mask=cmask, other=0)
             tl.store(used_ptr + c, (used != 0) | hit, mask=cmask)
@@ -152,6 +153,7 @@ if triton is not None:
             for b in tl.static_range(3):
                 hits_b = tl.sum((first_use & ((source & (1 << b)) != 0)).to(tl.int64), axis=0)
                 add += tl.where(k == 8 + b, hits_b, 0)
+            add += tl.where(k == 11, tl.sum(timely.to(tl.int64), axis=0), 0)
             # slot of each routed pair in this wave, -1 for other waves'
             for p0 in range(0, n_pairs, BP):
                 p = p0 + tl.arange(0, BP)
@@ -160,8 +162,8 @@ if triton is not None:
                 in_wave = tl.load(scratch_ptr + ids, mask=pm, other=0) == 2
                 slot = tl.load(e2s_ptr + ids, mask=pm, other=-1)
                 tl.store(out_ptr + p, tl.where(in_wave, slot, -1), mask=pm)
-        counters = tl.load(counters_ptr + k, mask=k < 11, other=0)
-        tl.store(counters_ptr + k, counters + add, mask=k < 11)
+        counters = tl.load(counters_ptr + k, mask=k < 12, other=0)  # len(COUNTERS)
+        tl.store(counters_ptr + k, counters + add, mask=k < 12)
 
 
 def cache_step(

@@ -93,7 +93,7 @@ if triton is not None:
     @triton.jit
     def _prefetch_scores(
         pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
-        E, E_before, keep, WASTED: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
+        E, E_before, keep, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
         OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr,
         GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     ):
@@ -137,7 +137,8 @@ if triton is not None:
             sources += tl.where(gate > 0, 1, 0).to(tl.int32)
         # the prefetch gate: off while most recent prefetches were wasted, but for an explorer every EXPLORE_EVERY calls
         k = tl.arange(0, 2)
-        seen = tl.load(counters_ptr + WASTED + k).to(tl.float32)  # (wasted, used) so far
+        timely = tl.load(counters_ptr + TIMELY)
+        seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - timely, timely).to(tl.float32)  # (untimely, timely)
         estimate = tl.load(outcomes_ptr + k) * OUTCOME_DECAY + tl.maximum(seen - tl.load(outcomes_ptr + 2 + k), 0.0)
         tl.store(outcomes_ptr + k, estimate)
         tl.store(outcomes_ptr + 2 + k, seen)
@@ -187,7 +188,7 @@ def prefetch_scores(
     """Write the target layer's combined and gated scores into `predicted` [E] (which holds the gate's
     scores when `gate`) and the nominating sources into `nominated` [E]; `routed` [E] turns on the
     temporal predictor, `routed_before` [E'] with `transitions` [E', E] the transition one.
-    `constants`: the references' thresholds (WASTED, MIN_SUPPORT, MIN_PRECISION, OUTCOME_DECAY, EXPLORE_EVERY)."""
+    `constants`: the references' counter indices and thresholds (PREFETCHED, TIMELY, MIN_SUPPORT, MIN_PRECISION, OUTCOME_DECAY, EXPLORE_EVERY)."""
     E = predicted.shape[0]
     temporal, transition = routed is not None, routed_before is not None
     _prefetch_scores[(1,)](
