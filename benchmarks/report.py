@@ -50,7 +50,10 @@ def rows(data: dict) -> list[dict]:
 
 
 def prefill_rows(data: dict) -> list[dict]:
-    """One row per prefill case, with the speedups over accelerate and the seed at the same cache size."""
+    """One row per prefill case, with the speedups over accelerate and the seed at the same cache size, and
+    floor = max(resident prefill ms, bytes moved / H2D bandwidth) with limit ratio = ms / floor where known.
+    A prompt of this length routes to every expert of every layer, so what asyncmoe moves (each expert
+    once, in its wave) is also the least any cache smaller than the experts must move: no Belady column."""
     cases = [b["extra_info"] for b in data["benchmarks"] if "prompt" in b["extra_info"]]
     out = []
     for c in cases:
@@ -60,6 +63,11 @@ def prefill_rows(data: dict) -> list[dict]:
             other = next((d for d in group if d["system"] == base), None)
             if other and c["system"] != base:
                 c[key] = other["ms_per_prefill"] / c["ms_per_prefill"]
+        resident = next((d["ms_per_prefill"] for d in cases if d["system"] == "unmodified"
+                         and (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])), None)
+        if resident and "bytes_per_prefill" in c and c.get("h2d_GB_per_s"):
+            c["floor_ms"] = max(resident, c["bytes_per_prefill"] / (c["h2d_GB_per_s"] * 1e6))
+            c["limit_ratio"] = c["ms_per_prefill"] / c["floor_ms"]
         out.append(c)
     return sorted(out, key=lambda r: (r["shape"], r["routing"], r["prompt"], -r["cache"], r["system"]))
 
@@ -69,11 +77,14 @@ def markdown(table: list[dict], data: dict) -> str:
         return format(r[key], fmt) if key in r else ""
 
     machine = data.get("machine_info", {}).get("node", "")
+    prefill = prefill_rows(data)
+    first = (table or prefill or [{}])[0]
+    lines = [f"Device: {first.get('device', '?')} ({machine}); dtype {first.get('dtype', '?')}."]
     head = ["shape", "routing", "batch", "system", "cache", "ms/token", "spread", "tokens/s", "hit", "recall",
             "MB/token", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed", "peak GPU GiB", "host GiB",
             "tokens agree"]
-    lines = [f"Device: {table[0]['device'] if table else '?'} ({machine}); dtype {table[0]['dtype'] if table else '?'}.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if table:
+        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
         cells = [r["shape"], r["routing"], str(r["batch"]), r["system"], f"{r['cache']}/{r['experts']}",
                  f(r, "ms_per_token", ".3f"), f(r, "spread_ms", ".3f"), f(r, "tokens_per_s", ".1f"),
@@ -84,13 +95,15 @@ def markdown(table: list[dict], data: dict) -> str:
                  format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
                  format(r["host_bytes"] / 2**30, ".3f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
-    prefill = prefill_rows(data)
     if prefill:
-        head = ["shape", "routing", "prompt", "system", "cache", "ms", "tokens/s", "x accelerate", "x seed", "first token agrees"]
+        head = ["shape", "routing", "prompt", "system", "cache", "ms", "tokens/s", "GB moved", "floor ms", "limit ratio",
+                "x accelerate", "x seed", "first token agrees"]
         lines += ["", "Prefill, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in prefill:
             cells = [r["shape"], r["routing"], str(r["prompt"]), r["system"], f"{r['cache']}/{r['experts']}",
-                     f(r, "ms_per_prefill", ".1f"), f(r, "tokens_per_s", ".0f"), f(r, "speedup_vs_accelerate", ".1f"),
+                     f(r, "ms_per_prefill", ".1f"), f(r, "tokens_per_s", ".0f"),
+                     format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
+                     f(r, "floor_ms", ".1f"), f(r, "limit_ratio", ".2f"), f(r, "speedup_vs_accelerate", ".1f"),
                      f(r, "speedup_vs_seed", ".2f"), str(r["first_token_agrees"])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -103,6 +116,8 @@ def plots(table: list[dict], stem: pathlib.Path) -> list[pathlib.Path]:
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["shape"], r["routing"], r["batch"]) for r in table})
+    if not groups:  # a prefill-only run: its table says it all
+        return []
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
     for ax, (shape, routing, batch) in zip(axes[0], groups):
         for system in sorted({r["system"] for r in table}):

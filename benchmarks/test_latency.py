@@ -249,9 +249,12 @@ def test_prefill(benchmark, prefill_case, request):
     vocab = SHAPES[shape][1]["vocab_size"]
     ids = torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
+    cached = system.startswith("asyncmoe") and cache < experts
 
-    def setup():
+    def setup():  # the counters start afresh: after the last round they hold one prefill's copies
         rewind_replay(model)
+        if cached:
+            asyncmoe.stats(model, reset=True)
         sync()
 
     def prefill():
@@ -261,6 +264,7 @@ def test_prefill(benchmark, prefill_case, request):
 
     rounds = 2 if system in ("seed", "accelerate") else profile(request.config)["rounds"]
     first = benchmark.pedantic(prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=1)
+    bytes_moved = asyncmoe.stats(model).totals["bytes_h2d"] if cached else None
     setup()
     want = asyncmoe.Decoder(make("unmodified", shape, routing, 0), 1, n + 1, graph=False).prefill(ids)
     ms = statistics.median(benchmark.stats.stats.data) * 1e3
@@ -269,5 +273,10 @@ def test_prefill(benchmark, prefill_case, request):
         tokens_per_s=n / ms * 1e3, device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
         first_token_agrees=bool(torch.equal(first, want)),
     )
+    if CUDA:
+        benchmark.extra_info["h2d_GB_per_s"] = h2d_bandwidth()
+    if cached:
+        benchmark.extra_info["bytes_per_prefill"] = bytes_moved
+        assert bytes_moved > 0  # a prompt routes to more experts than the cache holds: it must copy
     if DTYPE == torch.float32:
         assert torch.equal(first, want), f"{system}: the first new token differs from the unmodified model's"
