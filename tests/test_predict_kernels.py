@@ -46,7 +46,8 @@ def _prefetch_pair(E_before, E, C, device, seed):
     g = torch.Generator().manual_seed(seed)
     hosts = {"w": torch.randn(E, 2, 3, generator=g).to(device)}
     caches = [ExpertCache(hosts, C, "lfru") for _ in range(2)]
-    transitions = (torch.rand(E_before, E, generator=g) * (torch.rand(E_before, E, generator=g) < 3 / E) * 9).to(device)  # a few successors each
+    few_successors = torch.rand(E_before, E, generator=g) < 3 / E
+    transitions = (torch.rand(E_before, E, generator=g) * few_successors * 9).to(device)
     for c in caches:
         c.register_buffer("transitions", transitions.clone(), persistent=False)
     return caches, g

@@ -42,9 +42,10 @@ PREFETCHED, TIMELY = COUNTERS.index("prefetched"), COUNTERS.index("prefetch_time
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
 EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
-PREFETCH_CONSTANTS = dict(
-    PREFETCHED=PREFETCHED, TIMELY=TIMELY, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION, OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY
-)  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
+PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
+    PREFETCHED=PREFETCHED, TIMELY=TIMELY, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
+    OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY,
+)
 
 
 class ExpertCache(nn.Module):

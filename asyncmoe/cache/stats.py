@@ -68,7 +68,8 @@ class Stats:
     def __post_init__(self):
         keys = (
             "calls", "hits", "misses", "evictions", "bytes_h2d", "prefetched", "wasted", "prefetch_hits",
-            "hits_gate", "hits_temporal", "hits_transition", "prefetch_timely", "prefetch_bytes", "wasted_bytes", "gpu_bytes", "host_bytes",
+            "hits_gate", "hits_temporal", "hits_transition", "prefetch_timely", "prefetch_bytes", "wasted_bytes",
+            "gpu_bytes", "host_bytes",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]

@@ -115,7 +115,7 @@ if triton is not None:
                 share += tl.sum(rows * before[:, None], axis=0)
                 n_before += tl.sum(before, axis=0)
             share = share / tl.maximum(n_before, 1.0)
-            key = (share.to(tl.int32, bitcast=True).to(tl.int64) << 12) | (4095 - e)  # share >= 0: its bits sort as it does
+            key = (share.to(tl.int32, bitcast=True).to(tl.int64) << 12) | (4095 - e)  # share >= 0 sorts as its bits; E < 4096
             key = tl.where(emask, key, -1)
             kth = tl.min(tl.where(e < keep, tl.sort(key, descending=True), 1 << 62))
             transition = tl.where(key >= kth, share, 0.0)
@@ -188,7 +188,7 @@ def prefetch_scores(
     """Write the target layer's combined and gated scores into `predicted` [E] (which holds the gate's
     scores when `gate`) and the nominating sources into `nominated` [E]; `routed` [E] turns on the
     temporal predictor, `routed_before` [E'] with `transitions` [E', E] the transition one.
-    `constants`: the references' counter indices and thresholds (PREFETCHED, TIMELY, MIN_SUPPORT, MIN_PRECISION, OUTCOME_DECAY, EXPLORE_EVERY)."""
+    `constants`: the references' counter indices and thresholds (`expert_cache.PREFETCH_CONSTANTS`)."""
     E = predicted.shape[0]
     temporal, transition = routed is not None, routed_before is not None
     _prefetch_scores[(1,)](
