@@ -1,5 +1,6 @@
 """report.py on a real run of the suite's CPU profile: every case becomes a row, the derived columns add up."""
 
+import json
 import subprocess
 import sys
 
@@ -13,7 +14,6 @@ def test_report_rows_and_files(tmp_path):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks/test_latency.py",
            "--benchmark-only", f"--benchmark-json={json_path}", "-k", "router"]
     subprocess.run(cmd, check=True, capture_output=True)
-    import json
 
     data = json.loads(json_path.read_text())
     table = report.rows(data)
@@ -35,3 +35,26 @@ def test_report_rows_and_files(tmp_path):
     for path, benches in zip(parts, [data["benchmarks"][:half], data["benchmarks"][half:]]):
         path.write_text(json.dumps(dict(data, benchmarks=benches)))
     assert report.rows(report.merge(parts)) == table
+
+
+def test_prefill_floor_and_limit_ratio(tmp_path):
+    """A prefill's floor is the resident prefill or its copies at the measured bandwidth, whichever is longer."""
+    def case(system, cache, ms, **extra):
+        info = dict(shape="s", routing="trace", system=system, cache=cache, experts=64, prompt=2048, ms_per_prefill=ms,
+                    tokens_per_s=2048 / ms * 1e3, device="gpu", dtype="bf16", first_token_agrees=True, **extra)
+        return {"extra_info": info}
+
+    data = {"benchmarks": [
+        case("unmodified", 64, 50.0), case("seed", 16, 100_000.0),
+        case("asyncmoe-eager", 16, 300.0, bytes_per_prefill=12e9, h2d_GB_per_s=50.0),  # 240 ms of copies
+        case("asyncmoe-eager", 64, 45.0, h2d_GB_per_s=50.0),  # resident: nothing moved, no floor
+    ]}
+    rows = {(r["system"], r["cache"]): r for r in report.prefill_rows(data)}
+    cached = rows[("asyncmoe-eager", 16)]
+    assert cached["floor_ms"] == pytest.approx(240.0) and cached["limit_ratio"] == pytest.approx(1.25)
+    assert cached["speedup_vs_seed"] == pytest.approx(100_000 / 300)
+    assert "floor_ms" not in rows[("asyncmoe-eager", 64)]
+    path = tmp_path / "prefill.json"
+    path.write_text(json.dumps(data))
+    assert report.write(path) == [tmp_path / "prefill.md"]  # no decode rows: no plots
+    assert "| s | trace | 2048 | asyncmoe-eager | 16/64 | 300.0 | 6827 | 12.00 | 240.0 | 1.25 |" in (tmp_path / "prefill.md").read_text()
