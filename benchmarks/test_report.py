@@ -1,4 +1,5 @@
-"""report.py on a real run of the suite's CPU profile: every case becomes a row, the derived columns add up."""
+"""report.py on a real run of the suite's CPU profile (every case becomes a row, the derived columns add up), and on
+hand-made prefill cases whose floor and limit ratio are worked out by hand."""
 
 import json
 import subprocess
