@@ -22,7 +22,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.cache_step import cache_step, triton
+from ..kernels.cache_step import cache_step
 from ..kernels import predict as predict_kernels
 from ..kernels.gather_copy import gather_copy
 from ..predict.predictors import GATE, MIN_SUPPORT, SOURCES, TEMPORAL, TRANSITION, combine, temporal_scores, transition_scores
@@ -270,14 +270,11 @@ def prefetch(
     slots: list[torch.Tensor],
     use_kernel: bool | None = None,
     copy_programs: int | None = None,
-    outcomes: torch.Tensor | None = None,  # [4] float: see gate_prefetch; None: never gate
 ) -> None:
     """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots.
 
     `copy_programs` caps the copy kernel's grid (see gather_copy)."""
     *fields, scratch = state
-    if outcomes is not None:
-        gate_prefetch(predicted, expert_to_slot, counters, outcomes, SlotState(*fields).clock)
     if _use_kernel(expert_to_slot, use_kernel):
         _, src, dst, count = cache_step(
             None, predicted, nominated, 0, POLICY_IDS[policy], budget, expert_to_slot, slot_to_expert,
@@ -325,8 +322,8 @@ def predict_and_prefetch(
 
     On CUDA the scoring, combining and gating are one Triton launch (kernels.predict.prefetch_scores),
     the decision another (kernels.cache_step), then the copy; the torch code below is their reference."""
+    st = SlotState(*state[:-1])
     if _use_kernel(expert_to_slot, use_kernel):
-        st = SlotState(*state[:-1])
         predict_kernels.prefetch_scores(
             gate is not None, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
             expert_to_slot, counters, outcomes, st.clock, PREFETCH_CONSTANTS,
@@ -336,14 +333,15 @@ def predict_and_prefetch(
         return
     parts = [(GATE, gate)] if gate is not None else []
     if temporal:
-        parts.append((TEMPORAL, temporal_scores(SlotState(*state[:-1]).routed)))
+        parts.append((TEMPORAL, temporal_scores(st.routed)))
     if routed_before is not None:
         parts.append((TRANSITION, transition_scores(routed_before, transitions, budget)))
     score, sources = combine(parts)
     predicted.copy_(score)
     nominated.copy_(sources)
+    gate_prefetch(predicted, expert_to_slot, counters, outcomes, st.clock)
     prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
-             use_kernel=False, copy_programs=copy_programs, outcomes=outcomes)
+             use_kernel=False, copy_programs=copy_programs)
 
 
 def gate_prefetch(
@@ -385,8 +383,8 @@ def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Ten
     transitions.mul_(TRANSITION_DECAY).add_(previous[:, None].float() * routed[None, :].float())
 
 
-def _use_kernel(expert_to_slot: torch.Tensor, use_kernel: bool | None) -> bool:
-    return expert_to_slot.is_cuda and triton is not None if use_kernel is None else use_kernel
+def _use_kernel(t: torch.Tensor, use_kernel: bool | None) -> bool:
+    return predict_kernels.use_kernels(t) if use_kernel is None else use_kernel
 
 
 def _expert_bytes(slots: list[torch.Tensor]) -> int:

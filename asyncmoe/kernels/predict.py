@@ -128,13 +128,13 @@ if triton is not None:
             confident = support >= MIN_SUPPORT
             score = tl.where(confident, support, 0.0)
             if TEMPORAL:
-                sources += tl.where(confident & (temporal > 0), 2, 0).to(tl.int32)  # distinct bits: + is |
+                sources += tl.where(confident & (temporal > 0), 2, 0).to(tl.int32)  # predictors.TEMPORAL; bits differ: + is |
             if TRANSITION:
-                sources += tl.where(confident & (transition > 0), 4, 0).to(tl.int32)
+                sources += tl.where(confident & (transition > 0), 4, 0).to(tl.int32)  # predictors.TRANSITION
         if GATE:  # the caller put the gate's scores in `predicted`
             gate = tl.load(pred_ptr + e, mask=emask, other=0.0)
             score = tl.where(gate > 0, 1 + gate, score)
-            sources += tl.where(gate > 0, 1, 0).to(tl.int32)
+            sources += tl.where(gate > 0, 1, 0).to(tl.int32)  # predictors.GATE
         # the prefetch gate: off while most recent prefetches were wasted, but for an explorer every EXPLORE_EVERY calls
         k = tl.arange(0, 2)
         timely = tl.load(counters_ptr + TIMELY)
