@@ -6,7 +6,7 @@ names every tensor an op writes, so functionalization orders the expert compute 
 reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
-Streams: `prefetch` forks a side stream from the current (compute) stream, predicts, admits and copies there,
+Streams: `prefetch` forks a side stream from the current (compute) stream, learns, predicts, admits and copies there,
 and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
 event before it reads the tables. Every prefetch targets a later layer of the same forward, whose
 `ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture
@@ -101,9 +101,10 @@ def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = Fals
 
 @torch.library.custom_op(
     "asyncmoe::prefetch",
-    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
+    mutates_args=("learn", "predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
 )
 def _prefetch(
+    learn: list[Tensor],
     gate: Tensor | None,
     temporal: bool,
     routed_before: Tensor | None,
@@ -123,21 +124,22 @@ def _prefetch(
 ) -> None:
     """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side stream.
 
-    Predictors (predict.predictors): `gate` scores [E] computed by the caller from this layer's
-    hidden states; `temporal` (the target's routing last call, its own `routed`); `routed_before` and
-    `transitions` for the transition predictor. Only the gate's input is a temporary of the compute
-    stream, so only it is computed there, then copied into the target's `predicted` (the side stream
-    must not read memory the compute stream may reuse meanwhile); the rest of the prediction runs on
-    the side stream: on CUDA one kernel for the scores and the prefetch gate, one for the decision,
-    then the copy (in torch ops it was ~40 kernels per layer beside the compute). The copy runs on at
-    most `copy_programs` Triton programs (0: one per block), so the compute stream keeps most SMs.
+    Predictors (predict.predictors): `gate`, the target's gate buffer [E], scored by `gate_scores` on
+    the compute stream from this layer's hidden states (the one predictor input that is a compute-stream
+    temporary); `temporal` (the target's routing last call, its own `routed`); `routed_before` and
+    `transitions` for the transition predictor. `learn`: empty, or this layer's (routed at the layer
+    before [E''], routed here [E'], transition counts [E'', E']), updated here by `observe`, off the
+    compute stream. On CUDA the side stream runs that update, one kernel for the scores and the
+    prefetch gate, one for the decision, then the copy (in torch ops it was ~40 kernels per layer
+    beside the compute). The copy runs on at most `copy_programs` Triton programs (0: one per block),
+    so the compute stream keeps most SMs.
     """
-    if gate is not None:
-        predicted.copy_(gate)
 
     def run():
+        if learn:
+            expert_cache.observe(*learn)
         expert_cache.predict_and_prefetch(
-            predicted if gate is not None else None, temporal, routed_before, transitions, budget, policy, predicted,
+            gate, temporal, routed_before, transitions, budget, policy, predicted,
             nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots, outcomes, copy_programs or None,
         )
 
@@ -153,7 +155,7 @@ def _prefetch(
 
 
 @_prefetch.register_fake
-def _(gate, temporal, routed_before, transitions, budget, copy_programs, policy, predicted, nominated, expert_to_slot,
+def _(learn, gate, temporal, routed_before, transitions, budget, copy_programs, policy, predicted, nominated, expert_to_slot,
       slot_to_expert, state, counters, outcomes, hosts, slots):
     E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
     torch._check(gate is not None or temporal or routed_before is not None, lambda: "prefetch needs a predictor")
@@ -166,46 +168,59 @@ def _(gate, temporal, routed_before, transitions, budget, copy_programs, policy,
         lambda: f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(transitions.shape)}",
     )
     torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
+    torch._check(
+        not learn or (len(learn) == 3 and learn[2].shape == (learn[0].shape[0], learn[1].shape[0])),
+        lambda: "learn must be empty or (routed before [E''], routed here [E'], transitions [E'', E'])",
+    )
 
 
 def prefetch(
     cache: ExpertCache,
     budget: int,
-    gate: Tensor | None = None,
+    gate: bool = False,
     temporal: bool = False,
     routed_before: Tensor | None = None,
     copy_programs: int | None = None,
+    learn: tuple[ExpertCache, ExpertCache] | None = None,
 ) -> None:
-    """`asyncmoe::prefetch` into `cache`; `routed_before` (the previous layer's routing) turns on the transition predictor."""
+    """`asyncmoe::prefetch` into `cache`. `gate`: use the scores `gate_scores` left in `cache.gate`;
+    `routed_before` (the previous layer's routing) turns on the transition predictor; `learn`: (the
+    layer before, this layer), whose transition counts to update on the way."""
     transitions = cache.transitions if routed_before is not None else None
+    learned = [learn[0].routed, learn[1].routed, learn[1].transitions] if learn is not None else []
     torch.ops.asyncmoe.prefetch(
-        gate, temporal, routed_before, transitions, budget, copy_programs or 0, cache.policy, cache.predicted,
+        learned, cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0, cache.policy, cache.predicted,
         cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
         cache.hosts, cache.slots,
     )
 
 
-@torch.library.custom_op("asyncmoe::gate_scores", mutates_args=())
-def _gate_scores(x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int) -> Tensor:
-    """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] -> scores [E].
+@torch.library.custom_op("asyncmoe::gate_scores", mutates_args=("out",))
+def _gate_scores(x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int, out: Tensor) -> None:
+    """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] -> scores `out` [E].
 
     An op so that torch.compile need not trace the Triton kernel it launches on CUDA (predict.predictors).
+    It writes the target layer's `gate` buffer, which the prefetch op reads on the side stream.
     """
-    return predictors.gate_scores(x, weight, bias, per_token)
+    predictors.gate_scores(x, weight, bias, per_token, out)
 
 
 @_gate_scores.register_fake
-def _(x, weight, bias, per_token):
+def _(x, weight, bias, per_token, out):
     torch._check(
         x.dim() == 2 and x.shape[1] == weight.shape[1],
         lambda: f"gate scores need x [tokens, {weight.shape[1]}] for a router of {weight.shape[1]} inputs, got {tuple(x.shape)}",
     )
     torch._check(per_token > 0, lambda: f"per_token must be positive, got {per_token}")
-    return x.new_empty(weight.shape[0], dtype=torch.float32)
+    torch._check(
+        out.shape == (weight.shape[0],) and out.dtype == torch.float32,
+        lambda: f"out must be float32 [{weight.shape[0]}], got {out.dtype} {tuple(out.shape)}",
+    )
 
 
-def gate_scores(x: Tensor, router: tuple[Tensor, Tensor | None], per_token: int) -> Tensor:
-    return torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token)
+def gate_scores(x: Tensor, router: tuple[Tensor, Tensor | None], per_token: int, cache: ExpertCache) -> None:
+    """Score the router's layer's experts (`cache`, the prefetch target) from `x` into `cache.gate`."""
+    torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token, cache.gate)
 
 
 @torch.library.custom_op("asyncmoe::observe", mutates_args=("transitions",))

@@ -93,7 +93,8 @@ def main():
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument("--budgets", type=int, nargs="+", default=[0], help="prefetch budgets to try (0: top-k)")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
-    p.add_argument("--sources", nargs="+", default=None, help="prefetch predictors (default: all; temporal transition with --replay)")
+    p.add_argument("--sources", nargs="+", default=None,
+                   help="prefetch predictor sets to try, each joined by + (default: all three; temporal+transition with --replay)")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -113,9 +114,9 @@ def main():
     rows = run(base, "unmodified")
     resident_ms = rows[0]["ms_per_token"]
     for cache in args.caches:
-        sources = tuple(args.sources or (("temporal", "transition") if args.replay else asyncmoe.Prefetch().sources))
-        plans = [asyncmoe.Prefetch(sources=sources, budget=b or None, copy_programs=c or None)
-                 for b in args.budgets for c in args.copy_programs] if cache < experts else []
+        source_sets = args.sources or ["temporal+transition" if args.replay else "+".join(asyncmoe.Prefetch().sources)]
+        plans = [asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b or None, copy_programs=c or None)
+                 for s in source_sets for b in args.budgets for c in args.copy_programs] if cache < experts else []
         for plan in plans + [None]:
             model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay,
                                      time_stalls=args.time_stalls and cache < experts)

@@ -37,9 +37,9 @@ FAMILIES = {
 TOP_K, NUM_EXPERTS = 2, 16
 
 
-def tiny(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu"):
+def tiny(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu", **config_overrides):
     config_cls, model_cls, overrides = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **config_overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
     # Random init routes nearly every token to the same few experts; widen the routers so calls

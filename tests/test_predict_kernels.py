@@ -18,8 +18,9 @@ def test_gate_kernel_matches_reference(device, dtype, T, E, per_token, bias):
     x = torch.randn(T, H, generator=g).to(device, dtype)
     weight = torch.randn(E, H, generator=g).to(device, dtype) / H**0.5 * 4  # spread probabilities, few near-ties
     b = torch.randn(E, generator=g).to(device, dtype) if bias else None
-    want = gate_scores(x, weight, b, per_token, use_kernel=False)
-    got = gate_scores(x, weight, b, per_token, use_kernel=True)
+    want, got = torch.full((2, E), -1.0, device=device)  # written whole, not added to
+    gate_scores(x, weight, b, per_token, want, use_kernel=False)
+    gate_scores(x, weight, b, per_token, got, use_kernel=True)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         assert torch.equal(got > 0, want > 0)  # the same nominations
@@ -70,9 +71,9 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
             c = cache
             expert_cache.ensure(ids, 0, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, c.hosts, c.slots,
                                 use_kernel=use_kernel)
-            c.predicted.copy_(gate)
+            c.gate.copy_(gate)
             expert_cache.predict_and_prefetch(
-                c.predicted if "gate" in sources else None, "temporal" in sources,
+                c.gate if "gate" in sources else None, "temporal" in sources,
                 before if "transition" in sources else None, c.transitions if "transition" in sources else None,
                 k, c.policy, c.predicted, c.nominated, c.expert_to_slot, c.slot_to_expert, c.state, c.counters,
                 c.hosts, c.slots, c.outcomes, use_kernel=use_kernel,

@@ -8,7 +8,10 @@ import torch
 import asyncmoe
 from asyncmoe.predict.predictors import GATE, TEMPORAL, TRANSITION, combine, gate_scores, temporal_scores, transition_scores
 
-from models import FAMILIES, tiny
+from asyncmoe.cache.expert_cache import TRANSITION_DECAY
+from asyncmoe.integrations.transformers import find_experts
+from models import FAMILIES, NUM_EXPERTS, tiny
+from test_cache_step import devices
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -24,6 +27,25 @@ def test_prefetch_on_off_identical(family, cache):
         assert torch.equal(on(ids).logits, off(ids).logits)
     assert asyncmoe.stats(on).totals["prefetched"] > 0
     assert asyncmoe.stats(off).totals["prefetched"] == 0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("depth", [1, 2])
+@torch.no_grad()
+def test_every_layer_learns_its_transitions(device, depth):
+    """A layer's transition counts take each call's (routed at the layer before -> routed here) pairs: on
+    the side stream with the layer's first prefetch, or on the compute stream for the last layer."""
+    model = asyncmoe.compile(tiny("qwen3_moe", device=device, num_hidden_layers=4), cache=4, prefetch=asyncmoe.Prefetch(depth=depth))
+    caches = [m.asyncmoe.cache for _, m in find_experts(model)]
+    g = torch.Generator().manual_seed(1)
+    want = [torch.zeros(NUM_EXPERTS, NUM_EXPERTS, device=device) for _ in caches[1:]]
+    for _ in range(3):
+        model(torch.randint(0, 128, (1, 1), generator=g).to(device))
+        for w, before, here in zip(want, caches, caches[1:]):
+            w.mul_(TRANSITION_DECAY).add_(before.routed[:, None].float() * here.routed[None, :].float())
+    for w, here in zip(want, caches[1:]):
+        torch.testing.assert_close(here.transitions, w, atol=0, rtol=1e-6)  # the kernel may fuse its multiply-add
+    assert all(c.transitions.sum() > 0 for c in caches[1:])
 
 
 def test_prefetch_hits_are_counted_by_nominator():
@@ -63,7 +85,8 @@ def test_default_prefetch_hits_during_decode():
 def test_gate_scores_follow_the_router():
     weight = torch.eye(4) * 10  # token i prefers expert i
     x = torch.eye(4)[[1, 1, 3]]
-    s = gate_scores(x, weight, None, per_token=1)
+    s = torch.full((4,), -1.0)
+    gate_scores(x, weight, None, 1, s)
     assert s.argmax() == 1 and s[3] > 0 and s[0] == 0 and s[2] == 0
 
 
@@ -112,7 +135,8 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
         if step % 2 == 0:
             guess = step // 2 % (E - 2)
             prefetched = cache.counters[COUNTERS.index("prefetched")].item()
-            ops.prefetch(cache, 1, gate=torch.nn.functional.one_hot(torch.tensor(guess), E).float())
+            cache.gate.copy_(torch.nn.functional.one_hot(torch.tensor(guess), E))
+            ops.prefetch(cache, 1, gate=True)
             admitted.append(cache.counters[COUNTERS.index("prefetched")].item() - prefetched)
             routed = guess if use == "timely" else E - 1
         else:

@@ -80,8 +80,11 @@ class ExpertCache(nn.Module):
         self.register_buffer("routed", torch.zeros(E, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("counters", torch.zeros(len(COUNTERS), **i64), persistent=False)
         self.register_buffer("scratch", torch.zeros(E, dtype=torch.int32, device=device), persistent=False)  # fused kernel
-        # predictor inputs: written on the compute stream, read by the prefetch on the side stream, so
-        # they must outlive the call (a temporary could be reused by the allocator under the side stream)
+        # the gate predictor's scores for this layer: written on the compute stream by the layer before, read by
+        # the prefetch on the side stream, so a buffer (a temporary could be reused under the side stream), and
+        # not `predicted`, which the side stream writes (a deeper layer's prefetch may still be running)
+        self.register_buffer("gate", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
+        # the side stream's combined prediction and its sources
         self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
         # prefetch outcomes: decayed (untimely, timely) counts, and the counters they were last read from
@@ -325,7 +328,7 @@ def predict_and_prefetch(
     st = SlotState(*state[:-1])
     if _use_kernel(expert_to_slot, use_kernel):
         predict_kernels.prefetch_scores(
-            gate is not None, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
+            gate, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
             expert_to_slot, counters, outcomes, st.clock, PREFETCH_CONSTANTS,
         )
         prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,

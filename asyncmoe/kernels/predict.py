@@ -6,12 +6,13 @@ cache 32, docs/results/2026-11-30): the gate predictor's eight kernels added ~33
 the transition update's five, with the rest of the prefetch, ~31 µs, while the compute stream
 waited for the side stream only ~7 µs per layer.
 
-Compute stream (their inputs are this step's temporaries):
+Compute stream (its input is this step's temporary):
 - `gate_scores`: layer l+1's router on layer l's MoE input [T, H], softmax, each token's top-p, mean
   over tokens -> [E]. One program: decode has a handful of tokens, and one program keeps the sum
   over tokens in a fixed order (no atomics), so a replayed graph decides as the eager step does.
-- `observe`: the transition counts' decay-and-add, one program per row.
 Side stream:
+- `observe`: the transition counts' decay-and-add, one program per row (the last layer's, which
+  prefetches nothing, on the compute stream).
 - `prefetch_scores`: the temporal and transition scores, their combination with the gate's, and the
   prefetch gate, ~35 kernels of the torch code, in one program.
 
@@ -92,7 +93,7 @@ if triton is not None:
 
     @triton.jit
     def _prefetch_scores(
-        pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
+        gate_ptr, pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
         E, E_before, keep, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
         OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr,
         GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
@@ -131,8 +132,8 @@ if triton is not None:
                 sources += tl.where(confident & (temporal > 0), 2, 0).to(tl.int32)  # predictors.TEMPORAL; bits differ: + is |
             if TRANSITION:
                 sources += tl.where(confident & (transition > 0), 4, 0).to(tl.int32)  # predictors.TRANSITION
-        if GATE:  # the caller put the gate's scores in `predicted`
-            gate = tl.load(pred_ptr + e, mask=emask, other=0.0)
+        if GATE:
+            gate = tl.load(gate_ptr + e, mask=emask, other=0.0)
             score = tl.where(gate > 0, 1 + gate, score)
             sources += tl.where(gate > 0, 1, 0).to(tl.int32)  # predictors.GATE
         # the prefetch gate: off while most recent prefetches were wasted, but for an explorer every EXPLORE_EVERY calls
@@ -158,20 +159,18 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and triton is not None
 
 
-def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int) -> torch.Tensor:
-    """x [T, H] with T <= MAX_TOKENS, weight [E, H], bias [E] or None -> [E] float32."""
+def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor) -> None:
+    """x [T, H] with T <= MAX_TOKENS, weight [E, H], bias [E] or None -> out [E] float32."""
     T, H = x.shape
     E = weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight.contiguous()
-    out = torch.empty(E, dtype=torch.float32, device=x.device)
     _gate_scores[(1,)](
         x, weight, bias if bias is not None else weight, out, T, H, E, x.stride(0),
         PER_TOKEN=min(per_token, E), HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
         UPCAST=INTERPRET,  # the interpreter's 16-bit tl.dot is wrong (triton 3.8)
         BT=16, BH=64, BE=max(16, triton.next_power_of_2(E)), num_warps=4,
     )
-    return out
 
 
 def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, decay: float) -> None:
@@ -181,19 +180,19 @@ def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Ten
 
 
 def prefetch_scores(
-    gate: bool, routed: torch.Tensor | None, routed_before: torch.Tensor | None, transitions: torch.Tensor | None, keep: int,
+    gate: torch.Tensor | None, routed: torch.Tensor | None, routed_before: torch.Tensor | None, transitions: torch.Tensor | None, keep: int,
     predicted: torch.Tensor, nominated: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor,
     outcomes: torch.Tensor, clock: torch.Tensor, constants: dict,
 ) -> None:
-    """Write the target layer's combined and gated scores into `predicted` [E] (which holds the gate's
-    scores when `gate`) and the nominating sources into `nominated` [E]; `routed` [E] turns on the
+    """Write the target layer's combined and gated scores into `predicted` [E] and the nominating sources
+    into `nominated` [E]; `gate` [E] holds the gate predictor's scores, `routed` [E] turns on the
     temporal predictor, `routed_before` [E'] with `transitions` [E', E] the transition one.
     `constants`: the references' counter indices and thresholds (`expert_cache.PREFETCH_CONSTANTS`)."""
     E = predicted.shape[0]
     temporal, transition = routed is not None, routed_before is not None
     _prefetch_scores[(1,)](
-        predicted, nominated, routed if temporal else nominated, routed_before if transition else nominated,
+        gate if gate is not None else predicted, predicted, nominated, routed if temporal else nominated, routed_before if transition else nominated,
         transitions if transition else predicted, expert_to_slot, counters, outcomes, clock,
         E, routed_before.shape[0] if transition else 0, keep, **constants,
-        GATE=gate, TEMPORAL=temporal, TRANSITION=transition, BE=triton.next_power_of_2(E), BR=16, num_warps=4,
+        GATE=gate is not None, TEMPORAL=temporal, TRANSITION=transition, BE=triton.next_power_of_2(E), BR=16, num_warps=4,
     )

@@ -13,8 +13,9 @@ Dims: T tokens, H hidden, E experts (of the target layer), E' experts of the sou
 
 Scores are in [0, 1] per expert; `combine` ranks the gate's nominations first, then experts the
 other predictors back with enough support. All fixed-shape tensor ops. The gate runs on the compute
-stream (its input, layer l's hidden states, is a compute-stream temporary); temporal, transition and
-`combine` read only persistent buffers and run inside the prefetch op, on the side stream.
+stream (its input, layer l's hidden states, is a compute-stream temporary) and leaves its scores in
+the target's `gate` buffer; temporal, transition, `combine` and the transition counts' update read
+only persistent buffers and run inside the prefetch op, on the side stream.
 """
 
 from __future__ import annotations
@@ -55,17 +56,19 @@ class Prefetch:
 
 
 def gate_scores(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, use_kernel: bool | None = None
-) -> torch.Tensor:
-    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> [E].
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor,
+    use_kernel: bool | None = None,
+) -> None:
+    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> out [E].
 
-    On CUDA a decode-sized call is one Triton launch (kernels.predict); this is its reference."""
+    On CUDA a decode-sized call is one Triton launch (kernels.predict) that writes `out`; this is its reference."""
     if (predict_kernels.use_kernels(x) if use_kernel is None else use_kernel) and x.shape[0] <= predict_kernels.MAX_TOKENS:
-        return predict_kernels.gate_scores(x, weight, bias, per_token)
+        predict_kernels.gate_scores(x, weight, bias, per_token, out)
+        return
     probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
     top = probs.topk(min(per_token, probs.shape[-1]), dim=-1)
     chosen = torch.zeros_like(probs).scatter_(1, top.indices, top.values)  # [T, E]
-    return chosen.mean(dim=0)
+    torch.mean(chosen, dim=0, out=out)
 
 
 def temporal_scores(routed_last_call: torch.Tensor) -> torch.Tensor:
