@@ -24,7 +24,7 @@ def test_gate_kernel_matches_reference(device, dtype, T, E, per_token, bias):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
         assert torch.equal(got > 0, want > 0)  # the same nominations
-    else:  # logits 1 bf16 ulp apart can swap a token's k-th and (k+1)-th expert: a share of at most 1/k over T tokens
+    else:  # equal bf16 logits tie, and topk's order among ties is unspecified: a share of at most 1/k over T tokens
         torch.testing.assert_close(got, want, atol=1 / (per_token * T), rtol=2e-2)
         torch.testing.assert_close(got.sum(), want.sum(), atol=0, rtol=1e-2)
 
@@ -56,10 +56,11 @@ def _prefetch_pair(E_before, E, C, device, seed):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("sources", [("gate",), ("temporal", "transition"), ("gate", "temporal", "transition"), ("transition",)])
-@pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 40), (64, 64, 16, 8, 8)])
+@pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 70), (64, 64, 16, 8, 8)])
 def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
-    calls that route, prefetch, waste prefetches (so the gate closes) and reach an exploring call (the 32nd)."""
+    calls that route, prefetch, waste prefetches (so the gate closes) and reach two exploring calls (the
+    32nd, then the 64th: the interval doubled)."""
     (kernel, reference), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
     scored = 0
     for step in range(steps):

@@ -147,3 +147,25 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
         assert all(late)  # every prefetch admitted
     else:
         assert 0 < sum(late) <= steps // 2 // EXPLORE_EVERY + 1  # only the exploring calls
+
+
+def test_exploring_backs_off_until_a_prefetch_is_timely():
+    """Prefetches that are never used close the gate; the layer then explores at calls 32, 64, 128, ...
+    (each interval doubled, up to EXPLORE_EVERY << MAX_BACKOFF), and once an exploring prefetch is used
+    by its call, the gate opens and exploring starts over at the base rate."""
+    from asyncmoe import ops
+    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, MAX_BACKOFF, ExpertCache
+
+    E = 16
+    cache = ExpertCache({"w": torch.randn(E, 3)}, 4, "lru")
+    admitted, guess, use_at = [], 0, 2 * (EXPLORE_EVERY << MAX_BACKOFF) + 1
+    for call in range(1, use_at + 64):
+        ops.ensure(cache, torch.tensor([[guess if call == use_at else E - 1]]), 0)  # the call's clock is `call`
+        guess = int((cache.expert_to_slot[: E - 1] < 0).nonzero()[0])  # not resident: a prediction copies it
+        cache.gate.copy_(torch.nn.functional.one_hot(torch.tensor(guess), E))
+        prefetched = cache.counters[COUNTERS.index("prefetched")].item()
+        ops.prefetch(cache, 1, gate=True)
+        if cache.counters[COUNTERS.index("prefetched")].item() > prefetched:
+            admitted.append(call)
+    backing_off = [EXPLORE_EVERY << i for i in range(MAX_BACKOFF + 1)]  # 32, 64, ..., 512, then every 512
+    assert admitted == [1, *backing_off, use_at - 1, use_at, use_at - 1 + EXPLORE_EVERY, use_at - 1 + 2 * EXPLORE_EVERY]

@@ -41,10 +41,13 @@ PREFETCHED, TIMELY = COUNTERS.index("prefetched"), COUNTERS.index("prefetch_time
 # so a layer prefetches while at least half of its recent prefetches were used by the call they were for.
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
-EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
+EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change,
+# ... and doubles that interval after each exploring call, up to 32 << 4 = 512 calls: often enough that the
+# decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
+MAX_BACKOFF = 4
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
     PREFETCHED=PREFETCHED, TIMELY=TIMELY, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
-    OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY,
+    OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY, MAX_BACKOFF=MAX_BACKOFF,
 )
 
 
@@ -87,8 +90,9 @@ class ExpertCache(nn.Module):
         # the side stream's combined prediction and its sources
         self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
-        # prefetch outcomes: decayed (untimely, timely) counts, and the counters they were last read from
-        self.register_buffer("outcomes", torch.zeros(4, dtype=torch.float32, device=device), persistent=False)
+        # prefetch outcomes: decayed (untimely, timely) counts, the counters they were last read from, and how
+        # many times exploring has doubled its interval (see `gate_prefetch`)
+        self.register_buffer("outcomes", torch.zeros(5, dtype=torch.float32, device=device), persistent=False)
         # stall timing (kernels.clock): two GPU-clock stamps, then the summed ns of waiting for the prefetch
         # and of `ensure`'s own decision and copy; empty when not timed (an op cannot take an optional mutated tensor)
         self.register_buffer("timer", torch.zeros(4 if time_stalls else 0, **i64), persistent=False)
@@ -360,20 +364,28 @@ def gate_prefetch(
     estimate). Not "used before it was evicted": a prefetched slot waits for a miss to evict it, many
     calls at a high hit rate, and a guess that routing used by chance meanwhile counted as right
     (OLMoE shape, random routing, cache 32: 1.14 experts prefetched per token for 0.19 prefetch hits,
-    docs/results/2026-11-30). A gated layer keeps
-    one prediction every EXPLORE_EVERY calls, the likeliest expert not resident: one copy is enough
-    to learn from, where the whole budget on every layer at once cost ~0.5 ms/token (measured at
-    EXPLORE_EVERY=16 with the full budget, OLMoE shape).
+    docs/results/2026-11-30).
+
+    A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
+    EXPLORE_EVERY calls (one copy is enough to learn from, where the whole budget on every layer at
+    once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
+    after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
+    where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
+    Mixtral-8x7B shape one copy (352 MB, 6.4 ms) outlasts 13 layers' compute, and prefetch made decode
+    4% slower (225.1 vs 215.6 ms/token, cache 2 of 8, docs/results/2026-11-30).
     """
     seen = torch.stack([counters[PREFETCHED] - counters[TIMELY], counters[TIMELY]]).float()  # (untimely, timely) so far
-    outcomes[:2].mul_(OUTCOME_DECAY).add_((seen - outcomes[2:]).clamp(min=0))
-    outcomes[2:].copy_(seen)
+    fresh_outcomes = (seen - outcomes[2:4]).clamp(min=0)
+    outcomes[:2].mul_(OUTCOME_DECAY).add_(fresh_outcomes)
+    outcomes[2:4].copy_(seen)
     wasted, used = outcomes[0], outcomes[1]  # untimely, timely
     on = (used + 1) >= MIN_PRECISION * (used + wasted + 2)  # with no evidence yet: on
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
-    explore = (clock % EXPLORE_EVERY == 0).float()
-    predicted.mul_(torch.where(on, 1.0, explore * likeliest))
+    backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a timely prefetch: explore at the base rate again
+    explore = ~on & (clock % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
+    outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
+    predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 
 
 def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, use_kernel: bool | None = None) -> None:

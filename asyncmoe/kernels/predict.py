@@ -7,9 +7,11 @@ the transition update's five, with the rest of the prefetch, ~31 µs, while the 
 waited for the side stream only ~7 µs per layer.
 
 Compute stream (its input is this step's temporary):
-- `gate_scores`: layer l+1's router on layer l's MoE input [T, H], softmax, each token's top-p, mean
-  over tokens -> [E]. One program: decode has a handful of tokens, and one program keeps the sum
-  over tokens in a fixed order (no atomics), so a replayed graph decides as the eager step does.
+- `gate_scores`: layer l+1's router on layer l's MoE input [T, H] (cuBLAS, as the router itself),
+  then softmax, each token's top-p and the mean over tokens -> [E] in one program: decode has a
+  handful of tokens, and one program keeps the sum over tokens in a fixed order (no atomics), so a
+  replayed graph decides as the eager step does. The matmul was in that program too until d86bbbb:
+  one program streaming the router's weights alone (256 KB on OLMoE) was slow (docs/results/2026-11-30).
 Side stream:
 - `observe`: the transition counts' decay-and-add, one program per row (the last layer's, which
   prefetches nothing, on the compute stream).
@@ -24,9 +26,8 @@ Dims: T tokens, H hidden, E experts (target layer), E' experts (previous layer).
 
 from __future__ import annotations
 
-import os
-
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -34,40 +35,20 @@ try:
 except ImportError:  # non-Linux
     triton = None
 
-MAX_TOKENS = 64  # more tokens (prefill) take the torch path: one program would serialise their matmuls
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as triton itself does when a kernel is decorated
+MAX_TOKENS = 64  # more tokens (prefill) take the torch path: one program would serialise their softmax and top-p
 
 if triton is not None:
 
     @triton.jit
-    def _gate_scores(
-        x_ptr, w_ptr, b_ptr, out_ptr, T, H, E, x_stride,
-        PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-        BT: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr,
-    ):
+    def _gate_scores(logits_ptr, out_ptr, T, E, stride, PER_TOKEN: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
         e = tl.arange(0, BE)
         emask = e < E
         total = tl.zeros([BE], dtype=tl.float32)
         for t0 in range(0, T, BT):
             t = t0 + tl.arange(0, BT)
             tmask = t < T
-            acc = tl.zeros([BT, BE], dtype=tl.float32)
-            for h0 in range(0, H, BH):
-                h = h0 + tl.arange(0, BH)
-                hmask = h < H
-                x = tl.load(x_ptr + t[:, None] * x_stride + h[None, :], mask=tmask[:, None] & hmask[None, :], other=0.0)
-                w = tl.load(w_ptr + e[None, :] * H + h[:, None], mask=emask[None, :] & hmask[:, None], other=0.0)  # [BH, BE]
-                x = x.to(w.dtype)
-                if UPCAST:  # exact: products of 16-bit floats fit in fp32
-                    acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-                elif IEEE:
-                    acc = tl.dot(x, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, w, acc)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
-            logits = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # F.linear returns the router's dtype
-            logits = tl.where(emask[None, :], logits, float("-inf"))
+            logits = tl.load(logits_ptr + t[:, None] * stride + e[None, :], mask=tmask[:, None] & emask[None, :], other=0.0)
+            logits = tl.where(emask[None, :], logits.to(tl.float32), float("-inf"))
             p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
             p = p / tl.sum(p, axis=1)[:, None]
             chosen = tl.zeros([BT, BE], dtype=tl.float32)
@@ -95,7 +76,7 @@ if triton is not None:
     def _prefetch_scores(
         gate_ptr, pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
         E, E_before, keep, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
-        OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr,
+        OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr, MAX_BACKOFF: tl.constexpr,
         GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     ):
         e = tl.arange(0, BE)
@@ -136,11 +117,12 @@ if triton is not None:
             gate = tl.load(gate_ptr + e, mask=emask, other=0.0)
             score = tl.where(gate > 0, 1 + gate, score)
             sources += tl.where(gate > 0, 1, 0).to(tl.int32)  # predictors.GATE
-        # the prefetch gate: off while most recent prefetches were wasted, but for an explorer every EXPLORE_EVERY calls
+        # the prefetch gate: off while most recent prefetches were wasted, but for an explorer with a backoff
         k = tl.arange(0, 2)
         timely = tl.load(counters_ptr + TIMELY)
         seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - timely, timely).to(tl.float32)  # (untimely, timely)
-        estimate = tl.load(outcomes_ptr + k) * OUTCOME_DECAY + tl.maximum(seen - tl.load(outcomes_ptr + 2 + k), 0.0)
+        fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + 2 + k), 0.0)
+        estimate = tl.load(outcomes_ptr + k) * OUTCOME_DECAY + fresh_outcomes
         tl.store(outcomes_ptr + k, estimate)
         tl.store(outcomes_ptr + 2 + k, seen)
         wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
@@ -149,7 +131,11 @@ if triton is not None:
         fresh = tl.where(tl.load(e2s_ptr + e, mask=emask, other=0) >= 0, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
-        explore = (tl.load(clock_ptr) % EXPLORE_EVERY == 0).to(tl.int32)
+        backoff = tl.load(outcomes_ptr + 4)
+        backoff = tl.where(tl.sum(tl.where(k == 1, fresh_outcomes, 0.0), axis=0) > 0, 0.0, backoff)
+        period = tl.full([], EXPLORE_EVERY, tl.int64) << backoff.to(tl.int64)
+        explore = (1 - on.to(tl.int32)) * (tl.load(clock_ptr) % period == 0).to(tl.int32)
+        tl.store(outcomes_ptr + 4, tl.where(explore > 0, tl.minimum(backoff + 1, MAX_BACKOFF), backoff))
         score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
@@ -161,16 +147,10 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor) -> None:
     """x [T, H] with T <= MAX_TOKENS, weight [E, H], bias [E] or None -> out [E] float32."""
-    T, H = x.shape
-    E = weight.shape[0]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight.contiguous()
-    _gate_scores[(1,)](
-        x, weight, bias if bias is not None else weight, out, T, H, E, x.stride(0),
-        PER_TOKEN=min(per_token, E), HAS_BIAS=bias is not None, IEEE=weight.dtype == torch.float32,
-        UPCAST=INTERPRET,  # the interpreter's 16-bit tl.dot is wrong (triton 3.8)
-        BT=16, BH=64, BE=max(16, triton.next_power_of_2(E)), num_warps=4,
-    )
+    logits = F.linear(x.to(weight.dtype), weight, bias)  # [T, E], as the router computes them (and the reference)
+    T, E = logits.shape
+    _gate_scores[(1,)](logits, out, T, E, logits.stride(0), PER_TOKEN=min(per_token, E), BT=16,
+                       BE=max(16, triton.next_power_of_2(E)), num_warps=4)
 
 
 def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, decay: float) -> None:
