@@ -47,8 +47,13 @@ def _prefetch_pair(E_before, E, C, device, seed):
     g = torch.Generator().manual_seed(seed)
     hosts = {"w": torch.randn(E, 2, 3, generator=g).to(device)}
     caches = [ExpertCache(hosts, C, "lfru") for _ in range(2)]
-    few_successors = torch.rand(E_before, E, generator=g) < 3 / E
-    transitions = (torch.rand(E_before, E, generator=g) * few_successors * 9).to(device)
+    # each row: one or two successors, counts summing to a power of two, so every share is a sum of quarters,
+    # exact in any order: the kernel sums in another order than torch, and an ulp could flip a near-tie in the
+    # top-keep (it did: random counts, on the H200, step 69)
+    successors = torch.randint(0, E, (E_before, 2), generator=g)
+    counts = torch.tensor([[1.0, 1.0], [1.0, 3.0], [2.0, 0.0]])[torch.randint(0, 3, (E_before,), generator=g)]
+    transitions = torch.zeros(E_before, E).index_put_((torch.arange(E_before)[:, None], successors), counts, accumulate=True)
+    transitions = transitions.to(device)
     for c in caches:
         c.register_buffer("transitions", transitions.clone(), persistent=False)
     return caches, g
