@@ -372,7 +372,8 @@ def gate_prefetch(
     after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
     where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
     Mixtral-8x7B shape one copy (352 MB, 6.4 ms) outlasts 13 layers' compute, and prefetch made decode
-    4% slower (225.1 vs 215.6 ms/token, cache 2 of 8, docs/results/2026-11-30).
+    4.4% slower (225.1 vs 215.6 ms/token, cache 2 of 8); with the backoff 1.1% (218.5 vs 216.2;
+    docs/results/2026-11-30).
     """
     seen = torch.stack([counters[PREFETCHED] - counters[TIMELY], counters[TIMELY]]).float()  # (untimely, timely) so far
     fresh_outcomes = (seen - outcomes[2:4]).clamp(min=0)
