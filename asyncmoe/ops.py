@@ -189,8 +189,8 @@ def prefetch(
     transitions = cache.transitions if routed_before is not None else None
     learned = [learn[0].routed, learn[1].routed, learn[1].transitions] if learn is not None else []
     torch.ops.asyncmoe.prefetch(
-        learned, cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0, cache.policy, cache.predicted,
-        cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
+        learned, cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0,
+        cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
         cache.hosts, cache.slots,
     )
 

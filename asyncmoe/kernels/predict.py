@@ -146,7 +146,9 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and triton is not None
 
 
-def gate_scores(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor) -> None:
+def gate_scores(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor
+) -> None:
     """x [T, H] with T <= MAX_TOKENS, weight [E, H], bias [E] or None -> out [E] float32."""
     logits = F.linear(x.to(weight.dtype), weight, bias)  # [T, E], as the router computes them (and the reference)
     T, E = logits.shape
@@ -161,7 +163,8 @@ def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Ten
 
 
 def prefetch_scores(
-    gate: torch.Tensor | None, routed: torch.Tensor | None, routed_before: torch.Tensor | None, transitions: torch.Tensor | None, keep: int,
+    gate: torch.Tensor | None, routed: torch.Tensor | None, routed_before: torch.Tensor | None,
+    transitions: torch.Tensor | None, keep: int,
     predicted: torch.Tensor, nominated: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor,
     outcomes: torch.Tensor, clock: torch.Tensor, constants: dict,
 ) -> None:
@@ -172,7 +175,8 @@ def prefetch_scores(
     E = predicted.shape[0]
     temporal, transition = routed is not None, routed_before is not None
     _prefetch_scores[(1,)](
-        gate if gate is not None else predicted, predicted, nominated, routed if temporal else nominated, routed_before if transition else nominated,
+        gate if gate is not None else predicted, predicted, nominated, routed if temporal else nominated,
+        routed_before if transition else nominated,
         transitions if transition else predicted, expert_to_slot, counters, outcomes, clock,
         E, routed_before.shape[0] if transition else 0, keep, **constants,
         GATE=gate is not None, TEMPORAL=temporal, TRANSITION=transition, BE=triton.next_power_of_2(E), BR=16, num_warps=4,
