@@ -17,7 +17,8 @@ run_tests() {
   python3 -m pytest -q -rs -s -p no:cacheprovider -m cuda "$1" "${@:2}" > "/tmp/pytest.$(basename "$1").txt" 2>&1
   echo "pytest $1 exit: $?" >> "/tmp/pytest.$(basename "$1").txt"
 }
-FILES=$(for f in ${TESTS:-tests/test_*.py}; do grep -q "cuda" "$f" && echo "$f"; done)
+# files with CUDA tests: marked directly, or through a shared `devices()` parametrization (test_cache_step.py)
+FILES=$(for f in ${TESTS:-tests/test_*.py}; do grep -qE "cuda|devices\(\)" "$f" && echo "$f"; done)
 for f in $FILES; do
   if [ "${PARALLEL:-0}" = 1 ]; then run_tests "$f" "$@" & else run_tests "$f" "$@"; fi
 done
