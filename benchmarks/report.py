@@ -8,8 +8,8 @@
 Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
 with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
 system) and bench-<date>-hits.png (hit rate per layer). Per case: median ms/token and its spread over
-rounds, tokens/s, hit rate, prefetch recall, MB moved per token, floor = max(resident ms/token,
-bytes moved / H2D bandwidth measured in the same run), the Belady floor (the same with the fewest
+rounds, tokens/s, hit rate, prefetch recall, MB moved per token, the host->GPU bandwidth measured in
+the same run (GPU only), floor = max(resident ms/token, bytes moved / that bandwidth), the Belady floor (the same with the fewest
 bytes any cache of that size must move on the trace), limit ratio = time / Belady floor (trace
 routing) or time / floor, and the speedups over accelerate (b) and the seed (c).
 """
@@ -81,7 +81,7 @@ def markdown(table: list[dict], data: dict) -> str:
     first = (table or prefill or [{}])[0]
     lines = [f"Device: {first.get('device', '?')} ({machine}); dtype {first.get('dtype', '?')}."]
     head = ["shape", "routing", "batch", "system", "cache", "ms/token", "spread", "tokens/s", "hit", "recall",
-            "MB/token", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed", "peak GPU GiB", "host GiB",
+            "MB/token", "H2D GB/s", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed", "peak GPU GiB", "host GiB",
             "tokens agree"]
     if table:
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -89,21 +89,22 @@ def markdown(table: list[dict], data: dict) -> str:
         cells = [r["shape"], r["routing"], str(r["batch"]), r["system"], f"{r['cache']}/{r['experts']}",
                  f(r, "ms_per_token", ".3f"), f(r, "spread_ms", ".3f"), f(r, "tokens_per_s", ".1f"),
                  f(r, "hit_rate", ".1%"), f(r, "prefetch_recall", ".1%"),
-                 format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
+                 format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "", f(r, "h2d_GB_per_s", ".1f"),
                  f(r, "floor_ms", ".3f"), f(r, "belady_floor_ms", ".3f"), f(r, "limit_ratio", ".2f"),
                  f(r, "speedup_vs_accelerate", ".1f"), f(r, "speedup_vs_seed", ".2f"),
                  format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
                  format(r["host_bytes"] / 2**30, ".3f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
         lines.append("| " + " | ".join(cells) + " |")
     if prefill:
-        head = ["shape", "routing", "prompt", "system", "cache", "ms", "tokens/s", "GB moved", "floor ms", "limit ratio",
+        head = ["shape", "routing", "prompt", "system", "cache", "ms", "tokens/s", "GB moved", "H2D GB/s", "floor ms",
+                "limit ratio",
                 "x accelerate", "x seed", "first token agrees"]
         lines += ["", "Prefill, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in prefill:
             cells = [r["shape"], r["routing"], str(r["prompt"]), r["system"], f"{r['cache']}/{r['experts']}",
                      f(r, "ms_per_prefill", ".1f"), f(r, "tokens_per_s", ".0f"),
                      format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
-                     f(r, "floor_ms", ".1f"), f(r, "limit_ratio", ".2f"), f(r, "speedup_vs_accelerate", ".1f"),
+                     f(r, "h2d_GB_per_s", ".1f"), f(r, "floor_ms", ".1f"), f(r, "limit_ratio", ".2f"), f(r, "speedup_vs_accelerate", ".1f"),
                      f(r, "speedup_vs_seed", ".2f"), str(r["first_token_agrees"])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

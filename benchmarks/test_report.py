@@ -58,4 +58,4 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
     path = tmp_path / "prefill.json"
     path.write_text(json.dumps(data))
     assert report.write(path) == [tmp_path / "prefill.md"]  # no decode rows: no plots
-    assert "| s | trace | 2048 | asyncmoe-eager | 16/64 | 300.0 | 6827 | 12.00 | 240.0 | 1.25 |" in (tmp_path / "prefill.md").read_text()
+    assert "| s | trace | 2048 | asyncmoe-eager | 16/64 | 300.0 | 6827 | 12.00 | 50.0 | 240.0 | 1.25 |" in (tmp_path / "prefill.md").read_text()
