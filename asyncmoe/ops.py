@@ -6,7 +6,7 @@ names every tensor an op writes, so functionalization orders the expert compute 
 reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
-Streams: `prefetch` forks a side stream from the current (compute) stream, learns, predicts, admits and copies there,
+Streams: `prefetch` forks a side stream from the current (compute) stream, predicts, admits and copies there,
 and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
 event before it reads the tables. Every prefetch targets a later layer of the same forward, whose
 `ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture
@@ -101,10 +101,9 @@ def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = Fals
 
 @torch.library.custom_op(
     "asyncmoe::prefetch",
-    mutates_args=("learn", "predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
+    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
 )
 def _prefetch(
-    learn: list[Tensor],
     gate: Tensor | None,
     temporal: bool,
     routed_before: Tensor | None,
@@ -127,17 +126,13 @@ def _prefetch(
     Predictors (predict.predictors): `gate`, the target's gate buffer [E], scored by `gate_scores` on
     the compute stream from this layer's hidden states (the one predictor input that is a compute-stream
     temporary); `temporal` (the target's routing last call, its own `routed`); `routed_before` and
-    `transitions` for the transition predictor. `learn`: empty, or this layer's (routed at the layer
-    before [E''], routed here [E'], transition counts [E'', E']), updated here by `observe`, off the
-    compute stream. On CUDA the side stream runs that update, one kernel for the scores and the
-    prefetch gate, one for the decision, then the copy (in torch ops it was ~40 kernels per layer
+    `transitions` for the transition predictor. On CUDA the side stream runs one kernel for the
+    scores and the prefetch gate, one for the decision, then the copy (in torch ops it was ~40 kernels per layer
     beside the compute). The copy runs on at most `copy_programs` Triton programs (0: one per block),
     so the compute stream keeps most SMs.
     """
 
     def run():
-        if learn:
-            expert_cache.observe(*learn)
         expert_cache.predict_and_prefetch(
             gate, temporal, routed_before, transitions, budget, policy, predicted,
             nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots, outcomes, copy_programs or None,
@@ -155,7 +150,7 @@ def _prefetch(
 
 
 @_prefetch.register_fake
-def _(learn, gate, temporal, routed_before, transitions, budget, copy_programs, policy, predicted, nominated, expert_to_slot,
+def _(gate, temporal, routed_before, transitions, budget, copy_programs, policy, predicted, nominated, expert_to_slot,
       slot_to_expert, state, counters, outcomes, hosts, slots):
     E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
     torch._check(gate is not None or temporal or routed_before is not None, lambda: "prefetch needs a predictor")
@@ -168,10 +163,6 @@ def _(learn, gate, temporal, routed_before, transitions, budget, copy_programs, 
         lambda: f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(transitions.shape)}",
     )
     torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
-    torch._check(
-        not learn or (len(learn) == 3 and learn[2].shape == (learn[0].shape[0], learn[1].shape[0])),
-        lambda: "learn must be empty or (routed before [E''], routed here [E'], transitions [E'', E'])",
-    )
 
 
 def prefetch(
@@ -181,15 +172,12 @@ def prefetch(
     temporal: bool = False,
     routed_before: Tensor | None = None,
     copy_programs: int | None = None,
-    learn: tuple[ExpertCache, ExpertCache] | None = None,
 ) -> None:
     """`asyncmoe::prefetch` into `cache`. `gate`: use the scores `gate_scores` left in `cache.gate`;
-    `routed_before` (the previous layer's routing) turns on the transition predictor; `learn`: (the
-    layer before, this layer), whose transition counts to update on the way."""
+    `routed_before` (the previous layer's routing) turns on the transition predictor."""
     transitions = cache.transitions if routed_before is not None else None
-    learned = [learn[0].routed, learn[1].routed, learn[1].transitions] if learn is not None else []
     torch.ops.asyncmoe.prefetch(
-        learned, cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0,
+        cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0,
         cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
         cache.hosts, cache.slots,
     )

@@ -68,22 +68,16 @@ class CachedProvider(ExpertWeightProvider):
         return combine(out, top_k_weights, hidden_states.dtype)
 
     def _prefetch(self, hidden_states: torch.Tensor) -> None:
-        """Learn this call's transitions into this layer, predict and prefetch for the next layers.
-
-        The transition update rides on the first prefetch's side stream; only the last layer, which
-        forks nothing, updates on the compute stream."""
         plan = self.plan
-        learn = (self.previous.cache, self.cache) if "transition" in plan.sources and self.previous is not None else None
+        if "transition" in plan.sources and self.previous is not None:
+            ops.observe(self.previous.cache, self.cache)
         for depth, target in enumerate(self.targets, start=1):
             gate = "gate" in plan.sources and depth == 1 and target.router is not None
             if gate:
                 ops.gate_scores(hidden_states, target.router, target.per_token, target.cache)
             before = target.previous.cache.routed if "transition" in plan.sources and target.previous is not None else None
             if gate or "temporal" in plan.sources or before is not None:
-                ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs, learn)
-                learn = None
-        if learn is not None:
-            ops.observe(*learn)
+                ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs)
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:

@@ -37,9 +37,8 @@ def test_prefetch_opcheck(predictors):
     cache = warm_cache("lru")
     gate = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0]) if "gate" in predictors else None
     before, transitions = (torch.arange(10) % 3 == 0, torch.rand(10, 10)) if "transition" in predictors else (None, None)
-    learn = [torch.arange(6) % 2 == 0, torch.arange(10) % 3 == 1, torch.rand(6, 10)] if "transition" in predictors else []
     args = (
-        learn, gate, "temporal" in predictors, before, transitions, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(),
+        gate, "temporal" in predictors, before, transitions, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(),
         cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(),
         cache.outcomes.clone(), cache.hosts, clone(cache.slots),
     )

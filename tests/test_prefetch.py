@@ -33,8 +33,7 @@ def test_prefetch_on_off_identical(family, cache):
 @pytest.mark.parametrize("depth", [1, 2])
 @torch.no_grad()
 def test_every_layer_learns_its_transitions(device, depth):
-    """A layer's transition counts take each call's (routed at the layer before -> routed here) pairs: on
-    the side stream with the layer's first prefetch, or on the compute stream for the last layer."""
+    """Every layer's transition counts take each call's (routed at the layer before -> routed here) pairs."""
     model = asyncmoe.compile(tiny("qwen3_moe", device=device, num_hidden_layers=4), cache=4, prefetch=asyncmoe.Prefetch(depth=depth))
     caches = [m.asyncmoe.cache for _, m in find_experts(model)]
     g = torch.Generator().manual_seed(1)

@@ -6,16 +6,15 @@ cache 32, docs/results/2026-11-30): the gate predictor's eight kernels added ~33
 the transition update's five, with the rest of the prefetch, ~31 µs, while the compute stream
 waited for the side stream only ~7 µs per layer.
 
-Compute stream (its input is this step's temporary):
+Compute stream:
 - `gate_scores`: layer l+1's router on layer l's MoE input [T, H] (cuBLAS, as the router itself),
   then softmax, each token's top-p and the mean over tokens -> [E] in one program: decode has a
   handful of tokens, and one program keeps the sum over tokens in a fixed order (no atomics), so a
   replayed graph decides as the eager step does. The matmul was in that program too until d86bbbb,
   where one program streaming the router's weights alone (256 KB on OLMoE) took 15.4 µs per launch;
   cuBLAS takes 4.9 (H200, benchmarks/profile_step.py, docs/results/2026-11-30).
+- `observe`: the transition counts' decay-and-add, one program per row.
 Side stream:
-- `observe`: the transition counts' decay-and-add, one program per row (the last layer's, which
-  prefetches nothing, on the compute stream).
 - `prefetch_scores`: the temporal and transition scores, their combination with the gate's, and the
   prefetch gate, ~35 kernels of the torch code, in one program.
 

@@ -14,8 +14,8 @@ Dims: T tokens, H hidden, E experts (of the target layer), E' experts of the sou
 Scores are in [0, 1] per expert; `combine` ranks the gate's nominations first, then experts the
 other predictors back with enough support. All fixed-shape tensor ops. The gate runs on the compute
 stream (its input, layer l's hidden states, is a compute-stream temporary) and leaves its scores in
-the target's `gate` buffer; temporal, transition, `combine` and the transition counts' update read
-only persistent buffers and run inside the prefetch op, on the side stream.
+the target's `gate` buffer; temporal, transition and `combine` read only persistent buffers and run
+inside the prefetch op, on the side stream.
 """
 
 from __future__ import annotations
