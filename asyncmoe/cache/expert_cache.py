@@ -121,7 +121,7 @@ class ExpertCache(nn.Module):
 
     @property
     def expert_bytes(self) -> int:
-        return sum(s[0].numel() * s.element_size() for s in self.slots)
+        return _expert_bytes(self.slots)
 
     def _apply(self, fn, recurse=True):
         # `model.to()`, `.half()`, `.cpu()` reach here. Moving or casting would reallocate the slots and
