@@ -135,6 +135,15 @@ def trace_for(shape: str) -> Trace:
     return synthetic(experts, k, layers=6, tokens=4096)
 
 
+def belady_misses_per_step(shape: str, batch: int, cache: int) -> float:
+    """The fewest expert copies per decode step and MoE layer any `cache`-slot cache makes on the replayed trace:
+    a step routes `batch` consecutive trace tokens (`Replay`), so their experts form one request."""
+    trace, k = trace_for(shape), routing_shape(shape)[1]
+    steps = trace.tokens // batch
+    step_ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k).transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
+    return sum(belady_misses(step_ids[:, l], cache) for l in range(trace.layers)) / trace.layers / steps
+
+
 def make(system: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
     model = build(system, shape, cache)
     if routing == "trace":
@@ -229,9 +238,7 @@ def test_decode(benchmark, case, request):
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
     if routing == "trace" and cache < experts:
-        trace = trace_for(shape)
-        misses = sum(belady_misses(trace.ids[:, l], cache) for l in range(trace.layers)) / trace.layers  # per layer
-        info["belady_bytes_per_token"] = misses / trace.tokens * len(find_experts(model)) * expert_bytes(model)
+        info["belady_bytes_per_token"] = belady_misses_per_step(shape, batch, cache) * len(find_experts(model)) * expert_bytes(model)
     benchmark.extra_info.update(info)
     if DTYPE == torch.float32:
         assert agree == p["steps"] + 1, f"{system}: tokens part from the unmodified model's after {agree}"

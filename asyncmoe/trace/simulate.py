@@ -138,7 +138,13 @@ def simulate(
 
 
 def belady_misses(ids: np.ndarray, cache: int) -> int:
-    """Fewest misses of a `cache`-slot cache serving `ids` [N, k] (each row's experts resident together)."""
+    """Fewest misses of a `cache`-slot cache serving `ids` [N, k]: each row's experts resident together,
+    or, for a row with more distinct experts than slots (a batch's decode step), in waves.
+
+    Belady's rule: after each row keep the experts used soonest again. A row of d <= cache experts
+    leaves room for cache - d others; a row served in waves, for at most cache - 1 (one slot at least
+    cycles through the row's experts). With waves this bounds every cache from below; it may not be
+    reachable (it lets the waves be as small as one expert)."""
     rows = [list(dict.fromkeys(row.tolist())) for row in ids]
     next_use: list[dict[int, float]] = [{} for _ in rows]
     upcoming: dict[int, float] = {}
@@ -150,13 +156,13 @@ def belady_misses(ids: np.ndarray, cache: int) -> int:
     resident: dict[int, float] = {}  # expert -> its next use
     misses = 0
     for t, need in enumerate(rows):
-        for e in need:
-            if e not in resident:
-                misses += 1
-                if len(resident) >= cache:
-                    victim = max((nu, v) for v, nu in resident.items() if v not in need)[1]
-                    del resident[victim]
-                resident[e] = 0.0
-        for e in need:
-            resident[e] = next_use[t][e]
+        misses += sum(e not in resident for e in need)
+        resident.update((e, next_use[t][e]) for e in need)
+        room = cache - len(need) if len(need) <= cache else cache - 1  # for experts this row did not use
+        kept: dict[int, float] = {}
+        for e, use in sorted(resident.items(), key=lambda item: item[1]):
+            if len(kept) < cache and (e in next_use[t] or room > 0):
+                kept[e] = use
+                room -= e not in next_use[t]
+        resident = kept
     return misses
