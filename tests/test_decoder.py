@@ -43,8 +43,9 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 
 def test_capture_needs_slots_for_the_whole_batch():
     model = asyncmoe.compile(tiny("olmoe"), cache=4)  # top-2: batch 4 may touch 8 experts per layer
-    with pytest.raises(ValueError, match=r"batch 4 needs cache >= min\(num_experts=16, batch\*top_k=8\) = 8 .*Use cache>=8, or batch_size<=2"):
+    with pytest.raises(ValueError, match=r"batch 4 needs cache >= min\(num_experts=16, batch\*top_k=8\) = 8 .*Use cache>=8, or batch_size<=2, or Decoder\(..., waves=True\)"):
         asyncmoe.Decoder(model, batch_size=4, graph=True)
+    asyncmoe.Decoder(model, batch_size=4, graph=True, waves=True)  # asked for: the graph runs 2 waves per layer
 
 
 def test_prompt_too_long():

@@ -33,8 +33,9 @@ def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tens
     return worst
 
 
-# batch 4 needs cache >= 4*top_k to capture (see test_decoder.py): the smallest capturable cache is used there
-CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K)]
+# batch 4 needs cache >= 4*top_k to capture in one wave (test_decoder.py); at cache = top_k its steps capture
+# their waves (waves=True)
+CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K), (4, TOP_K)]
 
 
 @pytest.mark.parametrize("batch, cache", CASES)
@@ -50,7 +51,8 @@ def test_graph_replay_equals_eager_fp32(family, kind, batch, cache):
     b = asyncmoe.compile(copy.deepcopy(ref), cache=cache)
     ids = prompts(kind, batch).cuda()
     n = ids.shape[1] + STEPS + 1
-    graphed, eager = asyncmoe.Decoder(a, batch, n, graph=True), asyncmoe.Decoder(b, batch, n, graph=False)
+    waves = cache < min(NUM_EXPERTS, batch * TOP_K)
+    graphed, eager = asyncmoe.Decoder(a, batch, n, graph=True, waves=waves), asyncmoe.Decoder(b, batch, n, graph=False)
     assert lockstep(graphed, eager, ids, STEPS) <= 1e-5
     s = asyncmoe.stats(a)
     copies = s.totals["misses"] + s.totals["prefetched"]  # prefetch may fetch an expert before it is missed

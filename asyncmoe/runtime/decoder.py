@@ -50,7 +50,8 @@ def check_capturable(model: nn.Module, batch_size: int) -> None:
                 f"capturing a decode step of batch {batch_size} needs cache >= min(num_experts={cache.num_experts}, "
                 f"batch*top_k={batch_size * k}) = {need} slots per layer, but {name} has {cache.num_slots}: with fewer, "
                 "one step's distinct experts can exceed the slots and be served in waves copied on the compute "
-                f"stream, which the graph would serialise. Use cache>={need}, or batch_size<={cache.num_slots // k}."
+                f"stream, which the graph would serialise. Use cache>={need}, or batch_size<={cache.num_slots // k}, "
+                "or Decoder(..., waves=True) to capture the waves anyway."
             )
 
 
@@ -59,13 +60,19 @@ class Decoder:
 
     `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens.
     The first `generate` with a given sampling mode captures its graph; later calls replay it.
+
+    A captured step refuses a cache smaller than one step's possible experts (`check_capturable`) unless
+    `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed, so capturable),
+    each wave's copies on the compute stream after the previous wave's compute, and waves with nothing
+    to copy still launch their kernels.
     """
 
-    def __init__(self, model: nn.Module, batch_size: int = 1, max_length: int = 4096, graph: bool | None = None):
+    def __init__(self, model: nn.Module, batch_size: int = 1, max_length: int = 4096, graph: bool | None = None,
+                 waves: bool = False):
         self.model, self.batch_size, self.max_length = model, batch_size, max_length
         self.device = model.device
         self.graphed = self.device.type == "cuda" if graph is None else graph
-        if self.graphed:
+        if self.graphed and not waves:
             check_capturable(model, batch_size)
         self.kv = transformers.StaticCache(config=model.config, max_cache_len=max_length)
         # the KV cache's keyword: `past_key_values` up to transformers 5.2x, then `cache`
