@@ -140,7 +140,8 @@ def belady_misses_per_step(shape: str, batch: int, cache: int) -> float:
     a step routes `batch` consecutive trace tokens (`Replay`), so their experts form one request."""
     trace, k = trace_for(shape), routing_shape(shape)[1]
     steps = trace.tokens // batch
-    step_ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k).transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
+    ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k)  # [steps, B, L, k]
+    step_ids = ids.transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
     return sum(belady_misses(step_ids[:, l], cache) for l in range(trace.layers)) / trace.layers / steps
 
 
@@ -201,7 +202,8 @@ def test_decode(benchmark, case, request):
         torch.cuda.reset_peak_memory_stats()
     graph = CUDA and (system == "unmodified" or "graph" in system)
     # below min(E, batch*k) slots asyncmoe's captured step runs each layer's worst-case number of waves
-    dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, batch, PROMPT + p["steps"] + 1, graph=graph, waves=True)
+    decoder = TokenwisePrefill if system == "seed" else asyncmoe.Decoder
+    dec = decoder(model, batch, PROMPT + p["steps"] + 1, graph=graph, waves=True)
     ids = prompt(shape, batch)
     cached = system.startswith("asyncmoe") and cache < experts
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
