@@ -158,11 +158,12 @@ def belady_misses(ids: np.ndarray, cache: int) -> int:
     for t, need in enumerate(rows):
         misses += sum(e not in resident for e in need)
         resident.update((e, next_use[t][e]) for e in need)
+        used = set(need)
         room = cache - len(need) if len(need) <= cache else cache - 1  # for experts this row did not use
         kept: dict[int, float] = {}
         for e, use in sorted(resident.items(), key=lambda item: item[1]):
-            if len(kept) < cache and (e in next_use[t] or room > 0):
+            if len(kept) < cache and (e in used or room > 0):
                 kept[e] = use
-                room -= e not in next_use[t]
+                room -= e not in used
         resident = kept
     return misses
