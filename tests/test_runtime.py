@@ -33,9 +33,9 @@ def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tens
     return worst
 
 
-# batch 4 needs cache >= 4*top_k to capture in one wave (test_decoder.py); at cache = top_k its steps capture
-# their waves (waves=True)
-CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K), (4, TOP_K)]
+# batch 4 needs cache >= 4*top_k to capture in one wave (test_decoder.py); at cache = top_k and E/4 its steps
+# capture their waves (waves=True)
+CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K), (4, TOP_K), (4, NUM_EXPERTS // 4)]
 
 
 @pytest.mark.parametrize("batch, cache", CASES)
