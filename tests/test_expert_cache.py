@@ -98,3 +98,20 @@ def test_waves_cover_more_experts_than_slots():
         assert not (seen & (slots >= 0)).any(), "a pair was served by two waves"
         seen |= slots >= 0
     assert seen.all(), "every pair is served by exactly one wave"
+
+
+def test_waves_serve_resident_experts_first():
+    """A call needing more experts than slots keeps what is resident: it is served in wave 0, without a copy,
+    before later waves evict it (by expert id alone, the last call's last wave, 9-11, was evicted by waves 0-2
+    and copied back by wave 3)."""
+    cache = make_cache(E=12, C=3, policy="lru")
+    ids = torch.arange(12).view(6, 2)  # 12 distinct experts, 3 slots: 4 waves
+    for call in range(2):
+        before = cache.counters.clone()
+        for wave in range(num_waves(12, 3, 12)):
+            slots = ops.ensure(cache, ids, wave)
+            check_invariants(cache, ids, slots)
+            if call == 1 and wave == 0:
+                assert torch.equal(ids[slots >= 0].sort().values, torch.tensor([9, 10, 11]))
+        got = cache.counters - before
+        assert (got[HITS].item(), got[MISSES].item()) == ((0, 12) if call == 0 else (3, 9))

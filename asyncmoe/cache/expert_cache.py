@@ -11,8 +11,14 @@ Tables: `expert_to_slot [E+1]` (-1: not resident; row E is a trash row that abso
 writes) and `slot_to_expert [C]` (-1: empty). They are inverse on the resident experts.
 
 Waves: a call whose distinct experts exceed C (prefill, big batches) is served in waves of at most C
-experts, taken in expert-id order. Wave w admits its experts, evicting only experts that no later
-wave of the same call needs while others are available, and returns slot -1 for pairs of other waves.
+experts: first the ones already resident, then the missing ones, each in expert-id order. Resident
+first, because a later wave would have to copy back what an earlier one evicted: a 2048-token prompt
+needs all 64 experts of an OLMoE layer, and with 16 slots ordered by id alone the first three waves
+evicted the previous prompt's last wave (experts 48-63) before the fourth needed it again (64 copies
+where 48 do). Wave 0 decides every expert's wave and keeps it in `wave_of`, so that later waves,
+which see a changed cache, agree with it. Wave w admits its experts, evicting only experts that no
+later wave of the same call needs while others are available, and returns slot -1 for pairs of other
+waves.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class ExpertCache(nn.Module):
         self.register_buffer("source", torch.zeros(C, dtype=torch.int8, device=device), persistent=False)
         self.register_buffer("routed", torch.zeros(E, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("counters", torch.zeros(len(COUNTERS), **i64), persistent=False)
+        self.register_buffer("wave_of", torch.full((E,), -1, **i64), persistent=False)  # this call's wave of each expert
         self.register_buffer("scratch", torch.zeros(E, dtype=torch.int32, device=device), persistent=False)  # fused kernel
         # the gate predictor's scores for this layer: written on the compute stream by the layer before, read by
         # the prefetch on the side stream, so a buffer (a temporary could be reused under the side stream), and
@@ -113,8 +120,8 @@ class ExpertCache(nn.Module):
 
     @property
     def state(self) -> list[torch.Tensor]:
-        """What the ops mutate besides tables, counters and slots: the slot state and the kernel's scratch."""
-        return [*self.slot_state, self.scratch]
+        """What the ops mutate besides tables, counters and slots: the slot state, the call's waves and the kernel's scratch."""
+        return [*self.slot_state, self.wave_of, self.scratch]
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, f"slot_{n}") for n in self.names}
@@ -145,12 +152,17 @@ def num_waves(pairs: int, num_slots: int, num_experts: int) -> int:
     return math.ceil(min(num_experts, pairs) / num_slots)
 
 
-def wave_plan(ids: torch.Tensor, wave: int, num_slots: int, num_experts: int):
-    """Experts needed by this call [E], those in wave `wave` [E], those of later waves [E]."""
-    need = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
-    need.index_fill_(0, ids.reshape(-1), True)
-    wave_of = (need.cumsum(0) - 1) // num_slots
-    return need, need & (wave_of == wave), need & (wave_of > wave)
+def wave_plan(ids: torch.Tensor, wave: int, num_slots: int, resident: torch.Tensor, wave_of: torch.Tensor):
+    """Experts needed by this call [E], those in wave `wave` [E], those of later waves [E].
+
+    Wave 0 ranks the needed experts, resident ones first, and writes each one's wave to `wave_of`
+    (-1: not needed); later waves of the call read it."""
+    need = torch.zeros_like(resident).index_fill_(0, ids.reshape(-1), True)
+    if wave == 0:
+        first = need & resident
+        rank = torch.where(first, first.cumsum(0), first.sum() + (need & ~first).cumsum(0)) - 1
+        wave_of.copy_(torch.where(need, rank // num_slots, -1))
+    return need, wave_of == wave, wave_of > wave
 
 
 def _put(t: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, value) -> None:
@@ -234,23 +246,23 @@ def ensure(
 ) -> torch.Tensor:
     """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's pair).
 
-    `state` is the SlotState fields plus the kernel's scratch. The fused Triton kernel makes the
-    decision on CUDA (`use_kernel=None`); the plain-torch code below is its reference, used elsewhere.
+    `state` is the SlotState fields, the experts' waves and the kernel's scratch. The fused Triton kernel
+    makes the decision on CUDA (`use_kernel=None`); the plain-torch code below is its reference, used elsewhere.
     """
     ids = top_k_index.long()
     E, C = expert_to_slot.numel() - 1, slot_to_expert.numel()
-    *fields, scratch = state
+    *fields, wave_of, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         out, src, dst, count = cache_step(
-            ids.reshape(-1), None, None, wave, POLICY_IDS[policy], min(C, E, ids.numel()),
-            expert_to_slot, slot_to_expert, fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
+            ids.reshape(-1), None, None, wave, POLICY_IDS[policy], min(C, E, ids.numel()), expert_to_slot,
+            slot_to_expert, fields, wave_of, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):
             gather_copy(host, slot, src, dst, count)
         return out.view(ids.shape)
     st = SlotState(*fields)
     st.clock.add_(1)
-    need, now, later = wave_plan(ids, wave, C, E)
+    need, now, later = wave_plan(ids, wave, C, expert_to_slot[:E] >= 0, wave_of)
     st.routed.copy_(need)
     src, dst, _, count, evicted, wasted = admit(now, later, min(C, E, ids.numel()), policy, expert_to_slot, slot_to_expert, st)
     for host, slot in zip(hosts, slots):
@@ -281,11 +293,11 @@ def prefetch(
     """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots.
 
     `copy_programs` caps the copy kernel's grid (see gather_copy)."""
-    *fields, scratch = state
+    *fields, wave_of, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         _, src, dst, count = cache_step(
             None, predicted, nominated, 0, POLICY_IDS[policy], budget, expert_to_slot, slot_to_expert,
-            fields, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
+            fields, wave_of, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):
             gather_copy(host, slot, src, dst, count, copy_programs)
@@ -329,7 +341,7 @@ def predict_and_prefetch(
 
     On CUDA the scoring, combining and gating are one Triton launch (kernels.predict.prefetch_scores),
     the decision another (kernels.cache_step), then the copy; the torch code below is their reference."""
-    st = SlotState(*state[:-1])
+    st = SlotState(*state[:-2])
     if _use_kernel(expert_to_slot, use_kernel):
         predict_kernels.prefetch_scores(
             gate, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,

@@ -36,7 +36,7 @@ if triton is not None:
     def _cache_step(
         ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
         pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
-        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr,
+        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr, wave_of_ptr,
         counters_ptr, scratch_ptr, src_ptr, dst_ptr, count_ptr,  # scratch [E] i32: per-expert flags
         wave, E, C, M, expert_bytes,
         POLICY: tl.constexpr, PREFETCH: tl.constexpr, FREQ_UNIT: tl.constexpr, FREQ_SHIFT: tl.constexpr,
@@ -68,9 +68,14 @@ if triton is not None:
                 ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1)
                 need = tl.maximum(need, tl.max((ids[None, :] == e[:, None]).to(tl.int32), axis=1))
             need = tl.where(emask, need, 0)
-            wave_of = (tl.cumsum(need, axis=0) - 1) // C
-            now = need & (wave_of == wave).to(tl.int32)
-            later = need & (wave_of > wave).to(tl.int32)
+            # wave 0 ranks the needed experts, resident ones first, and keeps each one's wave for the later waves
+            first = need & (e2s >= 0).to(tl.int32)
+            rank = tl.where(first != 0, tl.cumsum(first, axis=0), tl.sum(first, axis=0) + tl.cumsum(need - first, axis=0)) - 1
+            planned = tl.where(need != 0, rank // C, -1).to(tl.int64)
+            wave_of = tl.where(wave == 0, planned, tl.load(wave_of_ptr + e, mask=emask, other=-1))
+            tl.store(wave_of_ptr + e, wave_of, mask=emask & (wave == 0))
+            now = (wave_of == wave).to(tl.int32)
+            later = (wave_of > wave).to(tl.int32)
             tl.store(routed_ptr + e, need != 0, mask=emask)
         tl.store(scratch_ptr + e, now * 2 + later, mask=emask)
 
@@ -173,7 +178,7 @@ def cache_step(
     wave: int,
     policy_id: int,
     max_new: int,
-    expert_to_slot, slot_to_expert, state: list[torch.Tensor], counters, scratch,
+    expert_to_slot, slot_to_expert, state: list[torch.Tensor], wave_of, counters, scratch,
     expert_bytes: int, freq_unit: int, freq_shift: int,
 ):
     """Launch one decision; returns (slot per pair [P] or None, src [M], dst [M], count [1]) for the copy."""
@@ -191,7 +196,7 @@ def cache_step(
     n_pairs = ids.numel()
     _cache_step[(1,)](
         ids, n_pairs, out, pred, nominated, expert_to_slot, slot_to_expert, last_use, born, freq, used, clock,
-        source, routed, counters, scratch, src, dst, count, wave, E, C, max_new, expert_bytes,
+        source, routed, wave_of, counters, scratch, src, dst, count, wave, E, C, max_new, expert_bytes,
         POLICY=policy_id, PREFETCH=prefetch, FREQ_UNIT=freq_unit, FREQ_SHIFT=freq_shift,
         BE=triton.next_power_of_2(E), BC=triton.next_power_of_2(C),
         BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024), num_warps=4,
