@@ -59,3 +59,23 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
     path.write_text(json.dumps(data))
     assert report.write(path) == [tmp_path / "prefill.md"]  # no decode rows: no plots
     assert "| s | trace | 2048 | asyncmoe-eager | 16/64 | 300.0 | 6827 | 12.00 | 50.0 | 240.0 | 1.25 |" in (tmp_path / "prefill.md").read_text()
+
+
+def test_targets_met_and_missed():
+    """Issue 5's targets for the cases a run has: each says met or missed, with the measured value."""
+    def case(system, cache, ms, batch=1, **extra):
+        info = dict(shape="olmoe-1b-7b", routing="trace", system=system, cache=cache, experts=64, batch=batch, steps=32,
+                    ms_per_token=ms, device="gpu", dtype="bf16", tokens_agree=33, host_bytes=0, **extra)
+        return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+
+    copies = dict(bytes_per_token=1e9, belady_bytes_per_token=0.5e9, h2d_GB_per_s=50.0)  # Belady floor 10 ms
+    data = {"benchmarks": [
+        case("unmodified", 64, 4.0), case("accelerate", 16, 2000.0), case("seed", 16, 60.0),
+        case("asyncmoe-graph-prefetch", 16, 20.0, **copies),  # 2.0x Belady: missed; 100x accelerate: met
+        case("unmodified", 64, 8.0, batch=32), case("seed", 64, 40.0, batch=32), case("asyncmoe-graph", 64, 8.0, batch=32),
+    ]}
+    lines = report.targets(report.rows(data), [])
+    assert ("- olmoe-1b-7b, trace, batch 1, 16/64, asyncmoe-graph-prefetch: limit ratio 2.00 against <= 1.25: **missed**; "
+            "100.0x accelerate against >= 50x: met; 3.00x the seed, of at most 6.0x (the seed's time / Belady floor)") in lines
+    assert "- olmoe-1b-7b, trace, batch 32, 64/64, asyncmoe-graph: 5.00x the seed, faster: met" in lines
+    assert len([line for line in lines if line.startswith("- ")]) == 2
