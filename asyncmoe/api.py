@@ -45,9 +45,10 @@ def _plan(prefetch: bool | Prefetch) -> Prefetch | None:
     return Prefetch() if prefetch is True else (prefetch or None)
 
 
-def record(model: nn.Module) -> hf.TraceRecorder:
-    """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")` (eager forwards only)."""
-    return hf.TraceRecorder(model)
+def record(model: nn.Module, gate: bool = False) -> hf.TraceRecorder:
+    """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")` (eager forwards only).
+    `gate=True` also records the gate predictor's nominations, which a replay of the trace feeds to it."""
+    return hf.TraceRecorder(model, gate)
 
 
 def from_pretrained(

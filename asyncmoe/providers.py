@@ -45,6 +45,8 @@ class CachedProvider(ExpertWeightProvider):
         self.router = router  # this layer's router (weight [E, H], bias): the gate predictor of the layer before uses it
         self.plan: Prefetch | None = None
         self.wait = False  # a prefetch into this layer is issued earlier in each forward
+        # routing replayed from a trace with its gate recorded: (tokens, per_token, out) -> the recorded gate scores
+        object.__setattr__(self, "replayed_gate", None)
         # neighbours, as plain attributes (not submodules): the previous cached layer, the layers to prefetch for
         object.__setattr__(self, "previous", None)
         object.__setattr__(self, "targets", ())
@@ -75,6 +77,8 @@ class CachedProvider(ExpertWeightProvider):
             gate = "gate" in plan.sources and depth == 1 and target.router is not None
             if gate:
                 ops.gate_scores(hidden_states, target.router, target.per_token, target.cache)
+                if target.replayed_gate is not None:  # the router's work runs, the trace says what it predicted
+                    target.replayed_gate(hidden_states.shape[0], target.per_token, target.cache.gate)
             before = target.previous.cache.routed if "transition" in plan.sources and target.previous is not None else None
             if gate or "temporal" in plan.sources or before is not None:
                 ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs)

@@ -125,13 +125,14 @@ def prompt(shape: str, batch: int, seed: int | None = None) -> torch.Tensor:
 @functools.cache
 def trace_for(shape: str) -> Trace:
     """The routing a `trace` case replays, mapped onto the shape so:
-    64 experts, top-8 (OLMoE): the embedded model's held-out routing as recorded;
+    64 experts, top-8 (OLMoE): the embedded model's held-out routing as recorded, with what its gate predictor
+    predicted (so the prefetch systems' gate predicts as it did on the trained model, not from the random router);
     64 experts, top-k < 8 (DeepSeek-V2-Lite): the same, each token's first k ids (router order: its top-k);
-    other shapes: a synthetic trace with the embedded model's reuse and skew (benchmarks/synthetic.py)."""
+    other shapes: a synthetic trace with the embedded model's reuse and skew (benchmarks/synthetic.py), no gate."""
     experts, k = routing_shape(shape)
     if experts == 64 and k <= 8:
         demo = Trace.load(DEMO_TRACE)
-        return Trace(demo.ids[:, :, :k], demo.num_experts, starts=demo.starts)
+        return Trace(demo.ids[:, :, :k], demo.num_experts, starts=demo.starts, gate_ids=demo.gate_ids, gate_probs=demo.gate_probs)
     return synthetic(experts, k, layers=6, tokens=4096)
 
 

@@ -23,7 +23,6 @@ import torch
 import transformers
 
 import asyncmoe
-from asyncmoe.integrations.transformers import find_experts, find_router
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from train_demo_model import corpus_files, encode, split  # noqa: E402
@@ -44,28 +43,16 @@ def main():
     n = min(args.sequences, data.numel() // args.seq)
     batch = data[: n * args.seq].view(n, args.seq)
 
-    experts = find_experts(model)
-    routers = [find_router(model, name, m) for name, m in experts]
-    inputs: list[torch.Tensor] = [None] * len(experts)
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, a, kw, i=i: inputs.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True)
-        for i, (_, m) in enumerate(experts)
-    ]
     k = model.config.num_experts_per_tok
-    predicted: list[list[torch.Tensor]] = [[] for _ in experts]  # [layer l+1] predicted top-k per token, per sequence
-    with torch.no_grad(), asyncmoe.record(model) as rec:
+    with torch.no_grad(), asyncmoe.record(model, gate=True) as rec:  # gate: layer l's router on layer l-1's MoE input
         for row in batch:
             rec.new_sequence()
             model(row[None])
-            for l in range(1, len(experts)):  # layer l's router applied to layer l-1's MoE input
-                weight, bias = routers[l]
-                predicted[l].append(torch.nn.functional.linear(inputs[l - 1], weight, bias).topk(k).indices)
-    for h in hooks:
-        h.remove()
     trace = rec.trace
     if args.trace:
         trace.save(args.trace)
     ids = torch.as_tensor(trace.ids).long().view(n, args.seq, trace.layers, -1)  # [S, T, L, k]
+    predicted = torch.as_tensor(trace.gate_ids).long().view(n, args.seq, trace.layers, -1)
     E = trace.num_experts
 
     def overlap(a, b):  # [..., k] x [..., k] -> share of a's ids in b
@@ -81,7 +68,7 @@ def main():
         top = load.sort(descending=True).values[: E // 4].sum().item() / load.sum().item()
         prob = load / load.sum()
         entropy = -(prob[prob > 0] * prob[prob > 0].log()).sum().item() / math.log(E)
-        recall = overlap(ids[:, :, l], torch.cat(predicted[l]).view(n, args.seq, k)) if l > 0 else float("nan")
+        recall = overlap(ids[:, :, l], predicted[:, :, l]) if l > 0 else float("nan")
         rows.append((reuse, top, entropy, recall))
         print(f"| {l} | {reuse:.1%} | {top:.1%} | {entropy:.3f} | {'-' if l == 0 else f'{recall:.1%}'} |")
     mean = [sum(r[i] for r in rows if not math.isnan(r[i])) / sum(not math.isnan(r[i]) for r in rows) for i in range(4)]

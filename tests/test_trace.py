@@ -4,6 +4,7 @@ import copy
 import functools
 import itertools
 import json
+import pathlib
 import time
 from collections import OrderedDict
 
@@ -14,7 +15,9 @@ import torch
 import asyncmoe
 from asyncmoe.cli import main
 from asyncmoe.trace import Trace
-from asyncmoe.trace.simulate import belady_misses, simulate
+from asyncmoe.integrations.transformers import find_experts, find_router
+from asyncmoe.predict import predictors
+from asyncmoe.trace.simulate import belady_misses, gate_scores, simulate
 
 from models import tiny
 
@@ -44,6 +47,13 @@ def test_format_round_trip(tmp_path):
     np.savez(tmp_path / "bad.npz", x=np.zeros(3))
     with pytest.raises(ValueError, match="not an asyncmoe trace"):
         Trace.load(tmp_path / "bad.npz")
+    gate_ids = np.where(np.arange(3)[None, :, None] == 0, -1, tr.ids[:, :, :1])  # [N, L, 1], none for layer 0
+    gated = Trace(tr.ids, 12, gate_ids=gate_ids, gate_probs=np.full(gate_ids.shape, 0.5))
+    gated.save(tmp_path / "g.npz")
+    back = Trace.load(tmp_path / "g.npz")
+    assert np.array_equal(back.gate_ids, gate_ids) and np.array_equal(back.gate_probs, np.full(gate_ids.shape, 0.5))
+    with pytest.raises(ValueError, match=r"gate_ids \(120, 2, 1\) and gate_probs \(120, 2, 1\) must both be"):
+        Trace(tr.ids, 12, gate_ids=gate_ids[:, :2], gate_probs=np.zeros((120, 2, 1)))
 
 
 def test_record_then_simulate_gives_the_runtimes_own_counters(tmp_path):
@@ -159,9 +169,46 @@ def test_belady_bounds_every_policy(seed):
             assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"]
 
 
-def test_gate_is_not_simulable():
-    with pytest.raises(ValueError, match="gate predictor needs hidden states"):
-        simulate(random_trace(0), cache=4, prefetch=("gate",))
+def test_record_gate_is_the_gate_predictors_view():
+    """Recorded with gate=True, layer l's gate arrays are what the runtime's gate predictor scores from layer
+    l-1's MoE input: each token's top-k experts of layer l's router, with their probabilities."""
+    model = tiny("olmoe")
+    inputs = []
+    first, second = [m for _, m in find_experts(model)]
+    first.register_forward_pre_hook(lambda m, a, kw: inputs.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
+    with torch.no_grad(), asyncmoe.record(model, gate=True) as rec:
+        model(torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2)))
+    trace = rec.trace
+    assert (trace.gate_ids[:, 0] == -1).all()
+    weight, bias = find_router(model, *find_experts(model)[1])
+    want = torch.zeros(trace.num_experts)
+    with torch.no_grad():
+        predictors.gate_scores(inputs[0], weight, bias, trace.top_k, want, use_kernel=False)
+    got = torch.zeros(12, trace.num_experts).scatter_(1, torch.as_tensor(trace.gate_ids[:, 1]), torch.as_tensor(trace.gate_probs[:, 1]))
+    torch.testing.assert_close(got.mean(0), want)
+
+
+def test_replay_feeds_the_recorded_gate_to_the_gate_predictor():
+    """A model replaying a trace predicts with the trace's recorded gate, not with its own router."""
+    recorded = tiny("olmoe", seed=3)
+    with torch.no_grad(), asyncmoe.record(recorded, gate=True) as rec:
+        decode_like(recorded, [5, 9, 17])
+    trace = rec.trace
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",)))
+    _, second = find_experts(model)[1]
+    decode_like(model, [1])  # the first layer's prefetch scores the second for trace row 0
+    torch.testing.assert_close(second.asyncmoe.cache.gate, gate_scores(trace)[0, 1])
+    assert gate_scores(trace)[0, 1].sum() > 0
+
+
+def test_simulate_the_recorded_gate():
+    demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
+    with pytest.raises(ValueError, match="did not record what it predicted"):
+        simulate(Trace(demo.ids[:300], 64), cache=16, prefetch=("gate",), compiled=False)
+    trace = Trace(demo.ids[:300], 64, gate_ids=demo.gate_ids[:300], gate_probs=demo.gate_probs[:300])
+    plain, gated = (simulate(trace, cache=16, prefetch=p, compiled=False) for p in ((), ("gate",)))
+    assert gated.totals["prefetched_per_token"] > 0 and gated.totals["prefetch_recall"] > 0.05
+    assert gated.totals["misses_per_token"] < 0.8 * plain.totals["misses_per_token"]
 
 
 @pytest.mark.slow

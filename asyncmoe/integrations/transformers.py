@@ -22,6 +22,7 @@ from transformers.utils.logging import tqdm
 
 from ..cache.expert_cache import ExpertCache
 from ..cache.host import PinnedBlock, block_bytes, carve, check_host_memory, human_bytes, uva_view
+from ..predict import predictors
 from ..predict.predictors import Prefetch
 from ..trace.format import Trace
 from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider, link
@@ -185,18 +186,32 @@ class Replay(nn.Module):
     """Routes one experts module by a trace layer instead of its router, whose work still runs (realistic cost).
 
     A device-side cursor walks the trace's tokens (wrapping at its end), so a captured graph replays it too.
+    With the trace's gate arrays (`gate_ids`, `gate_probs` [N, g]) it also says what the gate predictor
+    predicted for this layer when the trace was recorded (`predict`).
     """
 
-    def __init__(self, ids: torch.Tensor):  # [N, k]
+    def __init__(self, ids: torch.Tensor, gate_ids: torch.Tensor | None = None, gate_probs: torch.Tensor | None = None):
         super().__init__()
-        self.register_buffer("ids", ids, persistent=False)
+        self.register_buffer("ids", ids, persistent=False)  # [N, k]
         self.register_buffer("cursor", torch.zeros(1, dtype=torch.int64, device=ids.device), persistent=False)
+        self.register_buffer("gate_ids", gate_ids, persistent=False)
+        self.register_buffer("gate_probs", gate_probs, persistent=False)
+
+    def rows(self, tokens: int) -> torch.Tensor:
+        return (self.cursor + torch.arange(tokens, device=self.ids.device)) % self.ids.shape[0]
 
     def forward(self, top_k_index: torch.Tensor) -> torch.Tensor:
-        T = top_k_index.shape[0]
-        rows = (self.cursor + torch.arange(T, device=self.ids.device)) % self.ids.shape[0]
-        self.cursor.add_(T)
+        rows = self.rows(top_k_index.shape[0])
+        self.cursor.add_(top_k_index.shape[0])
         return self.ids[rows].to(top_k_index.dtype)
+
+    def predict(self, tokens: int, per_token: int, out: torch.Tensor) -> None:
+        """The recorded gate predictor's scores for this layer's next `tokens` rows into `out` [E], as
+        `predictors.gate_scores` scores: each token's top `per_token` probabilities, averaged over tokens."""
+        rows = self.rows(tokens)
+        ids, probs = self.gate_ids[rows, :per_token], self.gate_probs[rows, :per_token]
+        scores = torch.zeros_like(out).index_add_(0, ids.clamp(min=0).reshape(-1), torch.where(ids >= 0, probs, 0).reshape(-1))
+        out.copy_(scores / tokens)
 
 
 def _replay_hook(module, args, kwargs):
@@ -207,7 +222,8 @@ def _replay_hook(module, args, kwargs):
 
 
 def _install_replay(experts: list[tuple[str, nn.Module]], trace: Trace, device: torch.device) -> None:
-    """Model MoE layer i replays trace layer i % trace.layers; expert count and top-k must match."""
+    """Model MoE layer i replays trace layer i % trace.layers; expert count and top-k must match. A layer
+    whose trace layer is 0 gets no recorded gate scores (nothing predicted trace layer 0 from the one before)."""
     for i, (name, m) in enumerate(experts):
         E, k = _num_experts(m), top_k_of(m.config)
         if trace.num_experts != E or (k is not None and trace.top_k != k):
@@ -215,8 +231,21 @@ def _install_replay(experts: list[tuple[str, nn.Module]], trace: Trace, device: 
                 f"{name} routes {k} of {E} experts but the trace has {trace.top_k} of {trace.num_experts}: "
                 "replay needs the same number of experts and top-k"
             )
-        m.asyncmoe_replay = Replay(torch.as_tensor(trace.ids[:, i % trace.layers]).to(device=device, dtype=torch.int64))
+        layer = i % trace.layers
+        gate = [] if trace.gate_ids is None else [
+            torch.as_tensor(trace.gate_ids[:, layer]).to(device=device, dtype=torch.int64),
+            torch.as_tensor(trace.gate_probs[:, layer]).to(device=device, dtype=torch.float32),
+        ]
+        m.asyncmoe_replay = Replay(torch.as_tensor(trace.ids[:, layer]).to(device=device, dtype=torch.int64), *gate)
         m.register_forward_pre_hook(_replay_hook, with_kwargs=True)
+        _feed_replayed_gate(m)
+
+
+def _feed_replayed_gate(m: nn.Module) -> None:
+    """Let the gate predictor of the layer before score a replayed layer by the trace's recorded gate."""
+    provider, replay = getattr(m, PROVIDER, None), getattr(m, "asyncmoe_replay", None)
+    if isinstance(provider, CachedProvider) and replay is not None and replay.gate_ids is not None:
+        object.__setattr__(provider, "replayed_gate", replay.predict)
 
 
 def replay_routing(model: nn.Module, trace: Trace, device: torch.device | str) -> None:
@@ -275,6 +304,8 @@ def install(
     link(cached, prefetch, top_k)
     if replay is not None:
         _install_replay(experts, replay, device)
+    for _, m in experts:  # replayed before compile
+        _feed_replayed_gate(m)
 
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("asyncmoe")
@@ -342,14 +373,22 @@ class TraceRecorder:
     Hooks run in eager forwards only (a CUDA graph replays kernels, not Python): record with
     `Decoder(graph=False)` or `model.generate`. Tokens of a call are recorded in row-major order
     (batch, then position). Call `new_sequence()` before each sequence to mark `starts`.
+    `gate=True` also records the gate predictor's nominations (each token's top-k experts of layer
+    l+1's router on layer l's MoE input), so that a replay of the trace can feed the gate predictor.
     """
 
-    def __init__(self, model: nn.Module):
-        self.experts = [m for _, m in find_experts(model)]
-        if not self.experts:
+    def __init__(self, model: nn.Module, gate: bool = False):
+        named = find_experts(model)
+        if not named:
             raise ValueError(f"{type(model).__name__} has no MoE layer to record; {_families_hint()}")
+        self.experts = [m for _, m in named]
+        self.routers = [find_router(model, name, m) for name, m in named] if gate else None
+        if gate and any(r is None for r in self.routers[1:]):
+            raise ValueError(f"{type(model).__name__}: no router weight [E, H] found beside every experts module; "
+                             "record without gate=True")
         self.ids: list[list[torch.Tensor]] = [[] for _ in self.experts]
         self.weights: list[list[torch.Tensor]] = [[] for _ in self.experts]
+        self.gate: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.experts]  # (ids, probs) per call
         self.starts: list[int] = []
         self.handles = []
 
@@ -359,6 +398,16 @@ class TraceRecorder:
             weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
             self.ids[layer].append(ids.detach().to("cpu", torch.int64))  # a host sync: recording is an eager tool
             self.weights[layer].append(weights.detach().to("cpu", torch.float32))
+            if self.routers is None:
+                return
+            k = ids.shape[-1]
+            if layer == 0:  # nothing before the first MoE layer predicts it
+                self.gate[0].append((torch.full(ids.shape, -1), torch.zeros(ids.shape)))
+            if layer + 1 < len(self.experts):
+                x = args[0] if args else kwargs["hidden_states"]
+                with torch.no_grad():
+                    top = predictors.gate_top(x, *self.routers[layer + 1], k)
+                self.gate[layer + 1].append((top.indices.to("cpu", torch.int64), top.values.to("cpu", torch.float32)))
 
         return hook
 
@@ -380,4 +429,8 @@ class TraceRecorder:
             raise ValueError("nothing was recorded: run the model inside `with record(model)`")
         ids = torch.stack([torch.cat(calls) for calls in self.ids], dim=1)  # [N, L, k]
         weights = torch.stack([torch.cat(calls) for calls in self.weights], dim=1)
-        return Trace(ids.numpy(), _num_experts(self.experts[0]), starts=self.starts or None, weights=weights.numpy())
+        gate = {}
+        if self.routers is not None:
+            gate = {name: torch.stack([torch.cat([call[i] for call in calls]) for calls in self.gate], dim=1).numpy()
+                    for i, name in enumerate(("gate_ids", "gate_probs"))}
+        return Trace(ids.numpy(), _num_experts(self.experts[0]), starts=self.starts or None, weights=weights.numpy(), **gate)

@@ -65,10 +65,16 @@ def gate_scores(
     if (predict_kernels.use_kernels(x) if use_kernel is None else use_kernel) and x.shape[0] <= predict_kernels.MAX_TOKENS:
         predict_kernels.gate_scores(x, weight, bias, per_token, out)
         return
-    probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
-    top = probs.topk(min(per_token, probs.shape[-1]), dim=-1)
-    chosen = torch.zeros_like(probs).scatter_(1, top.indices, top.values)  # [T, E]
+    top = gate_top(x, weight, bias, per_token)
+    chosen = torch.zeros(x.shape[0], weight.shape[0], device=x.device, dtype=torch.float32).scatter_(1, top.indices, top.values)  # [T, E] f32
     torch.mean(chosen, dim=0, out=out)
+
+
+def gate_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int):
+    """Each token's `per_token` likeliest experts under the router `weight` [E, H] applied to x [T, H]:
+    (values: probabilities [T, p], indices [T, p]), likeliest first. What a recorded trace keeps of the gate."""
+    probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
+    return probs.topk(min(per_token, probs.shape[-1]), dim=-1)
 
 
 def temporal_scores(routed_last_call: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,13 @@ An `.npz` with
   num_experts  int []                   experts per layer
   starts       int [sequences]          optional: offset of each sequence's first token
   weights      float [tokens, layers, k] optional: the router's weights for those ids
+  gate_ids     int [tokens, layers, g]   optional: the gate predictor's nominations for each layer, each
+                                         token's top-g experts of layer l's router applied to layer l-1's
+                                         MoE input (-1 in layer 0, which has no layer before it)
+  gate_probs   float [tokens, layers, g] optional: their softmax probabilities
+
+With the gate arrays a replayed trace also feeds the gate predictor what it predicted on the recorded
+model: without them a random-weight model's own router would, and it predicts nothing of the trace.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ class Trace:
     num_experts: int
     starts: np.ndarray | None = None
     weights: np.ndarray | None = None
+    gate_ids: np.ndarray | None = None  # [N, L, g]
+    gate_probs: np.ndarray | None = None  # [N, L, g]
 
     def __post_init__(self):
         self.ids = np.asarray(self.ids)
@@ -27,6 +36,15 @@ class Trace:
             raise ValueError(f"trace ids must be [tokens, layers, k], got shape {self.ids.shape}")
         if self.ids.size and not (0 <= self.ids.min() and self.ids.max() < self.num_experts):
             raise ValueError(f"trace ids must lie in [0, num_experts={self.num_experts})")
+        if (self.gate_ids is None) != (self.gate_probs is None):
+            raise ValueError("a trace's gate_ids and gate_probs come together")
+        if self.gate_ids is not None:
+            self.gate_ids, self.gate_probs = np.asarray(self.gate_ids), np.asarray(self.gate_probs)
+            if self.gate_ids.shape != self.gate_probs.shape or self.gate_ids.shape[:2] != self.ids.shape[:2]:
+                raise ValueError(f"trace gate_ids {self.gate_ids.shape} and gate_probs {self.gate_probs.shape} must both be "
+                                 f"[tokens, layers, g] with the ids' tokens and layers {self.ids.shape[:2]}")
+            if self.gate_ids.size and not (-1 <= self.gate_ids.min() and self.gate_ids.max() < self.num_experts):
+                raise ValueError(f"trace gate_ids must lie in [-1, num_experts={self.num_experts})")
 
     @property
     def tokens(self) -> int:
@@ -46,6 +64,9 @@ class Trace:
             arrays["starts"] = np.asarray(self.starts, dtype=np.int64)
         if self.weights is not None:
             arrays["weights"] = np.asarray(self.weights, dtype=np.float16)
+        if self.gate_ids is not None:
+            arrays["gate_ids"] = self.gate_ids.astype(arrays["ids"].dtype)
+            arrays["gate_probs"] = np.asarray(self.gate_probs, dtype=np.float16)
         np.savez_compressed(path, **arrays)
 
     @classmethod
@@ -53,7 +74,7 @@ class Trace:
         with np.load(path) as f:
             if "ids" not in f or "num_experts" not in f:
                 raise ValueError(f"{path} is not an asyncmoe trace: it needs arrays 'ids' and 'num_experts' (docs/traces.md)")
-            return cls(
-                ids=f["ids"].astype(np.int64), num_experts=int(f["num_experts"]),
-                starts=f["starts"] if "starts" in f else None, weights=f["weights"] if "weights" in f else None,
-            )
+            optional = {name: f[name] for name in ("starts", "weights", "gate_ids", "gate_probs") if name in f}
+            if "gate_ids" in optional:
+                optional["gate_ids"] = optional["gate_ids"].astype(np.int64)
+            return cls(ids=f["ids"].astype(np.int64), num_experts=int(f["num_experts"]), **optional)

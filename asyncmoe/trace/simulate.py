@@ -23,7 +23,7 @@ from ..cache import expert_cache
 from ..cache.expert_cache import COUNTERS, ExpertCache
 from .format import Trace
 
-SIMULABLE = ("temporal", "transition")
+SIMULABLE = ("gate", "temporal", "transition")  # gate: from a trace that recorded its nominations
 
 
 @dataclass
@@ -85,8 +85,9 @@ class Simulation:
         return "\n".join(rows)
 
 
-def _step(ids_t, caches, transitions, prefetch: tuple[str, ...], budget: int):
-    """One token through every layer: what the providers do in a forward, minus the weights."""
+def _step(ids_t, gate_t, caches, transitions, prefetch: tuple[str, ...], budget: int):
+    """One token through every layer: what the providers do in a forward, minus the weights.
+    gate_t [L, E]: the recorded gate predictor's scores for each layer (with "gate")."""
     for l, c in enumerate(caches):
         expert_cache.ensure(ids_t[l : l + 1], 0, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, [], [])
         if "transition" in prefetch and l > 0:
@@ -95,7 +96,7 @@ def _step(ids_t, caches, transitions, prefetch: tuple[str, ...], budget: int):
             t = caches[l + 1]
             before = c.routed if "transition" in prefetch else None
             expert_cache.predict_and_prefetch(
-                None, "temporal" in prefetch, before, transitions[l + 1] if before is not None else None, budget,
+                gate_t[l + 1] if "gate" in prefetch else None, "temporal" in prefetch, before, transitions[l + 1] if before is not None else None, budget,
                 t.policy, t.predicted, t.nominated, t.expert_to_slot, t.slot_to_expert, t.state, t.counters, [], [],
                 t.outcomes,
             )
@@ -111,9 +112,9 @@ def simulate(
     compiled: bool = True,
 ) -> Simulation:
     """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound."""
-    if "gate" in prefetch:
-        raise ValueError("the gate predictor needs hidden states: it cannot be simulated from expert ids alone; "
-                         f"simulable predictors: {', '.join(SIMULABLE)}")
+    if "gate" in prefetch and trace.gate_ids is None:
+        raise ValueError("the gate predictor needs hidden states, and this trace did not record what it predicted; "
+                         "record one with asyncmoe.record(model, gate=True), or simulate temporal and transition")
     unknown = set(prefetch) - set(SIMULABLE)
     if unknown:
         raise ValueError(f"unknown predictors {sorted(unknown)}; simulable: {', '.join(SIMULABLE)}")
@@ -125,9 +126,10 @@ def simulate(
     transitions = [torch.zeros(E, E) for _ in range(L)]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
+    gate = gate_scores(trace) if "gate" in prefetch else torch.zeros(trace.tokens, L, E)
     with torch.inference_mode():
         for t in range(trace.tokens):
-            step(ids[t], caches, transitions, tuple(prefetch), budget)
+            step(ids[t], gate[t], caches, transitions, tuple(prefetch), budget)
     index = {name: i for i, name in enumerate(COUNTERS)}
     layers = []
     for l, c in enumerate(caches):
@@ -135,6 +137,16 @@ def simulate(
         layers.append(LayerResult(n[index["hits"]], n[index["misses"]], n[index["prefetched"]], n[index["prefetch_hits"]],
                                   belady_misses(trace.ids[:, l], min(cache, E))))
     return Simulation(cache, policy, tuple(prefetch), trace.tokens, expert_bytes, layers)
+
+
+def gate_scores(trace: Trace) -> torch.Tensor:
+    """[N, L, E]: the recorded gate predictor's score of each expert for each token and layer, as the runtime
+    scores one token (`predictors.gate_scores` with per_token = top-k): its probability if among the top-k."""
+    ids = torch.from_numpy(trace.gate_ids[:, :, : trace.top_k]).long()
+    probs = torch.from_numpy(np.asarray(trace.gate_probs[:, :, : trace.top_k], dtype=np.float32))
+    scores = torch.zeros(trace.tokens, trace.layers, trace.num_experts + 1)  # column E absorbs layer 0's -1s
+    scores.scatter_(2, torch.where(ids >= 0, ids, trace.num_experts), probs)
+    return scores[:, :, :-1]
 
 
 def belady_misses(ids: np.ndarray, cache: int) -> int:
