@@ -76,7 +76,8 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
             if "speedup_vs_seed" in r:
                 most = f", of at most {r['seed_over_belady']:.1f}x (the seed's time / Belady floor)" if "seed_over_belady" in r else ""
                 parts.append(f"{r['speedup_vs_seed']:.2f}x the seed{most}")
-            out.append(f"- {case}: " + "; ".join(parts))
+            if parts:  # a run without the resident model, accelerate or the seed has nothing to compare
+                out.append(f"- {case}: " + "; ".join(parts))
         elif r["batch"] == 32 and "speedup_vs_seed" in r:
             ratio = f"; limit ratio {r['limit_ratio']:.2f}" if "limit_ratio" in r else ""
             out.append(f"- {case}: {r['speedup_vs_seed']:.2f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}")

@@ -79,3 +79,5 @@ def test_targets_met_and_missed():
             "100.0x accelerate against >= 50x: met; 3.00x the seed, of at most 6.0x (the seed's time / Belady floor)") in lines
     assert "- olmoe-1b-7b, trace, batch 32, 64/64, asyncmoe-graph: 5.00x the seed, faster: met" in lines
     assert len([line for line in lines if line.startswith("- ")]) == 2
+    alone = {"benchmarks": data["benchmarks"][3:4]}  # no resident model, accelerate or seed in the run
+    assert report.targets(report.rows(alone), []) == []
