@@ -4,6 +4,7 @@
     python benchmarks/report.py --quick --out docs/results
     python benchmarks/report.py -k "deepseek and b1" --out run1   # the full profile, one part per device call
     python benchmarks/report.py --from-json run1/*.json run2/*.json   # ... then one table of all parts
+    python benchmarks/report.py --coverage docs/results/*/bench-*.json  # which of the full profile's cases ran
 
 Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
 with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
@@ -206,13 +207,41 @@ def merge(paths: list[pathlib.Path]) -> dict:
     return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
 
 
+def coverage(runs: list[dict]) -> str:
+    """Markdown: of the full profile's cases (test_latency.FULL), which these runs measured, per shape and routing,
+    and the (batch or prompt, cache) cells with a system missing. The seed's cases below min(E, B*k) slots skip
+    by design (it raises there) and are not counted."""
+    import test_latency as suite  # torch and the suite: only this command needs them
+    from shapes import routing_shape
+
+    done = {(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}")
+            for run in runs for e in (b["extra_info"] for b in run["benchmarks"])}
+    todo = [(s, r, system, f, f"b{b}") for s, r, system, f, b in suite.decode_cases(suite.FULL)
+            if not (system == "seed" and suite.slots(s, f) < min(routing_shape(s)[0], b * routing_shape(s)[1]))]
+    todo += [(s, r, system, f, f"prompt{n}") for s, r, system, f, n in suite.prefill_cases(suite.FULL)]
+    lines = ["| shape | routing | cases measured | missing (case: cache fractions) |", "|---|---|---|---|"]
+    for shape, routing in dict.fromkeys((s, r) for s, r, *_ in todo):
+        cases = [c for c in todo if c[:2] == (shape, routing)]
+        absent = [(f, case) for s, r, system, f, case in cases if (s, r, system, suite.slots(s, f), case) not in done]
+        missing: dict[str, set] = {}
+        for f, case in absent:
+            missing.setdefault(case, set()).add(f)
+        gaps = "; ".join(f"{case}: {', '.join(f'{f:g}' for f in sorted(fs))}" for case, fs in missing.items())
+        lines.append(f"| {shape} | {routing} | {len(cases) - len(absent)} of {len(cases)} | {gaps} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="docs/results")
     p.add_argument("-k", default=None, help="only the cases pytest -k selects: the full profile needs several device calls")
     p.add_argument("--from-json", nargs="+", type=pathlib.Path, help="merge these runs and write their table and plots")
+    p.add_argument("--coverage", nargs="+", type=pathlib.Path, help="print which of the full profile's cases these runs measured")
     args = p.parse_args()
+    if args.coverage:
+        print(coverage([json.loads(path.read_text()) for path in args.coverage]), end="")
+        return
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"bench-{datetime.date.today().isoformat()}.json"

@@ -48,6 +48,10 @@ SYSTEMS = ["unmodified", "accelerate", "seed", "asyncmoe-eager", "asyncmoe-graph
 GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
 
 
+FULL = dict(shapes=[s for s in SHAPES if not s.startswith("tiny")], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32],
+            routings=["router", "trace"], steps=32, rounds=5, prompts=[512, 2048])
+
+
 def profile(config) -> dict:
     if not CUDA:
         return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], routings=["router", "trace"], steps=4, rounds=2,
@@ -55,29 +59,41 @@ def profile(config) -> dict:
     if config.getoption("--quick"):
         return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], routings=["trace"], steps=32, rounds=5,
                     prompts=[512])
-    return dict(shapes=[s for s in SHAPES if not s.startswith("tiny")], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32], routings=["router", "trace"],
-                steps=32, rounds=5, prompts=[512, 2048])
+    return FULL
 
 
-def pytest_generate_tests(metafunc):
-    """Cases: (shape, routing, system, cache fraction, batch). A full cache is asyncmoe's resident path; the
+def decode_cases(p: dict) -> list[tuple]:
+    """(shape, routing, system, cache fraction, batch). A full cache is asyncmoe's resident path; the
     unmodified model has no cache. Above batch 1 the seed also runs with every expert in a slot: below
-    min(E, batch*k) slots it raises (as the PR does), so that is the only seed asyncmoe meets there."""
-    if "case" not in metafunc.fixturenames and "prefill_case" not in metafunc.fixturenames:
-        return
-    p = profile(metafunc.config)
-    cases = [
+    min(E, batch*k) slots it raises (as the PR does), so that is the only seed asyncmoe meets there. A fraction
+    whose slot count a larger fraction also gets (Mixtral's 8 experts, top-2: 12.5% and 25% are both 2) runs once."""
+    return [
         (shape, routing, system, fraction, batch)
         for shape in p["shapes"] for routing in p["routings"] for system in SYSTEMS for fraction in p["caches"]
         for batch in p["batches"]
-        if (system == "unmodified") == (fraction == 1.0) or (system == "asyncmoe-graph" and fraction == 1.0)
-        or (system == "seed" and fraction == 1.0 and batch > 1)
+        if all(slots(shape, f) != slots(shape, fraction) for f in p["caches"] if f > fraction)
+        and ((system == "unmodified") == (fraction == 1.0) or (system == "asyncmoe-graph" and fraction == 1.0)
+             or (system == "seed" and fraction == 1.0 and batch > 1))
     ]
+
+
+def prefill_cases(p: dict) -> list[tuple]:
+    """(shape, routing, system, cache fraction, prompt): batch 1; a graph changes nothing for one eager prompt."""
+    cases = [(s, r, sys, f, n) for s, r, sys, f, b in decode_cases(p) if b == 1 and "graph" not in sys for n in p["prompts"]]
+    return cases + [(s, r, "asyncmoe-eager", 1.0, n) for s in p["shapes"] for r in p["routings"] for n in p["prompts"]]
+
+
+def slots(shape: str, fraction: float) -> int:
+    experts, k = routing_shape(shape)
+    return max(k, round(fraction * experts))
+
+
+def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
+        cases = decode_cases(profile(metafunc.config))
         metafunc.parametrize("case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"b{b}"]) for s, r, sys, f, b in cases])
-    if "prefill_case" in metafunc.fixturenames:  # batch 1; a graph changes nothing for one eager prompt
-        cases = [(s, r, sys, f, n) for s, r, sys, f, b in cases if b == 1 and "graph" not in sys for n in p["prompts"]]
-        cases += [(s, r, "asyncmoe-eager", 1.0, n) for s in p["shapes"] for r in p["routings"] for n in p["prompts"]]
+    if "prefill_case" in metafunc.fixturenames:
+        cases = prefill_cases(profile(metafunc.config))
         metafunc.parametrize("prefill_case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"prompt{n}"]) for s, r, sys, f, n in cases])
 
 
@@ -190,7 +206,7 @@ def test_decode(benchmark, case, request):
         pytest.skip(f"{system} needs a CUDA GPU")
     p = profile(request.config)
     experts, k = routing_shape(shape)
-    cache = max(k, round(fraction * experts))
+    cache = slots(shape, fraction)
     one_step = min(experts, batch * k)  # distinct experts a decode step may route to
     if system == "seed" and cache < one_step:
         pytest.skip(f"the seed raises when a call routes to more distinct experts than its {cache} slots ({one_step} possible)")
@@ -254,7 +270,7 @@ def test_prefill(benchmark, prefill_case, request):
     if system in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
     experts, k = routing_shape(shape)
-    cache = max(k, round(fraction * experts))
+    cache = slots(shape, fraction)
     model = make(system, shape, routing, cache)
     dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, 1, n + 1, graph=False)
     vocab = SHAPES[shape][1]["vocab_size"]

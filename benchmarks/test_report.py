@@ -81,3 +81,19 @@ def test_targets_met_and_missed():
     assert len([line for line in lines if line.startswith("- ")]) == 2
     alone = {"benchmarks": data["benchmarks"][3:4]}  # no resident model, accelerate or seed in the run
     assert report.targets(report.rows(alone), []) == []
+
+
+def test_coverage_of_the_full_profile():
+    """--coverage counts the full profile's cases a set of runs measured; a fraction whose slot count a larger one
+    also gets runs once (Mixtral: 12.5% and 25% of 8 experts are both 2 slots, top-2)."""
+    import test_latency as suite
+
+    assert not [c for c in suite.decode_cases(suite.FULL) if c[0].startswith("mixtral") and c[3] == 0.125]
+    run = {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="unmodified", cache=64, batch=1)},
+                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=2048)}]}
+    table = report.coverage([run])
+    total = sum(1 for c in suite.decode_cases(suite.FULL) + suite.prefill_cases(suite.FULL) if c[:2] == ("olmoe-1b-7b", "trace"))
+    total -= sum(1 for s, r, sys, f, b in suite.decode_cases(suite.FULL)  # the seed below min(E, B*k): skipped by design
+                 if (s, r, sys) == ("olmoe-1b-7b", "trace", "seed") and suite.slots(s, f) < min(64, 8 * b))
+    assert f"| olmoe-1b-7b | trace | 2 of {total} |" in table
+    assert "| qwen3-30b-a3b | router | 0 of " in table
