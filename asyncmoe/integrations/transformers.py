@@ -209,9 +209,8 @@ class Replay(nn.Module):
         """The recorded gate predictor's scores for this layer's next `tokens` rows into `out` [E], as
         `predictors.gate_scores` scores: each token's top `per_token` probabilities, averaged over tokens."""
         rows = self.rows(tokens)
-        ids, probs = self.gate_ids[rows, :per_token], self.gate_probs[rows, :per_token]
-        scores = torch.zeros_like(out).index_add_(0, ids.clamp(min=0).reshape(-1), torch.where(ids >= 0, probs, 0).reshape(-1))
-        out.copy_(scores / tokens)
+        scores = predictors.top_scores(self.gate_ids[rows, :per_token], self.gate_probs[rows, :per_token], out.shape[0])
+        torch.mean(scores, dim=0, out=out)
 
 
 def _replay_hook(module, args, kwargs):

@@ -66,8 +66,7 @@ def gate_scores(
         predict_kernels.gate_scores(x, weight, bias, per_token, out)
         return
     top = gate_top(x, weight, bias, per_token)
-    chosen = torch.zeros(x.shape[0], weight.shape[0], device=x.device, dtype=torch.float32).scatter_(1, top.indices, top.values)  # [T, E] f32
-    torch.mean(chosen, dim=0, out=out)
+    torch.mean(top_scores(top.indices, top.values, weight.shape[0]), dim=0, out=out)
 
 
 def gate_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int):
@@ -75,6 +74,13 @@ def gate_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     (values: probabilities [T, p], indices [T, p]), likeliest first. What a recorded trace keeps of the gate."""
     probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
     return probs.topk(min(per_token, probs.shape[-1]), dim=-1)
+
+
+def top_scores(indices: torch.Tensor, values: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[..., p] expert ids (-1: none) and their probabilities -> [..., E] float32: each named expert's
+    probability, 0 elsewhere. The gate's per-token scores, live (`gate_scores`) or recorded in a trace."""
+    scores = torch.zeros(*indices.shape[:-1], num_experts + 1, device=indices.device)  # column E absorbs the -1s
+    return scores.scatter_(-1, torch.where(indices >= 0, indices, num_experts), values.float())[..., :-1]
 
 
 def temporal_scores(routed_last_call: torch.Tensor) -> torch.Tensor:

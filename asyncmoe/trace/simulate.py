@@ -21,6 +21,7 @@ import torch
 
 from ..cache import expert_cache
 from ..cache.expert_cache import COUNTERS, ExpertCache
+from ..predict import predictors
 from .format import Trace
 
 SIMULABLE = ("gate", "temporal", "transition")  # gate: from a trace that recorded its nominations
@@ -126,10 +127,10 @@ def simulate(
     transitions = [torch.zeros(E, E) for _ in range(L)]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
-    gate = gate_scores(trace) if "gate" in prefetch else torch.zeros(trace.tokens, L, E)
+    gate = gate_scores(trace) if "gate" in prefetch else None
     with torch.inference_mode():
         for t in range(trace.tokens):
-            step(ids[t], gate[t], caches, transitions, tuple(prefetch), budget)
+            step(ids[t], None if gate is None else gate[t], caches, transitions, tuple(prefetch), budget)
     index = {name: i for i, name in enumerate(COUNTERS)}
     layers = []
     for l, c in enumerate(caches):
@@ -144,9 +145,7 @@ def gate_scores(trace: Trace) -> torch.Tensor:
     scores one token (`predictors.gate_scores` with per_token = top-k): its probability if among the top-k."""
     ids = torch.from_numpy(trace.gate_ids[:, :, : trace.top_k]).long()
     probs = torch.from_numpy(np.asarray(trace.gate_probs[:, :, : trace.top_k], dtype=np.float32))
-    scores = torch.zeros(trace.tokens, trace.layers, trace.num_experts + 1)  # column E absorbs layer 0's -1s
-    scores.scatter_(2, torch.where(ids >= 0, ids, trace.num_experts), probs)
-    return scores[:, :, :-1]
+    return predictors.top_scores(ids, probs, trace.num_experts)
 
 
 def belady_misses(ids: np.ndarray, cache: int) -> int:
