@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
     s.add_argument("--prefetch", default="off", help="off, or predictors joined by +: temporal, transition, and gate "
                    "where the trace recorded its nominations (asyncmoe.record(model, gate=True))")
-    s.add_argument("--budget", type=int, default=None, help="experts prefetched per layer per token (default: top-k)")
+    s.add_argument("--budget", type=int, default=1, help="experts prefetched per layer per token (asyncmoe.Prefetch's default)")
     s.add_argument("--expert-bytes", type=int, default=0, help="bytes of one expert, for bytes per token")
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower; no compile wait on short traces)")

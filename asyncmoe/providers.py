@@ -94,7 +94,7 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
         object.__setattr__(p, "targets", tuple(providers[i + 1 : i + 1 + plan.depth]))
         p.wait = i > 0
         p.per_token = plan.per_token or top_k
-        p.budget = min(plan.budget or top_k, p.cache.num_slots)
+        p.budget = min(plan.budget, p.cache.num_slots)
         if i > 0 and "transition" in plan.sources:
             prev = providers[i - 1].cache
             p.cache.register_buffer(

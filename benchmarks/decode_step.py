@@ -93,7 +93,7 @@ def main():
     p.add_argument("--eager-rounds", type=int, default=3)
     p.add_argument("--replay", default=None, help="route asyncmoe models by this .npz trace (docs/traces.md)")
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
-    p.add_argument("--budgets", type=int, nargs="+", default=[0], help="prefetch budgets to try (0: top-k)")
+    p.add_argument("--budgets", type=int, nargs="+", default=[asyncmoe.Prefetch.budget], help="prefetch budgets to try")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
     p.add_argument("--sources", nargs="+", default=None,
                    help="prefetch predictor sets to try, each joined by + (default: all three; temporal+transition "
@@ -119,13 +119,13 @@ def main():
     for cache in args.caches:
         gateless = args.replay is not None and Trace.load(args.replay).gate_ids is None
         source_sets = args.sources or ["temporal+transition" if gateless else "+".join(asyncmoe.Prefetch().sources)]
-        plans = [asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b or None, copy_programs=c or None)
+        plans = [asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b, copy_programs=c or None)
                  for s in source_sets for b in args.budgets for c in args.copy_programs] if cache < experts else []
         for plan in plans + [None]:
             model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay,
                                      time_stalls=args.time_stalls and cache < experts)
             label = f"asyncmoe cache={cache}" + (
-                f" prefetch {'+'.join(plan.sources)} budget={plan.budget or 'k'} programs={plan.copy_programs or 'all'}" if plan
+                f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}" if plan
                 else (" no prefetch" if cache < experts else ""))
             rows += run(model, label)
             del model

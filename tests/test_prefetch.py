@@ -113,7 +113,7 @@ def test_combine_ranks_the_gate_first_and_drops_weak_support():
     assert scores.tolist() == [1, 0, 1, 0] and sources.tolist() == [TEMPORAL, 0, TEMPORAL, 0]
 
 
-@pytest.mark.parametrize("bad", [dict(sources=("oracle",)), dict(sources=()), dict(depth=0)])
+@pytest.mark.parametrize("bad", [dict(sources=("oracle",)), dict(sources=()), dict(depth=0), dict(budget=0)])
 def test_bad_prefetch_settings(bad):
     with pytest.raises(ValueError, match="prefetch"):
         asyncmoe.Prefetch(**bad)

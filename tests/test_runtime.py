@@ -80,13 +80,15 @@ def test_graph_replay_bf16_within_the_models_own_compile_tolerance(family):
     assert worst <= max(own, 1e-2)
 
 
+@pytest.mark.parametrize("budget", [1, TOP_K])  # the default, and every slot
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
 @torch.no_grad()
-def test_prefetch_changes_nothing_in_the_graph(family):
+def test_prefetch_changes_nothing_in_the_graph(family, budget):
     ref = tiny(family, device="cuda")
     ids = prompts("random", 1).cuda()
     n = ids.shape[1] + 101
-    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=True), 1, n)
+    plan = asyncmoe.Prefetch(budget=budget)
+    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=plan), 1, n)
     off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=False), 1, n)
     on.prefill(ids), off.prefill(ids)
     for _ in range(100):

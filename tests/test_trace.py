@@ -206,9 +206,12 @@ def test_simulate_the_recorded_gate():
     with pytest.raises(ValueError, match="did not record what it predicted"):
         simulate(Trace(demo.ids[:300], 64), cache=16, prefetch=("gate",), compiled=False)
     trace = Trace(demo.ids[:300], 64, gate_ids=demo.gate_ids[:300], gate_probs=demo.gate_probs[:300])
-    plain, gated = (simulate(trace, cache=16, prefetch=p, compiled=False) for p in ((), ("gate",)))
-    assert gated.totals["prefetched_per_token"] > 0 and gated.totals["prefetch_recall"] > 0.05
-    assert gated.totals["misses_per_token"] < 0.8 * plain.totals["misses_per_token"]
+    plain = simulate(trace, cache=16, compiled=False)
+    one, wide = (simulate(trace, cache=16, prefetch=("gate",), budget=b, compiled=False) for b in (1, trace.top_k))
+    assert 0 < one.totals["prefetched_per_token"] <= trace.layers < wide.totals["prefetched_per_token"]
+    assert one.totals["prefetch_recall"] > 0.05
+    assert wide.totals["misses_per_token"] < 0.8 * plain.totals["misses_per_token"]
+    assert wide.totals["misses_per_token"] < one.totals["misses_per_token"] < 0.9 * plain.totals["misses_per_token"]
 
 
 @pytest.mark.slow

@@ -35,14 +35,21 @@ MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be pr
 @dataclass(frozen=True)
 class Prefetch:
     """Prefetch settings. `per_token`: experts each token nominates (default: the model's top-k);
-    `budget`: most experts admitted per target layer per call (default: top-k); `depth`: layers ahead;
+    `budget`: most experts admitted per target layer per call; `depth`: layers ahead;
     `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block,
-    which floods the SMs the compute needs)."""
+    which floods the SMs the compute needs).
+
+    Why a budget of one expert: a layer's prefetch has one layer's compute to hide behind, and the
+    next layer's own misses queue behind whatever it copies. On the H200 at batch 1 one OLMoE expert
+    (12.6 MB, 0.25 ms at 51 GB/s) about fills one layer's compute (0.26 ms). Replaying the embedded
+    model's recorded routing and gate at the OLMoE shape (docs/results/2026-11-30, sixth session),
+    budgets 1 / 2 / top-k (8) gave 16.2 / 17.3 / 19.0 ms/token at cache 16 against 17.6 without
+    prefetch, and 9.05 / 9.63 / 9.90 against 9.48 at cache 32."""
 
     sources: tuple[str, ...] = SOURCES
     depth: int = 1
     per_token: int | None = None
-    budget: int | None = None
+    budget: int = 1
     copy_programs: int | None = 32
 
     def __post_init__(self):
@@ -51,6 +58,8 @@ class Prefetch:
             raise ValueError(f"prefetch sources must be a non-empty subset of {SOURCES}, got {self.sources}")
         if self.depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
+        if self.budget < 1:
+            raise ValueError(f"prefetch budget must be >= 1 (experts per layer per call), got {self.budget}")
         if self.copy_programs is not None and self.copy_programs < 1:
             raise ValueError(f"prefetch copy_programs must be >= 1 or None, got {self.copy_programs}")
 

@@ -108,7 +108,7 @@ def simulate(
     cache: int,
     policy: str = "lfru",
     prefetch: tuple[str, ...] = (),
-    budget: int | None = None,
+    budget: int = predictors.Prefetch.budget,
     expert_bytes: int = 0,
     compiled: bool = True,
 ) -> Simulation:
@@ -122,7 +122,7 @@ def simulate(
     if not trace.top_k <= cache:
         raise ValueError(f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}")
     E, L = trace.num_experts, trace.layers
-    budget = min(budget or trace.top_k, cache)
+    budget = min(budget, cache)
     caches = [ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy) for _ in range(L)]
     transitions = [torch.zeros(E, E) for _ in range(L)]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
