@@ -100,7 +100,8 @@ def generate(args) -> int:
         print(tokenizer.decode(text)[len(before) :], end="", flush=True)
 
     print(tokenizer.decode(text), end="", flush=True)
-    with asyncmoe.record(model) if args.record_trace else contextlib.nullcontext() as recorder:
+    # with the gate's nominations: `asyncmoe simulate --prefetch gate` and a replay's gate predictor need them
+    with asyncmoe.record(model, gate=True) if args.record_trace else contextlib.nullcontext() as recorder:
         if recorder:
             recorder.new_sequence()
         out = dec.generate(
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--record-trace", default=None, help="write the routing of this run to an .npz trace (eager decode)")
+    g.add_argument("--record-trace", default=None, help="write the routing of this run, and what the gate predictor "
+                   "predicted, to an .npz trace (eager decode)")
     g.set_defaults(fn=generate)
     s = sub.add_parser("simulate", help="replay a routing trace through the cache on the CPU; print hit rates and the Belady bound")
     s.add_argument("trace", help=".npz routing trace (docs/traces.md)")

@@ -31,6 +31,7 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
 
     trace = Trace.load(tmp_path / "run.npz")  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
     assert trace.ids.shape == (10, 2, 2) and trace.starts.tolist() == [0]
+    assert trace.gate_ids.shape == (10, 2, 2) and (trace.gate_ids[:, 0] == -1).all() and (trace.gate_ids[:, 1] >= 0).all()
     loaded, text, *rest = capsys.readouterr().out.split("\n")
     assert "routing trace of 10 tokens x 2 MoE layers" in "\n".join(rest)
     assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens" in "\n".join(rest)
