@@ -119,12 +119,14 @@ def generate(args) -> int:
 
 def simulate(args) -> int:
     """Replay a routing trace through the runtime's cache and predictor code on the CPU, beside the Belady bound."""
+    from .predict.predictors import Prefetch
     from .trace import Trace
     from .trace.simulate import simulate as run
 
     torch.set_num_threads(1)
     prefetch = tuple(p for p in args.prefetch.split("+") if p and p != "off")
-    result = run(Trace.load(args.trace), args.cache, args.policy, prefetch, args.budget, args.expert_bytes, not args.no_compile)
+    budget = Prefetch.budget if args.budget is None else args.budget
+    result = run(Trace.load(args.trace), args.cache, args.policy, prefetch, budget, args.expert_bytes, not args.no_compile)
     print(result.to_json() if args.json else result)
     return 0
 
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
     s.add_argument("--prefetch", default="off", help="off, or predictors joined by +: temporal, transition, and gate "
                    "where the trace recorded its nominations (asyncmoe.record(model, gate=True))")
-    s.add_argument("--budget", type=int, default=1, help="experts prefetched per layer per token (asyncmoe.Prefetch's default)")
+    s.add_argument("--budget", type=int, default=None, help="experts prefetched per layer per token (default: asyncmoe.Prefetch's)")
     s.add_argument("--expert-bytes", type=int, default=0, help="bytes of one expert, for bytes per token")
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower; no compile wait on short traces)")

@@ -205,6 +205,8 @@ def test_simulate_the_recorded_gate():
     demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
     with pytest.raises(ValueError, match="did not record what it predicted"):
         simulate(Trace(demo.ids[:300], 64), cache=16, prefetch=("gate",), compiled=False)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        simulate(Trace(demo.ids[:300], 64), cache=16, prefetch=("temporal",), budget=0, compiled=False)
     trace = Trace(demo.ids[:300], 64, gate_ids=demo.gate_ids[:300], gate_probs=demo.gate_probs[:300])
     plain = simulate(trace, cache=16, compiled=False)
     one, wide = (simulate(trace, cache=16, prefetch=("gate",), budget=b, compiled=False) for b in (1, trace.top_k))

@@ -119,6 +119,8 @@ def simulate(
     unknown = set(prefetch) - set(SIMULABLE)
     if unknown:
         raise ValueError(f"unknown predictors {sorted(unknown)}; simulable: {', '.join(SIMULABLE)}")
+    if budget < 1:
+        raise ValueError(f"prefetch budget must be >= 1 (experts per layer per call), got {budget}")
     if not trace.top_k <= cache:
         raise ValueError(f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}")
     E, L = trace.num_experts, trace.layers
