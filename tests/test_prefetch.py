@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,8 @@ from asyncmoe.predict.predictors import GATE, TEMPORAL, TRANSITION, combine, gat
 
 from asyncmoe.cache.expert_cache import TRANSITION_DECAY
 from asyncmoe.integrations.transformers import find_experts
-from models import FAMILIES, NUM_EXPERTS, tiny
+from asyncmoe.trace import Trace
+from models import FAMILIES, NUM_EXPERTS, TOP_K, tiny
 from test_cache_step import devices
 
 
@@ -27,6 +29,27 @@ def test_prefetch_on_off_identical(family, cache):
         assert torch.equal(on(ids).logits, off(ids).logits)
     assert asyncmoe.stats(on).totals["prefetched"] > 0
     assert asyncmoe.stats(off).totals["prefetched"] == 0
+
+
+@torch.no_grad()
+def test_budget_caps_what_a_layer_admits_per_call():
+    """A gate that is always right about the second layer, on routing that needs a new pair of experts every
+    token: it admits exactly `budget` experts per call (default one: more do not fit one layer's compute on
+    the GPU, docs/results/2026-11-30), and each one saves a miss."""
+    calls = 20
+    ids = np.array([[[(TOP_K * t + j) % NUM_EXPERTS for j in range(TOP_K)]] * 2 for t in range(calls)])  # [N, L, k]
+    gate_ids = np.where(np.arange(2)[None, :, None] == 0, -1, ids)  # no gate predicts the first layer
+    gate_probs = np.tile(np.linspace(0.6, 0.4, TOP_K, dtype=np.float32), (calls, 2, 1))
+    trace = Trace(ids, NUM_EXPERTS, gate_ids=gate_ids, gate_probs=gate_probs)
+    ref = tiny("olmoe")
+    assert asyncmoe.Prefetch().budget == 1
+    for budget in (1, TOP_K):
+        model = asyncmoe.compile(copy.deepcopy(ref), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",), budget=budget))
+        for t in range(calls):
+            model(torch.tensor([[t + 1]]))
+        first, second = asyncmoe.stats(model).layers
+        assert (first.prefetched, first.misses) == (0, TOP_K * calls)
+        assert (second.prefetched, second.misses) == (budget * calls, (TOP_K - budget) * calls)
 
 
 @pytest.mark.parametrize("device", devices())
