@@ -10,6 +10,7 @@ scripts/train_demo_model.py (the same hash rule; the files come from the running
   entropy     entropy of the expert load over log E (random: ~1.0)
   gate recall share of layer l+1's k experts found in the top-k of layer l+1's router applied to
               layer l's MoE input, the runtime's `gate` predictor (random: k/E)
+and, pooled over layers, the same with layer l+d's router for d = 1, 2, 3: how far ahead the gate sees.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import transformers
 
 import asyncmoe
+from asyncmoe.integrations.transformers import find_experts, find_router
+from asyncmoe.predict.predictors import gate_top
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from train_demo_model import corpus_files, encode, split  # noqa: E402
@@ -44,10 +47,16 @@ def main():
     batch = data[: n * args.seq].view(n, args.seq)
 
     k = model.config.num_experts_per_tok
+    experts = find_experts(model)
+    inputs = [[] for _ in experts]  # each MoE layer's input [T, H], to score the gate further ahead than the runtime does
+    hooks = [m.register_forward_pre_hook(lambda _, a, l=l: inputs[l].append(a[0].reshape(-1, a[0].shape[-1])))
+             for l, (_, m) in enumerate(experts)]
     with torch.no_grad(), asyncmoe.record(model, gate=True) as rec:  # gate: layer l's router on layer l-1's MoE input
         for row in batch:
             rec.new_sequence()
             model(row[None])
+    for h in hooks:
+        h.remove()
     trace = rec.trace
     if args.trace:
         trace.save(args.trace)
@@ -73,6 +82,17 @@ def main():
         print(f"| {l} | {reuse:.1%} | {top:.1%} | {entropy:.3f} | {'-' if l == 0 else f'{recall:.1%}'} |")
     mean = [sum(r[i] for r in rows if not math.isnan(r[i])) / sum(not math.isnan(r[i]) for r in rows) for i in range(4)]
     print(f"| mean | {mean[0]:.1%} | {mean[1]:.1%} | {mean[2]:.3f} | {mean[3]:.1%} |")
+
+    # how far ahead the gate sees: layer l's router on layer l-d's MoE input, against layer l's routing
+    routers = [find_router(model, name, m) for name, m in experts]
+    x = [torch.cat(i) for i in inputs]
+    print("\n| gate d layers ahead | recall of the k routed experts | its likeliest guess routed |\n|---|---|---|")
+    for d in (1, 2, 3):
+        hits = torch.cat([
+            (gate_top(x[l - d], *routers[l], k).indices[:, :, None] == ids.flatten(0, 1)[:, l, None, :]).any(-1).float()
+            for l in range(d, trace.layers)
+        ])  # [T * (L - d), k]
+        print(f"| {d} | {hits.mean().item():.1%} | {hits[:, 0].mean().item():.1%} |")
 
 
 if __name__ == "__main__":
