@@ -29,6 +29,14 @@ import sys
 HERE = pathlib.Path(__file__).parent
 
 
+def compared(row: dict) -> list[tuple[str, str]]:
+    """(baseline, column) pairs a row gets a speedup over: asyncmoe's over accelerate and the seed, the seed's
+    over accelerate. Accelerate has no cache of its own, so the rows of every cache smaller than the experts
+    compare with its one run (with every expert in a slot nothing is offloaded); the seed's at the same cache."""
+    bases = {"unmodified": [], "accelerate": [], "seed": ["accelerate"]}.get(row["system"], ["accelerate", "seed"])
+    return [(base, f"speedup_vs_{base}") for base in bases if base != "accelerate" or row["cache"] < row["experts"]]
+
+
 def rows(data: dict) -> list[dict]:
     """One row per decode case with the derived columns; groups share shape, routing and batch."""
     cases = [dict(b["extra_info"], spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"])
@@ -44,9 +52,9 @@ def rows(data: dict) -> list[dict]:
             if "belady_bytes_per_token" in c:
                 c["belady_floor_ms"] = max(resident, c["belady_bytes_per_token"] / (bw * 1e6))
             c["limit_ratio"] = c["ms_per_token"] / c.get("belady_floor_ms", c["floor_ms"])
-        for base, key in (("accelerate", "speedup_vs_accelerate"), ("seed", "speedup_vs_seed")):
-            other = next((d for d in group if d["system"] == base and d["cache"] == c["cache"]), None)
-            if other and c["system"] != base:
+        for base, key in compared(c):
+            other = next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == c["cache"])), None)
+            if other:
                 c[key] = other["ms_per_token"] / c["ms_per_token"]
                 if base == "seed" and "belady_floor_ms" in c:
                     c["seed_over_belady"] = other["ms_per_token"] / c["belady_floor_ms"]
@@ -100,11 +108,11 @@ def prefill_rows(data: dict) -> list[dict]:
     cases = [b["extra_info"] for b in data["benchmarks"] if "prompt" in b["extra_info"]]
     out = []
     for c in cases:
-        group = [d for d in cases if (d["shape"], d["routing"], d["prompt"], d["cache"]) == (c["shape"], c["routing"], c["prompt"], c["cache"])]
+        group = [d for d in cases if (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])]
         c = dict(c)
-        for base, key in (("accelerate", "speedup_vs_accelerate"), ("seed", "speedup_vs_seed")):
-            other = next((d for d in group if d["system"] == base), None)
-            if other and c["system"] != base:
+        for base, key in compared(c):
+            other = next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == c["cache"])), None)
+            if other:
                 c[key] = other["ms_per_prefill"] / c["ms_per_prefill"]
         resident = next((d["ms_per_prefill"] for d in cases if d["system"] == "unmodified"
                          and (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])), None)

@@ -97,3 +97,25 @@ def test_coverage_of_the_full_profile():
                  if (s, r, sys) == ("olmoe-1b-7b", "trace", "seed") and suite.slots(s, f) < min(64, 8 * b))
     assert f"| olmoe-1b-7b | trace | 2 of {total} |" in table
     assert "| qwen3-30b-a3b | router | 0 of " in table
+
+
+def test_every_cache_compares_with_the_one_accelerate_run():
+    """Accelerate has no cache of its own: the suite runs it once per case and every cache's rows compare with it;
+    the seed at the same cache; with every expert in a slot, nothing is offloaded to compare with accelerate."""
+    import test_latency as suite
+
+    accelerate = [c for c in suite.decode_cases(suite.FULL) if c[2] == "accelerate"]
+    assert accelerate and {c[3] for c in accelerate} == {suite.ACCELERATE_AT}
+
+    def case(system, cache, ms):
+        info = dict(shape="olmoe-1b-7b", routing="trace", system=system, cache=cache, experts=64, batch=1, steps=32,
+                    ms_per_token=ms, device="gpu", dtype="bf16", tokens_agree=33, host_bytes=0)
+        return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+
+    data = {"benchmarks": [case("unmodified", 64, 4.0), case("accelerate", 16, 2000.0), case("seed", 16, 50.0),
+                           case("seed", 32, 25.0), case("asyncmoe-graph", 16, 20.0), case("asyncmoe-graph", 32, 10.0),
+                           case("seed", 64, 16.0), case("asyncmoe-graph", 64, 4.0)]}
+    got = {(r["system"], r["cache"]): (r.get("speedup_vs_accelerate"), r.get("speedup_vs_seed")) for r in report.rows(data)}
+    assert got == {("unmodified", 64): (None, None), ("accelerate", 16): (None, None), ("seed", 16): (40.0, None),
+                   ("seed", 32): (80.0, None), ("asyncmoe-graph", 16): (100.0, 2.5), ("asyncmoe-graph", 32): (200.0, 2.5),
+                   ("seed", 64): (None, None), ("asyncmoe-graph", 64): (None, 4.0)}  # all resident: nothing offloaded
