@@ -116,8 +116,8 @@ def main():
 
     rows = run(base, "unmodified")
     resident_ms = rows[0]["ms_per_token"]
+    gateless = args.replay is not None and Trace.load(args.replay).gate_ids is None
     for cache in args.caches:
-        gateless = args.replay is not None and Trace.load(args.replay).gate_ids is None
         source_sets = args.sources or ["temporal+transition" if gateless else "+".join(asyncmoe.Prefetch().sources)]
         plans = [asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b, copy_programs=c or None)
                  for s in source_sets for b in args.budgets for c in args.copy_programs] if cache < experts else []

@@ -29,12 +29,15 @@ import sys
 HERE = pathlib.Path(__file__).parent
 
 
-def compared(row: dict) -> list[tuple[str, str]]:
-    """(baseline, column) pairs a row gets a speedup over: asyncmoe's over accelerate and the seed, the seed's
-    over accelerate. Accelerate has no cache of its own, so the rows of every cache smaller than the experts
-    compare with its one run (with every expert in a slot nothing is offloaded); the seed's at the same cache."""
+def baselines(row: dict, group: list[dict]) -> list[tuple[str, dict]]:
+    """The (system, case) a row gets a speedup over, from its group: asyncmoe's over accelerate and the seed,
+    the seed's over accelerate. Accelerate has no cache of its own, so the rows of every cache smaller than
+    the experts compare with its one run (with every expert in a slot nothing is offloaded); the seed at the
+    same cache."""
     bases = {"unmodified": [], "accelerate": [], "seed": ["accelerate"]}.get(row["system"], ["accelerate", "seed"])
-    return [(base, f"speedup_vs_{base}") for base in bases if base != "accelerate" or row["cache"] < row["experts"]]
+    found = [(base, next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == row["cache"])), None))
+             for base in bases if base != "accelerate" or row["cache"] < row["experts"]]
+    return [(base, other) for base, other in found if other]
 
 
 def rows(data: dict) -> list[dict]:
@@ -52,12 +55,10 @@ def rows(data: dict) -> list[dict]:
             if "belady_bytes_per_token" in c:
                 c["belady_floor_ms"] = max(resident, c["belady_bytes_per_token"] / (bw * 1e6))
             c["limit_ratio"] = c["ms_per_token"] / c.get("belady_floor_ms", c["floor_ms"])
-        for base, key in compared(c):
-            other = next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == c["cache"])), None)
-            if other:
-                c[key] = other["ms_per_token"] / c["ms_per_token"]
-                if base == "seed" and "belady_floor_ms" in c:
-                    c["seed_over_belady"] = other["ms_per_token"] / c["belady_floor_ms"]
+        for base, other in baselines(c, group):
+            c[f"speedup_vs_{base}"] = other["ms_per_token"] / c["ms_per_token"]
+            if base == "seed" and "belady_floor_ms" in c:
+                c["seed_over_belady"] = other["ms_per_token"] / c["belady_floor_ms"]
         out.append(c)
     return sorted(out, key=lambda r: (r["shape"], r["routing"], r["batch"], -r["cache"], r["system"]))
 
@@ -110,10 +111,8 @@ def prefill_rows(data: dict) -> list[dict]:
     for c in cases:
         group = [d for d in cases if (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])]
         c = dict(c)
-        for base, key in compared(c):
-            other = next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == c["cache"])), None)
-            if other:
-                c[key] = other["ms_per_prefill"] / c["ms_per_prefill"]
+        for base, other in baselines(c, group):
+            c[f"speedup_vs_{base}"] = other["ms_per_prefill"] / c["ms_per_prefill"]
         resident = next((d["ms_per_prefill"] for d in cases if d["system"] == "unmodified"
                          and (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])), None)
         if resident and "bytes_per_prefill" in c and c.get("h2d_GB_per_s"):

@@ -138,10 +138,10 @@ class TokenwisePrefill(asyncmoe.Decoder):
 PROMPT = 16
 
 
-def prompt(shape: str, batch: int, seed: int | None = None) -> torch.Tensor:
+def prompt(shape: str, batch: int, length: int = PROMPT, seed: int | None = None) -> torch.Tensor:
     vocab = SHAPES[shape][1]["vocab_size"]
     g = torch.Generator().manual_seed(batch if seed is None else seed)
-    return torch.randint(1, vocab, (batch, PROMPT), generator=g).to(DEVICE)
+    return torch.randint(1, vocab, (batch, length), generator=g).to(DEVICE)
 
 
 @functools.cache
@@ -181,16 +181,11 @@ def reference_tokens(shape: str, routing: str, batch: int, steps: int) -> torch.
     return dec.generate(prompt(shape, batch), steps + 1).tokens.cpu()
 
 
-def prefill_prompt(shape: str, n: int) -> torch.Tensor:
-    vocab = SHAPES[shape][1]["vocab_size"]
-    return torch.randint(1, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(DEVICE)
-
-
 @functools.cache
 def reference_first(shape: str, routing: str, n: int) -> torch.Tensor:
     """The unmodified model's first new token after the `n`-token prompt: built once per prompt, before the
     system's model (a DeepSeek-V2-Lite build is ~30 s; per case it was a third of a prefill-2048 device call)."""
-    return asyncmoe.Decoder(make("unmodified", shape, routing, 0), 1, n + 1, graph=False).prefill(prefill_prompt(shape, n)).cpu()
+    return asyncmoe.Decoder(make("unmodified", shape, routing, 0), 1, n + 1, graph=False).prefill(prompt(shape, 1, n, seed=n)).cpu()
 
 
 @functools.cache
@@ -292,7 +287,7 @@ def test_prefill(benchmark, prefill_case, request):
     want = reference_first(shape, routing, n)
     model = make(system, shape, routing, cache)
     dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, 1, n + 1, graph=False)
-    ids = prefill_prompt(shape, n)
+    ids = prompt(shape, 1, n, seed=n)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
     cached = system.startswith("asyncmoe") and cache < experts
 

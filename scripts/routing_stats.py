@@ -24,7 +24,6 @@ import torch
 import transformers
 
 import asyncmoe
-from asyncmoe.integrations.transformers import find_experts, find_router
 from asyncmoe.predict.predictors import gate_top
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -47,11 +46,11 @@ def main():
     batch = data[: n * args.seq].view(n, args.seq)
 
     k = model.config.num_experts_per_tok
-    experts = find_experts(model)
-    inputs = [[] for _ in experts]  # each MoE layer's input [T, H], to score the gate further ahead than the runtime does
-    hooks = [m.register_forward_pre_hook(lambda _, a, l=l: inputs[l].append(a[0].reshape(-1, a[0].shape[-1])))
-             for l, (_, m) in enumerate(experts)]
-    with torch.no_grad(), asyncmoe.record(model, gate=True) as rec:  # gate: layer l's router on layer l-1's MoE input
+    rec = asyncmoe.record(model, gate=True)  # gate: layer l's router on layer l-1's MoE input
+    inputs = [[] for _ in rec.experts]  # each MoE layer's input [T, H], to score the gate further ahead than the runtime does
+    hooks = [m.register_forward_pre_hook(lambda _, a, kw, l=l: inputs[l].append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
+             for l, m in enumerate(rec.experts)]
+    with torch.no_grad(), rec:
         for row in batch:
             rec.new_sequence()
             model(row[None])
@@ -84,12 +83,11 @@ def main():
     print(f"| mean | {mean[0]:.1%} | {mean[1]:.1%} | {mean[2]:.3f} | {mean[3]:.1%} |")
 
     # how far ahead the gate sees: layer l's router on layer l-d's MoE input, against layer l's routing
-    routers = [find_router(model, name, m) for name, m in experts]
     x = [torch.cat(i) for i in inputs]
     print("\n| gate d layers ahead | recall of the k routed experts | its likeliest guess routed |\n|---|---|---|")
     for d in (1, 2, 3):
         hits = torch.cat([
-            (gate_top(x[l - d], *routers[l], k).indices[:, :, None] == ids.flatten(0, 1)[:, l, None, :]).any(-1).float()
+            (gate_top(x[l - d], *rec.routers[l], k).indices[:, :, None] == ids.flatten(0, 1)[:, l, None, :]).any(-1).float()
             for l in range(d, trace.layers)
         ])  # [T * (L - d), k]
         print(f"| {d} | {hits.mean().item():.1%} | {hits[:, 0].mean().item():.1%} |")
