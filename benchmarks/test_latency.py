@@ -9,7 +9,8 @@ Systems (issue 5): `unmodified` the transformers model fully resident (CUDA grap
 host-side LRU (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and
 `asyncmoe-graph-prefetch` (GPU only). Each case decodes `steps` greedy tokens after the same prompt;
 pytest-benchmark times the decode (prefill excluded), and `extra_info` holds tokens/s, hit rate,
-prefetch recall and bytes moved per token. In fp32 (the CPU profile) every system's tokens must
+prefetch recall, bytes moved per token and `setup_s`, the seconds the case's model took to build and install
+(near 0 where the last case's model was reused: `make`). In fp32 (the CPU profile) every system's tokens must
 equal the unmodified model's; in bf16 the agreement is recorded, not asserted (logits are close,
 not bit-equal, so a near-tie may go either way).
 
@@ -27,12 +28,14 @@ import functools
 import gc
 import pathlib
 import statistics
+import time
 
 import pytest
 import torch
 
 import asyncmoe
-from asyncmoe.integrations.transformers import find_experts, replay_routing, rewind_replay
+from asyncmoe.integrations.transformers import PROVIDER, find_experts, replay_routing, rewind_replay
+from asyncmoe.providers import CachedProvider
 from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 from baselines import accelerate_offload, seed_lru
@@ -103,9 +106,9 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("prefill_case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"prompt{n}"]) for s, r, sys, f, n in cases])
 
 
-def build(system: str, shape: str, cache: int) -> torch.nn.Module:
-    """A fresh model per case, the same weights every time: one at a time in memory. The last case's model
-    is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B shape a run was
+def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
+    """A fresh model of `kind` (a system, or `model_key`'s kind), the same weights every time: one at a time in
+    memory. The last model is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B shape a run was
     SIGKILLed after the accelerate case, most likely for host memory: its 57 GB of host experts, if
     still waiting for the cycle collector, and the seed's 57 GB of pinned ones exceed the 125 GB GPU
     host (docs/results/2026-11-30). The seed's experts are pinned with `pin_memory()`, whose caching host
@@ -117,13 +120,13 @@ def build(system: str, shape: str, cache: int) -> torch.nn.Module:
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()  # torch has no public name for it (2.11)
     model = random_model(shape, DTYPE, DEVICE)
-    if system == "unmodified":
+    if kind == "unmodified":
         return model
-    if system == "accelerate":
+    if kind == "accelerate":
         return accelerate_offload.install(model, DEVICE)
-    if system == "seed":
+    if kind == "seed":
         return seed_lru.install(model, cache, DEVICE)
-    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=system.endswith("prefetch"))
+    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=kind.endswith("prefetch"))
 
 
 class TokenwisePrefill(asyncmoe.Decoder):
@@ -168,24 +171,62 @@ def belady_misses_per_step(shape: str, batch: int, cache: int) -> float:
     return sum(belady_misses(step_ids[:, l], cache) for l in range(trace.layers)) / trace.layers / steps
 
 
-def make(system: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
-    model = build(system, shape, cache)
+def model_key(case: tuple) -> tuple:
+    """What a case's model is built from: (kind, shape, routing, cache slots). asyncmoe's eager and graph systems
+    run one model; the unmodified model and accelerate have no cache. Cases of one key share a build (`make`)
+    and run one after another (conftest.py orders them so)."""
+    shape, routing, system, fraction, _ = case
+    kind = "asyncmoe-prefetch" if system.endswith("prefetch") else "asyncmoe" if system.startswith("asyncmoe") else system
+    return kind, shape, routing, 0 if kind in ("unmodified", "accelerate") else slots(shape, fraction)
+
+
+_held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key
+
+
+def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
+    """The model of `model_key`: built when the key changes, else the last one with its caches emptied and its
+    trace rewound, so a case starts as on a fresh build (a build is 10-60 s at these shapes, most of a case)."""
+    key = (kind, shape, routing, cache)
+    if key in _held:
+        gc.collect()  # the last case's Decoder, graph and KV cache, before the peak memory is reset
+        model = _held[key]
+        for _, m in find_experts(model):
+            if isinstance(getattr(m, PROVIDER, None), CachedProvider):
+                getattr(m, PROVIDER).cache.clear()
+        if kind == "seed":
+            seed_lru.clear(model)
+        rewind_replay(model)
+        return model
+    _held.clear()  # one model in memory at a time
+    model = build(kind, shape, cache)
     if routing == "trace":
         replay_routing(model, trace_for(shape), DEVICE)
+    _held[key] = model
     return model
 
 
 @functools.cache
-def reference_tokens(shape: str, routing: str, batch: int, steps: int) -> torch.Tensor:
-    dec = asyncmoe.Decoder(make("unmodified", shape, routing, 0), batch, PROMPT + steps + 1, graph=False)
-    return dec.generate(prompt(shape, batch), steps + 1).tokens.cpu()
+def references(shape: str, routing: str, batches: tuple[int, ...], prompts: tuple[int, ...], steps: int):
+    """The unmodified model's greedy tokens after each batch's prompt, {batch: [B, PROMPT + steps + 1]}, and its
+    first new token after each long prompt, {n: [1]}: one build for every case of (shape, routing) in this run
+    (the unmodified system's cases then run on the same model)."""
+    model = make("unmodified", shape, routing, 0)
+    tokens, first = {}, {}
+    for b in batches:
+        rewind_replay(model)
+        tokens[b] = asyncmoe.Decoder(model, b, PROMPT + steps + 1, graph=False).generate(prompt(shape, b), steps + 1).tokens.cpu()
+    for n in prompts:
+        rewind_replay(model)
+        first[n] = asyncmoe.Decoder(model, 1, n + 1, graph=False).prefill(prompt(shape, 1, n, seed=n)).cpu()
+    return tokens, first
 
 
-@functools.cache
-def reference_first(shape: str, routing: str, n: int) -> torch.Tensor:
-    """The unmodified model's first new token after the `n`-token prompt: built once per prompt, before the
-    system's model (a DeepSeek-V2-Lite build is ~30 s; per case it was a third of a prefill-2048 device call)."""
-    return asyncmoe.Decoder(make("unmodified", shape, routing, 0), 1, n + 1, graph=False).prefill(prompt(shape, 1, n, seed=n)).cpu()
+def reference(request, shape: str, routing: str) -> tuple[dict, dict]:
+    """`references` for the batches and prompts of this run's selected cases of (shape, routing)."""
+    params = [item.callspec.params for item in request.session.items if hasattr(item, "callspec")]
+    batches = sorted({p["case"][4] for p in params if p.get("case", ())[:2] == (shape, routing)})
+    prompts = sorted({p["prefill_case"][4] for p in params if p.get("prefill_case", ())[:2] == (shape, routing)})
+    return references(shape, routing, tuple(batches), tuple(prompts), profile(request.config)["steps"])
 
 
 @functools.cache
@@ -225,8 +266,10 @@ def test_decode(benchmark, case, request):
         pytest.skip(f"the seed raises when a call routes to more distinct experts than its {cache} slots ({one_step} possible)")
     if system == "accelerate":  # every step moves every expert over PCIe from pageable memory: seconds per token
         p = dict(p, steps=min(p["steps"], 4), rounds=2)
-    want = reference_tokens(shape, routing, batch, p["steps"])
-    model = make(system, shape, routing, cache)
+    want = reference(request, shape, routing)[0][batch][:, : PROMPT + p["steps"] + 1]
+    start = time.perf_counter()
+    model = make(*model_key(case))
+    setup_s = time.perf_counter() - start
     if CUDA:  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -256,7 +299,8 @@ def test_decode(benchmark, case, request):
     agree = (tokens == want).all(0).cumprod(0).sum().item() - PROMPT
     info = dict(shape=shape, routing=routing, system=system, cache=cache, experts=experts, batch=batch,
                 steps=p["steps"], device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
-                ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / p["steps"], tokens_agree=agree)
+                ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / p["steps"], tokens_agree=agree,
+                setup_s=setup_s)
     if CUDA:
         info.update(h2d_GB_per_s=h2d_bandwidth(), peak_gpu_bytes=torch.cuda.max_memory_allocated())
     info["host_bytes"] = host_bytes(system, model)
@@ -284,8 +328,10 @@ def test_prefill(benchmark, prefill_case, request):
         pytest.skip(f"{system} needs a CUDA GPU")
     experts, k = routing_shape(shape)
     cache = slots(shape, fraction)
-    want = reference_first(shape, routing, n)
-    model = make(system, shape, routing, cache)
+    want = reference(request, shape, routing)[1][n]
+    start = time.perf_counter()
+    model = make(*model_key(prefill_case))
+    setup_s = time.perf_counter() - start
     dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, 1, n + 1, graph=False)
     ids = prompt(shape, 1, n, seed=n)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
@@ -312,7 +358,7 @@ def test_prefill(benchmark, prefill_case, request):
     benchmark.extra_info.update(
         shape=shape, routing=routing, system=system, cache=cache, experts=experts, prompt=n, ms_per_prefill=ms,
         tokens_per_s=n / ms * 1e3, device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
-        first_token_agrees=bool(torch.equal(first.cpu(), want)),
+        first_token_agrees=bool(torch.equal(first.cpu(), want)), setup_s=setup_s,
     )
     if CUDA:
         benchmark.extra_info["h2d_GB_per_s"] = h2d_bandwidth()
@@ -321,3 +367,21 @@ def test_prefill(benchmark, prefill_case, request):
         assert bytes_moved > 0  # a prompt routes to more experts than the cache holds: it must copy
     if DTYPE == torch.float32:
         assert torch.equal(first.cpu(), want), f"{system}: the first new token differs from the unmodified model's"
+
+
+@pytest.mark.parametrize("kind", ["asyncmoe-prefetch", "seed"])
+def test_a_reused_model_starts_as_built(kind):
+    """Cases of one `model_key` share a build: the second gets the same model, emptied and rewound, and its
+    decode copies what the first's did (a warm cache would copy less)."""
+
+    def run():
+        model = make(kind, "tiny", "trace", 4)
+        decoder = TokenwisePrefill if kind == "seed" else asyncmoe.Decoder
+        decoder(model, 1, PROMPT + 9, graph=False).generate(prompt("tiny", 1), 8)
+        if kind == "seed":
+            return model, [(seed_lru.provider(m).hits, seed_lru.provider(m).misses) for _, m in find_experts(model)]
+        return model, [(layer.hits, layer.misses, layer.prefetched) for layer in asyncmoe.stats(model).layers]
+
+    (first, fresh), (second, reused) = run(), run()
+    assert second is first
+    assert reused == fresh and all(misses > 0 for _, misses, *_ in fresh)

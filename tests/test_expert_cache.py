@@ -115,3 +115,19 @@ def test_waves_serve_resident_experts_first():
                 assert torch.equal(ids[slots >= 0].sort().values, torch.tensor([9, 10, 11]))
         got = cache.counters - before
         assert (got[HITS].item(), got[MISSES].item()) == ((0, 12) if call == 0 else (3, 9))
+
+
+def test_clear_returns_the_cache_as_built():
+    """After `clear`, every buffer but the weights equals a fresh cache's, and the same calls count the same."""
+    calls = [torch.tensor([[0, 1], [1, 2]]), torch.tensor([[3, 4]]), torch.tensor([[0, 5]])]
+    used, fresh = make_cache(E=8, C=4, policy="lfru"), make_cache(E=8, C=4, policy="lfru")
+    for ids in calls:
+        ops.ensure(used, ids, 0)
+    used.clear()
+    weights = {f"{kind}_{n}" for n in used.names for kind in ("host", "slot")}
+    for name, buf in fresh.named_buffers():
+        if name not in weights:
+            assert torch.equal(getattr(used, name), buf), name
+    for ids in calls:
+        assert torch.equal(ops.ensure(used, ids, 0), ops.ensure(fresh, ids, 0))
+    assert torch.equal(used.counters, fresh.counters)

@@ -123,6 +123,15 @@ class ExpertCache(nn.Module):
         """What the ops mutate besides tables, counters and slots: the slot state, the call's waves and the kernel's scratch."""
         return [*self.slot_state, self.wave_of, self.scratch]
 
+    def clear(self) -> None:
+        """Back to the cache as built: no expert resident, no policy, predictor or counter history. In place,
+        so a captured graph's addresses stay valid. Slot weights are left as they are: no table points at them.
+        A benchmark that reuses one model for several cases clears it so each starts as a fresh build would."""
+        weights = {f"{kind}_{n}" for n in self.names for kind in ("host", "slot")}
+        for name, buf in self.named_buffers(recurse=False):
+            if name not in weights:
+                buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "wave_of") else 0)
+
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, f"slot_{n}") for n in self.names}
 

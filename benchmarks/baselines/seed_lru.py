@@ -81,6 +81,16 @@ def reset(model: torch.nn.Module) -> None:
         provider(m).hits = provider(m).misses = 0
 
 
+def clear(model: torch.nn.Module) -> None:
+    """Every layer's cache as installed, nothing resident: a reused model starts a case as a fresh build would."""
+    for _, m in find_experts(model):
+        p = provider(m)
+        p.lru.clear()
+        p.free = list(range(p.num_slots))
+        p.slot_of.fill_(-1)
+        p.hits = p.misses = 0
+
+
 def hit_rate(model: torch.nn.Module) -> float:
     providers = [provider(m) for _, m in find_experts(model)]
     hits, misses = sum(p.hits for p in providers), sum(p.misses for p in providers)
