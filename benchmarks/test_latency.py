@@ -185,7 +185,8 @@ _held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key
 
 def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
     """The model of `model_key`: built when the key changes, else the last one with its caches emptied and its
-    trace rewound, so a case starts as on a fresh build (a build is 10-60 s at these shapes, most of a case)."""
+    trace rewound, so a case starts as on a fresh build. A build, mostly moving the experts into host memory,
+    is 5-50 s at these shapes on the H200 (docs/results/2026-11-30, seventh session)."""
     key = (kind, shape, routing, cache)
     if key in _held:
         gc.collect()  # the last case's Decoder, graph and KV cache, before the peak memory is reset
