@@ -9,10 +9,10 @@ Systems (issue 5): `unmodified` the transformers model fully resident (CUDA grap
 host-side LRU (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and
 `asyncmoe-graph-prefetch` (GPU only). Each case decodes `steps` greedy tokens after the same prompt;
 pytest-benchmark times the decode (prefill excluded), and `extra_info` holds tokens/s, hit rate,
-prefetch recall, bytes moved per token and `setup_s`, the seconds the case's model took to build and install
-(near 0 where the last case's model was reused: `make`). In fp32 (the CPU profile) every system's tokens must
-equal the unmodified model's; in bf16 the agreement is recorded, not asserted (logits are close,
-not bit-equal, so a near-tie may go either way).
+prefetch recall, bytes moved per token and `setup_s`, the seconds the case's model took to build and
+install (near 0 where the last case's model was reused: `make`). In fp32 (the CPU profile) every
+system's tokens must equal the unmodified model's; in bf16 the agreement is recorded, not asserted
+(logits are close, not bit-equal, so a near-tie may go either way).
 
 Routing: `router` (the random-weight model's own router, widened so tokens spread) or `trace` (every
 system routes by a recorded trace through the same pre-hook, `replay_routing`: on the GPU the
@@ -108,12 +108,12 @@ def pytest_generate_tests(metafunc):
 
 def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
     """A fresh model of `kind` (a system, or `model_key`'s kind), the same weights every time: one at a time in
-    memory. The last model is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B shape a run was
-    SIGKILLed after the accelerate case, most likely for host memory: its 57 GB of host experts, if
-    still waiting for the cycle collector, and the seed's 57 GB of pinned ones exceed the 125 GB GPU
-    host (docs/results/2026-11-30). The seed's experts are pinned with `pin_memory()`, whose caching host
-    allocator keeps freed blocks (72 GB for Qwen3's 57 GB: it rounds to powers of two) until told to let
-    go: the next Qwen3 case then found 50 of the 54 GiB it pins (docs/results/2026-11-30)."""
+    memory. The last model is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B
+    shape a run was SIGKILLed after the accelerate case, most likely for host memory: its 57 GB of host experts,
+    if still waiting for the cycle collector, and the seed's 57 GB of pinned ones exceed the 125 GB GPU host
+    (docs/results/2026-11-30). The seed's experts are pinned with `pin_memory()`, whose caching host allocator
+    keeps freed blocks (72 GB for Qwen3's 57 GB: it rounds to powers of two) until told to let go: the next
+    Qwen3 case then found 50 of the 54 GiB it pins (docs/results/2026-11-30)."""
     gc.collect()
     if CUDA:
         torch.cuda.synchronize()
@@ -176,7 +176,7 @@ def model_key(case: tuple) -> tuple:
     run one model; the unmodified model and accelerate have no cache. Cases of one key share a build (`make`)
     and run one after another (conftest.py orders them so)."""
     shape, routing, system, fraction, _ = case
-    kind = "asyncmoe-prefetch" if system.endswith("prefetch") else "asyncmoe" if system.startswith("asyncmoe") else system
+    kind = "asyncmoe-prefetch" if system.endswith("prefetch") else ("asyncmoe" if system.startswith("asyncmoe") else system)
     return kind, shape, routing, 0 if kind in ("unmodified", "accelerate") else slots(shape, fraction)
 
 
@@ -192,8 +192,9 @@ def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
         gc.collect()  # the last case's Decoder, graph and KV cache, before the peak memory is reset
         model = _held[key]
         for _, m in find_experts(model):
-            if isinstance(getattr(m, PROVIDER, None), CachedProvider):
-                getattr(m, PROVIDER).cache.clear()
+            provider = getattr(m, PROVIDER, None)
+            if isinstance(provider, CachedProvider):
+                provider.cache.clear()
         if kind == "seed":
             seed_lru.clear(model)
         rewind_replay(model)
