@@ -5,6 +5,7 @@
     python benchmarks/report.py -k "deepseek and b1" --out run1   # the full profile, one part per device call
     python benchmarks/report.py --from-json run1/*.json run2/*.json   # ... then one table of all parts
     python benchmarks/report.py --coverage docs/results/*/bench-*.json  # which of the full profile's cases ran
+    cd benchmarks; pytest $(python report.py --missing ../docs/results/*/bench-*.json | grep qwen3) --benchmark-only  # some of the rest
 
 Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
 with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
@@ -214,27 +215,38 @@ def merge(paths: list[pathlib.Path]) -> dict:
     return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
 
 
-def coverage(runs: list[dict]) -> str:
-    """Markdown: of the full profile's cases (test_latency.FULL), which these runs measured, per shape and routing,
-    and the (batch or prompt, cache) cells with a system missing. The seed's cases below min(E, B*k) slots skip
-    by design (it raises there) and are not counted."""
-    import test_latency as suite  # torch and the suite: only this command needs them
+def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
+    """The full profile's cases (test_latency.FULL), each as (pytest node id, case, measured by one of `runs`).
+    The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out."""
+    import test_latency as suite  # torch and the suite: only these commands need them
     from shapes import routing_shape
 
     done = {(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}")
             for run in runs for e in (b["extra_info"] for b in run["benchmarks"])}
-    todo = [(s, r, system, f, f"b{b}") for s, r, system, f, b in suite.decode_cases(suite.FULL)
-            if not (system == "seed" and suite.slots(s, f) < min(routing_shape(s)[0], b * routing_shape(s)[1]))]
-    todo += [(s, r, system, f, f"prompt{n}") for s, r, system, f, n in suite.prefill_cases(suite.FULL)]
+    cases = [(c, False) for c in suite.decode_cases(suite.FULL)
+             if not (c[2] == "seed" and suite.slots(c[0], c[3]) < min(routing_shape(c[0])[0], c[4] * routing_shape(c[0])[1]))]
+    cases += [(c, True) for c in suite.prefill_cases(suite.FULL)]
+    out = []
+    for (s, r, system, f, n), prefill in cases:
+        size = f"prompt{n}" if prefill else f"b{n}"
+        node = f"test_latency.py::test_{'prefill' if prefill else 'decode'}[{suite.case_id((s, r, system, f, n), prefill)}]"
+        out.append((node, (s, r, system, f, size), (s, r, system, suite.slots(s, f), size) in done))
+    return out
+
+
+def coverage(runs: list[dict]) -> str:
+    """Markdown: of the full profile's cases, which these runs measured, per shape and routing, and the
+    (batch or prompt, cache) cells with a system missing."""
+    cases = profile_cases(runs)
     lines = ["| shape | routing | cases measured | missing (case: cache fractions) |", "|---|---|---|---|"]
-    for shape, routing in dict.fromkeys((s, r) for s, r, *_ in todo):
-        cases = [c for c in todo if c[:2] == (shape, routing)]
-        absent = [(f, case) for s, r, system, f, case in cases if (s, r, system, suite.slots(s, f), case) not in done]
+    for shape, routing in dict.fromkeys(c[:2] for _, c, _ in cases):
+        ours = [(c, measured) for _, c, measured in cases if c[:2] == (shape, routing)]
         missing: dict[str, set] = {}
-        for f, case in absent:
-            missing.setdefault(case, set()).add(f)
-        gaps = "; ".join(f"{case}: {', '.join(f'{f:g}' for f in sorted(fs))}" for case, fs in missing.items())
-        lines.append(f"| {shape} | {routing} | {len(cases) - len(absent)} of {len(cases)} | {gaps} |")
+        for (_, _, _, f, size), measured in ours:
+            if not measured:
+                missing.setdefault(size, set()).add(f)
+        gaps = "; ".join(f"{size}: {', '.join(f'{f:g}' for f in sorted(fs))}" for size, fs in missing.items())
+        lines.append(f"| {shape} | {routing} | {sum(m for _, m in ours)} of {len(ours)} | {gaps} |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,9 +257,14 @@ def main():
     p.add_argument("-k", default=None, help="only the cases pytest -k selects: the full profile needs several device calls")
     p.add_argument("--from-json", nargs="+", type=pathlib.Path, help="merge these runs and write their table and plots")
     p.add_argument("--coverage", nargs="+", type=pathlib.Path, help="print which of the full profile's cases these runs measured")
+    p.add_argument("--missing", nargs="+", type=pathlib.Path, help="print the node ids of the cases these runs did not measure")
     args = p.parse_args()
     if args.coverage:
         print(coverage([json.loads(path.read_text()) for path in args.coverage]), end="")
+        return
+    if args.missing:
+        print("\n".join(node for node, _, measured in profile_cases([json.loads(path.read_text()) for path in args.missing])
+                        if not measured))
         return
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

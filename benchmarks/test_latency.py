@@ -97,13 +97,19 @@ def slots(shape: str, fraction: float) -> int:
     return max(k, round(fraction * experts))
 
 
+def case_id(case: tuple, prefill: bool = False) -> str:
+    """The case's pytest id: `olmoe-1b-7b-trace-seed-cache0.25-b1` (a decode case), `...-prompt512` (prefill)."""
+    shape, routing, system, fraction, size = case
+    return "-".join([shape, routing, system, f"cache{fraction:g}", f"prompt{size}" if prefill else f"b{size}"])
+
+
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
         cases = decode_cases(profile(metafunc.config))
-        metafunc.parametrize("case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"b{b}"]) for s, r, sys, f, b in cases])
+        metafunc.parametrize("case", cases, ids=[case_id(c) for c in cases])
     if "prefill_case" in metafunc.fixturenames:
         cases = prefill_cases(profile(metafunc.config))
-        metafunc.parametrize("prefill_case", cases, ids=["-".join([s, r, sys, f"cache{f:g}", f"prompt{n}"]) for s, r, sys, f, n in cases])
+        metafunc.parametrize("prefill_case", cases, ids=[case_id(c, prefill=True) for c in cases])
 
 
 def build(kind: str, shape: str, cache: int) -> torch.nn.Module:

@@ -97,6 +97,13 @@ def test_coverage_of_the_full_profile():
                  if (s, r, sys) == ("olmoe-1b-7b", "trace", "seed") and suite.slots(s, f) < min(64, 8 * b))
     assert f"| olmoe-1b-7b | trace | 2 of {total} |" in table
     assert "| qwen3-30b-a3b | router | 0 of " in table
+    # --missing: the node ids of the rest (`case_id`, as the suite names its cases)
+    cases = report.profile_cases([run])
+    missing = [node for node, _, measured in cases if not measured]
+    assert len(missing) == len(cases) - 2
+    assert "test_latency.py::test_decode[olmoe-1b-7b-trace-unmodified-cache1-b1]" not in missing
+    assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt2048]" not in missing
+    assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt512]" in missing
 
 
 def test_every_cache_compares_with_the_one_accelerate_run():
