@@ -152,7 +152,8 @@ def markdown(table: list[dict], data: dict) -> str:
                 "x accelerate", "x seed", "first token agrees"]
         lines += ["", "Prefill, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in prefill:
-            cells = [r["shape"], r["routing"], str(r["prompt"]), r["system"], f"{r['cache']}/{r['experts']}",
+            system = r["system"] + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else "")
+            cells = [r["shape"], r["routing"], str(r["prompt"]), system, f"{r['cache']}/{r['experts']}",
                      f(r, "ms_per_prefill", ".1f"), f(r, "tokens_per_s", ".0f"),
                      format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
                      f(r, "h2d_GB_per_s", ".1f"), f(r, "floor_ms", ".1f"), f(r, "limit_ratio", ".2f"), f(r, "speedup_vs_accelerate", ".1f"),
@@ -217,11 +218,16 @@ def merge(paths: list[pathlib.Path]) -> dict:
 
 def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
     """The full profile's cases (test_latency.FULL), each as (pytest node id, case, measured by one of `runs`).
-    The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out."""
+    The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out; its prompts
+    count where fed in as many tokens per call as the suite feeds now (`seed_chunk`)."""
     import test_latency as suite  # torch and the suite: only these commands need them
     from shapes import routing_shape
 
-    done = {(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}")
+    def chunk(system, prompt, tokens_per_call):  # the seed's prompts were fed token by token until it took chunks
+        return tokens_per_call if system == "seed" and prompt else None
+
+    done = {(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}",
+             chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
             for run in runs for e in (b["extra_info"] for b in run["benchmarks"])}
     cases = [(c, False) for c in suite.decode_cases(suite.FULL)
              if not (c[2] == "seed" and suite.slots(c[0], c[3]) < min(routing_shape(c[0])[0], c[4] * routing_shape(c[0])[1]))]
@@ -230,7 +236,9 @@ def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
     for (s, r, system, f, n), prefill in cases:
         size = f"prompt{n}" if prefill else f"b{n}"
         node = f"test_latency.py::test_{'prefill' if prefill else 'decode'}[{suite.case_id((s, r, system, f, n), prefill)}]"
-        out.append((node, (s, r, system, f, size), (s, r, system, suite.slots(s, f), size) in done))
+        slots = suite.slots(s, f)
+        measured = (s, r, system, slots, size, chunk(system, prefill, suite.seed_chunk(s, 1, slots) or n)) in done
+        out.append((node, (s, r, system, f, size), measured))
     return out
 
 

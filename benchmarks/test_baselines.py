@@ -6,7 +6,7 @@ import torch
 import asyncmoe
 from baselines import accelerate_offload
 from shapes import routing_shape
-from test_latency import TokenwisePrefill, build
+from test_latency import ChunkedPrefill, build, seed_chunk
 
 
 def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
@@ -27,13 +27,18 @@ def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
 
 
 @pytest.mark.parametrize("shape", ["tiny", "tiny-deepseek"])
-def test_tokenwise_prefill_lets_the_seed_take_any_prompt(shape):
-    """fp32: the seed's tokens, prompt fed token by token, equal the unmodified model's (in bf16 on the GPU they
-    part early on DeepSeek-V2-Lite, docs/results/2026-11-30: rounding, not a different computation)."""
-    model = build("seed", shape, routing_shape(shape)[1])  # cache = top-k: evicts on nearly every token
+@pytest.mark.parametrize("slots_per_k", [1, 3])
+def test_chunked_prefill_lets_the_seed_take_any_prompt(shape, slots_per_k):
+    """fp32: the seed's tokens, its prompt fed `seed_chunk` tokens per call (1 at cache = top-k, where it evicts on
+    nearly every token; 3 at 3 x top-k), equal the unmodified model's, and no call overflows its slots (it would
+    raise). In bf16 on the GPU its tokens part early on DeepSeek-V2-Lite, docs/results/2026-11-30: rounding."""
+    cache = slots_per_k * routing_shape(shape)[1]
+    assert seed_chunk(shape, 1, cache) == slots_per_k and seed_chunk(shape, 2, cache) == max(1, slots_per_k // 2)
+    assert seed_chunk(shape, 1, routing_shape(shape)[0]) is None  # every expert in a slot: the prompt at once
+    model = build("seed", shape, cache)
     ref = build("unmodified", shape, 16)
     ids = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(0))
-    got = TokenwisePrefill(model, 1, 20, graph=False).generate(ids, 5).tokens
+    got = ChunkedPrefill(model, 1, 20, chunk=seed_chunk(shape, 1, cache), graph=False).generate(ids, 5).tokens
     want = asyncmoe.Decoder(ref, 1, 20, graph=False).generate(ids, 5).tokens
     assert torch.equal(got, want)
 

@@ -135,13 +135,28 @@ def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
     return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=kind.endswith("prefetch"))
 
 
-class TokenwisePrefill(asyncmoe.Decoder):
-    """The seed serves at most `cache` distinct experts per call (it raises otherwise): feed the prompt token by token."""
+class ChunkedPrefill(asyncmoe.Decoder):
+    """The seed raises when a call routes to more distinct experts than it has slots (the PR: "overflow raises
+    error with guidance"). Its user caps the tokens per call (vLLM's --max-num-batched-tokens) at the most that
+    can never overflow, `seed_chunk`, so the prompt goes in chunks of that many tokens per sequence."""
+
+    def __init__(self, model, batch_size: int, max_length: int, chunk: int | None, **kwargs):
+        super().__init__(model, batch_size, max_length, **kwargs)
+        self.chunk = chunk
 
     def _forward(self, ids):
-        for t in range(ids.shape[1]):
-            logits = super()._forward(ids[:, t : t + 1])
+        chunk = self.chunk or ids.shape[1]
+        for t in range(0, ids.shape[1], chunk):
+            logits = super()._forward(ids[:, t : t + chunk])
         return logits
+
+
+def seed_chunk(shape: str, batch: int, cache: int) -> int | None:
+    """Tokens per sequence the seed takes in one call: cache // (batch * top-k), so that no call can route to
+    more experts than slots, at least 1 (fewer slots than batch * top-k: it raises in decode too, and the
+    suite skips it); None, the whole prompt at once, when every expert has a slot."""
+    experts, k = routing_shape(shape)
+    return None if cache >= experts else max(1, cache // (batch * k))
 
 
 PROMPT = 16
@@ -283,7 +298,7 @@ def test_decode(benchmark, case, request):
         torch.cuda.reset_peak_memory_stats()
     graph = CUDA and (system == "unmodified" or "graph" in system)
     # below min(E, batch*k) slots asyncmoe's captured step runs each layer's worst-case number of waves
-    decoder = TokenwisePrefill if system == "seed" else asyncmoe.Decoder
+    decoder = functools.partial(ChunkedPrefill, chunk=seed_chunk(shape, batch, cache)) if system == "seed" else asyncmoe.Decoder
     dec = decoder(model, batch, PROMPT + p["steps"] + 1, graph=graph, waves=True)
     ids = prompt(shape, batch)
     cached = system.startswith("asyncmoe") and cache < experts
@@ -330,7 +345,7 @@ def test_decode(benchmark, case, request):
 
 def test_prefill(benchmark, prefill_case, request):
     """One prompt of `n` tokens. The seed cannot take more distinct experts than slots in one call, so it
-    feeds the prompt token by token (as it would have to); everything else runs the prompt in one forward."""
+    takes the prompt in chunks of `seed_chunk` tokens; everything else runs the prompt in one forward."""
     shape, routing, system, fraction, n = prefill_case
     if system in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
@@ -340,7 +355,9 @@ def test_prefill(benchmark, prefill_case, request):
     start = time.perf_counter()
     model = make(*model_key(prefill_case))
     setup_s = time.perf_counter() - start
-    dec = (TokenwisePrefill if system == "seed" else asyncmoe.Decoder)(model, 1, n + 1, graph=False)
+    chunk = seed_chunk(shape, 1, cache)
+    decoder = functools.partial(ChunkedPrefill, chunk=chunk) if system == "seed" else asyncmoe.Decoder
+    dec = decoder(model, 1, n + 1, graph=False)
     ids = prompt(shape, 1, n, seed=n)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
     cached = system.startswith("asyncmoe") and cache < experts
@@ -357,8 +374,8 @@ def test_prefill(benchmark, prefill_case, request):
         return first
 
     rounds = 2 if system in ("seed", "accelerate") else profile(request.config)["rounds"]
-    # the seed's prompt is n forwards, so its first round is warm after the first of them: a warm-up round
-    # would only add minutes (2048 tokens at its ~80 ms per DeepSeek-V2-Lite step: ~170 s a round)
+    # the seed's prompt is n / chunk forwards, so its first round is warm after the first of them: a warm-up
+    # round would only add minutes (token by token, 2048 tokens at ~80 ms per DeepSeek-V2-Lite step: ~170 s)
     warmup = 0 if system == "seed" else 1
     first = benchmark.pedantic(prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup)
     bytes_moved = asyncmoe.stats(model).totals["bytes_h2d"] if cached else None
@@ -368,6 +385,8 @@ def test_prefill(benchmark, prefill_case, request):
         tokens_per_s=n / ms * 1e3, device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
         first_token_agrees=bool(torch.equal(first.cpu(), want)), setup_s=setup_s,
     )
+    if system == "seed":
+        benchmark.extra_info["tokens_per_call"] = chunk or n
     if CUDA:
         benchmark.extra_info["h2d_GB_per_s"] = h2d_bandwidth()
     if cached:
@@ -384,7 +403,7 @@ def test_a_reused_model_starts_as_built(kind):
 
     def run():
         model = make(kind, "tiny", "trace", 4)
-        decoder = TokenwisePrefill if kind == "seed" else asyncmoe.Decoder
+        decoder = functools.partial(ChunkedPrefill, chunk=seed_chunk("tiny", 1, 4)) if kind == "seed" else asyncmoe.Decoder
         decoder(model, 1, PROMPT + 9, graph=False).generate(prompt("tiny", 1), 8)
         if kind == "seed":
             return model, [(seed_lru.provider(m).hits, seed_lru.provider(m).misses) for _, m in find_experts(model)]

@@ -85,12 +85,15 @@ def test_targets_met_and_missed():
 
 def test_coverage_of_the_full_profile():
     """--coverage counts the full profile's cases a set of runs measured; a fraction whose slot count a larger one
-    also gets runs once (Mixtral: 12.5% and 25% of 8 experts are both 2 slots, top-2)."""
+    also gets runs once (Mixtral: 12.5% and 25% of 8 experts are both 2 slots, top-2); the seed's prompt counts
+    where fed as the suite feeds it now (16 slots, top-8: 2 tokens per call; a run without the field fed 1)."""
     import test_latency as suite
 
     assert not [c for c in suite.decode_cases(suite.FULL) if c[0].startswith("mixtral") and c[3] == 0.125]
     run = {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="unmodified", cache=64, batch=1)},
-                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=2048)}]}
+                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=2048,
+                                              tokens_per_call=2)},
+                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=512)}]}
     table = report.coverage([run])
     total = sum(1 for c in suite.decode_cases(suite.FULL) + suite.prefill_cases(suite.FULL) if c[:2] == ("olmoe-1b-7b", "trace"))
     total -= sum(1 for s, r, sys, f, b in suite.decode_cases(suite.FULL)  # the seed below min(E, B*k): skipped by design
@@ -103,7 +106,7 @@ def test_coverage_of_the_full_profile():
     assert len(missing) == len(cases) - 2
     assert "test_latency.py::test_decode[olmoe-1b-7b-trace-unmodified-cache1-b1]" not in missing
     assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt2048]" not in missing
-    assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt512]" in missing
+    assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt512]" in missing  # token by token
 
 
 def test_every_cache_compares_with_the_one_accelerate_run():
