@@ -6,7 +6,7 @@ import torch
 import asyncmoe
 from baselines import accelerate_offload
 from shapes import routing_shape
-from test_latency import ChunkedPrefill, build, seed_chunk
+from test_latency import build, decoder_for, seed_chunk
 
 
 def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
@@ -38,7 +38,7 @@ def test_chunked_prefill_lets_the_seed_take_any_prompt(shape, slots_per_k):
     model = build("seed", shape, cache)
     ref = build("unmodified", shape, 16)
     ids = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(0))
-    got = ChunkedPrefill(model, 1, 20, chunk=seed_chunk(shape, 1, cache), graph=False).generate(ids, 5).tokens
+    got = decoder_for("seed", shape, 1, cache)(model, 1, 20, graph=False).generate(ids, 5).tokens
     want = asyncmoe.Decoder(ref, 1, 20, graph=False).generate(ids, 5).tokens
     assert torch.equal(got, want)
 

@@ -159,6 +159,11 @@ def seed_chunk(shape: str, batch: int, cache: int) -> int | None:
     return None if cache >= experts else max(1, cache // (batch * k))
 
 
+def decoder_for(system: str, shape: str, batch: int, cache: int):
+    """What a system decodes with: `asyncmoe.Decoder`, or for the seed one that takes the prompt in chunks."""
+    return functools.partial(ChunkedPrefill, chunk=seed_chunk(shape, batch, cache)) if system == "seed" else asyncmoe.Decoder
+
+
 PROMPT = 16
 
 
@@ -298,8 +303,7 @@ def test_decode(benchmark, case, request):
         torch.cuda.reset_peak_memory_stats()
     graph = CUDA and (system == "unmodified" or "graph" in system)
     # below min(E, batch*k) slots asyncmoe's captured step runs each layer's worst-case number of waves
-    decoder = functools.partial(ChunkedPrefill, chunk=seed_chunk(shape, batch, cache)) if system == "seed" else asyncmoe.Decoder
-    dec = decoder(model, batch, PROMPT + p["steps"] + 1, graph=graph, waves=True)
+    dec = decoder_for(system, shape, batch, cache)(model, batch, PROMPT + p["steps"] + 1, graph=graph, waves=True)
     ids = prompt(shape, batch)
     cached = system.startswith("asyncmoe") and cache < experts
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
@@ -355,9 +359,7 @@ def test_prefill(benchmark, prefill_case, request):
     start = time.perf_counter()
     model = make(*model_key(prefill_case))
     setup_s = time.perf_counter() - start
-    chunk = seed_chunk(shape, 1, cache)
-    decoder = functools.partial(ChunkedPrefill, chunk=chunk) if system == "seed" else asyncmoe.Decoder
-    dec = decoder(model, 1, n + 1, graph=False)
+    dec = decoder_for(system, shape, 1, cache)(model, 1, n + 1, graph=False)
     ids = prompt(shape, 1, n, seed=n)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
     cached = system.startswith("asyncmoe") and cache < experts
@@ -386,7 +388,7 @@ def test_prefill(benchmark, prefill_case, request):
         first_token_agrees=bool(torch.equal(first.cpu(), want)), setup_s=setup_s,
     )
     if system == "seed":
-        benchmark.extra_info["tokens_per_call"] = chunk or n
+        benchmark.extra_info["tokens_per_call"] = dec.chunk or n
     if CUDA:
         benchmark.extra_info["h2d_GB_per_s"] = h2d_bandwidth()
     if cached:
@@ -403,8 +405,7 @@ def test_a_reused_model_starts_as_built(kind):
 
     def run():
         model = make(kind, "tiny", "trace", 4)
-        decoder = functools.partial(ChunkedPrefill, chunk=seed_chunk("tiny", 1, 4)) if kind == "seed" else asyncmoe.Decoder
-        decoder(model, 1, PROMPT + 9, graph=False).generate(prompt("tiny", 1), 8)
+        decoder_for(kind, "tiny", 1, 4)(model, 1, PROMPT + 9, graph=False).generate(prompt("tiny", 1), 8)
         if kind == "seed":
             return model, [(seed_lru.provider(m).hits, seed_lru.provider(m).misses) for _, m in find_experts(model)]
         return model, [(layer.hits, layer.misses, layer.prefetched) for layer in asyncmoe.stats(model).layers]
