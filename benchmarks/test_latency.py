@@ -413,3 +413,11 @@ def test_a_reused_model_starts_as_built(kind):
     (first, fresh), (second, reused) = run(), run()
     assert second is first
     assert reused == fresh and all(misses > 0 for _, misses, *_ in fresh)
+
+
+def test_cases_of_one_model_run_one_after_another(request):
+    """conftest.py orders the collected cases so that each `model_key`'s run together: `make` builds each once."""
+    params = [item.callspec.params for item in request.session.items if hasattr(item, "callspec")]
+    keys = [model_key(p.get("case") or p["prefill_case"]) for p in params if "case" in p or "prefill_case" in p]
+    runs = [key for i, key in enumerate(keys) if i == 0 or keys[i - 1] != key]
+    assert len(keys) > len(runs) and len(runs) == len(set(runs))
