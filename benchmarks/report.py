@@ -221,7 +221,6 @@ def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
     The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out; its prompts
     count where fed in as many tokens per call as the suite feeds now (`seed_chunk`)."""
     import test_latency as suite  # torch and the suite: only these commands need them
-    from shapes import routing_shape
 
     def chunk(system, prompt, tokens_per_call):  # the seed's prompts were fed token by token until it took chunks
         return tokens_per_call if system == "seed" and prompt else None
@@ -230,7 +229,7 @@ def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
              chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
             for run in runs for e in (b["extra_info"] for b in run["benchmarks"])}
     cases = [(c, False) for c in suite.decode_cases(suite.FULL)
-             if not (c[2] == "seed" and suite.slots(c[0], c[3]) < min(routing_shape(c[0])[0], c[4] * routing_shape(c[0])[1]))]
+             if not (c[2] == "seed" and suite.seed_raises(c[0], c[4], suite.slots(c[0], c[3])))]
     cases += [(c, True) for c in suite.prefill_cases(suite.FULL)]
     out = []
     for (s, r, system, f, n), prefill in cases:

@@ -406,6 +406,7 @@ class TraceRecorder:
                 x = args[0] if args else kwargs["hidden_states"]
                 with torch.no_grad():
                     top = predictors.gate_top(x, *self.routers[layer + 1], k)
+                # host copies, as above: recording is an eager tool, never in a captured step
                 self.gate[layer + 1].append((top.indices.to("cpu", torch.int64), top.values.to("cpu", torch.float32)))
 
         return hook
