@@ -219,7 +219,8 @@ def merge(paths: list[pathlib.Path]) -> dict:
 def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
     """The full profile's cases (test_latency.FULL), each as (pytest node id, case, measured by one of `runs`).
     The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out; its prompts
-    count where fed in as many tokens per call as the suite feeds now (`seed_chunk`)."""
+    count where fed in as many tokens per call as the suite feeds now (`seed_chunk`). A case interrupted mid-way
+    (a run cut by its time limit) is in pytest-benchmark's JSON with no extra_info: not measured."""
     import test_latency as suite  # torch and the suite: only these commands need them
 
     def chunk(system, prompt, tokens_per_call):  # the seed's prompts were fed token by token until it took chunks
@@ -227,7 +228,7 @@ def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
 
     done = {(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}",
              chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
-            for run in runs for e in (b["extra_info"] for b in run["benchmarks"])}
+            for run in runs for e in (b["extra_info"] for b in run["benchmarks"]) if e}  # {}: cut before it finished
     cases = [(c, False) for c in suite.decode_cases(suite.FULL)
              if not (c[2] == "seed" and suite.seed_raises(c[0], c[4], suite.slots(c[0], c[3])))]
     cases += [(c, True) for c in suite.prefill_cases(suite.FULL)]
