@@ -2,6 +2,7 @@
 hand-made prefill cases whose floor and limit ratio are worked out by hand."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,12 +12,14 @@ import report
 
 
 def test_report_rows_and_files(tmp_path):
-    json_path = tmp_path / "bench.json"
+    json_path, cases_path = tmp_path / "bench.json", tmp_path / "cases.json"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks/test_latency.py",
-           "--benchmark-only", f"--benchmark-json={json_path}", "-k", "router"]
+           "--benchmark-only", f"--benchmark-json={json_path}", f"--cases-json={cases_path}", "-k", "router"]
     subprocess.run(cmd, check=True, capture_output=True)
 
     data = json.loads(json_path.read_text())
+    # --cases-json, rewritten after each case, ends as pytest-benchmark's own JSON
+    assert dict(json.loads(cases_path.read_text()), datetime=None) == dict(data, datetime=None)
     table = report.rows(data)
     assert {r["system"] for r in table} >= {"unmodified", "seed", "asyncmoe-eager"}
     for r in table:
@@ -36,6 +39,23 @@ def test_report_rows_and_files(tmp_path):
     for path, benches in zip(parts, [data["benchmarks"][:half], data["benchmarks"][half:]]):
         path.write_text(json.dumps(dict(data, benchmarks=benches)))
     assert report.rows(report.merge(parts)) == table
+
+
+def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path):
+    """pytest-benchmark writes --benchmark-json only as the session ends: a run that dies mid-case (here at the
+    second case's set-up, as a time limit's SIGINT landing in CUDA work did on the GPU) leaves it empty.
+    --cases-json (conftest.py) holds every case that passed before."""
+    (tmp_path / "dies.py").write_text("import os\n\n\ndef pytest_runtest_setup(item):\n    if 'seed' in item.name:\n"
+                                      "        os._exit(3)\n")
+    json_path, cases_path = tmp_path / "bench.json", tmp_path / "cases.json"
+    first, second = "test_decode[tiny-router-unmodified-cache1-b1]", "test_decode[tiny-router-seed-cache0.25-b1]"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "dies",
+           f"benchmarks/test_latency.py::{first}", f"benchmarks/test_latency.py::{second}",
+           "--benchmark-only", f"--benchmark-json={json_path}", f"--cases-json={cases_path}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    assert subprocess.run(cmd, capture_output=True, env=env).returncode == 3
+    assert json_path.read_text() == ""
+    assert [b["name"] for b in json.loads(cases_path.read_text())["benchmarks"]] == [first]
 
 
 def test_prefill_floor_and_limit_ratio(tmp_path):
@@ -86,14 +106,16 @@ def test_targets_met_and_missed():
 def test_coverage_of_the_full_profile():
     """--coverage counts the full profile's cases a set of runs measured; a fraction whose slot count a larger one
     also gets runs once (Mixtral: 12.5% and 25% of 8 experts are both 2 slots, top-2); the seed's prompt counts
-    where fed as the suite feeds it now (16 slots, top-8: 2 tokens per call; a run without the field fed 1)."""
+    where fed as the suite feeds it now (16 slots, top-8: 2 tokens per call; a run without the field fed 1); a case
+    cut before it finished (no extra_info) does not count."""
     import test_latency as suite
 
     assert not [c for c in suite.decode_cases(suite.FULL) if c[0].startswith("mixtral") and c[3] == 0.125]
     run = {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="unmodified", cache=64, batch=1)},
                           {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=2048,
                                               tokens_per_call=2)},
-                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=512)}]}
+                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=512)},
+                          {"extra_info": {}}]}  # a case cut by the run's time limit
     table = report.coverage([run])
     total = sum(1 for c in suite.decode_cases(suite.FULL) + suite.prefill_cases(suite.FULL) if c[:2] == ("olmoe-1b-7b", "trace"))
     total -= sum(1 for s, r, sys, f, b in suite.decode_cases(suite.FULL)  # the seed below min(E, B*k): skipped by design
