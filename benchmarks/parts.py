@@ -3,7 +3,7 @@
     python benchmarks/parts.py --out docs/results/2026-12-01 --tag c1 --seconds 540 [--grep qwen3]
 
 The full profile takes hours (docs/results/coverage.md); a machine lends minutes at a time. A part is the
-unmeasured cases of one shape and routing (`report.py --missing` against every committed run and what is
+unmeasured cases of one shape and routing (`report.py --missing` against every run under docs/results and what is
 already in `--out`), so a part builds its unmodified reference once and its cases share builds as in any
 run (conftest.py). Each GPU runs one part after another as its own pytest process (`CUDA_VISIBLE_DEVICES`),
 with `--cases-json`, so a part stopped by the time limit keeps every case it finished and the next run
