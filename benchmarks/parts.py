@@ -28,38 +28,33 @@ import report
 HERE = pathlib.Path(__file__).parent
 
 
-def shape_routing(node: str) -> str:
-    """`olmoe-1b-7b-trace` from `test_latency.py::test_decode[olmoe-1b-7b-trace-seed-cache0.25-b1]`."""
-    return re.search(r"\[(.+?-(?:router|trace))-", node).group(1)
-
-
-def parts(nodes: list[str]) -> list[list[str]]:
-    """Node ids grouped by shape and routing, the groups in the order of their first node."""
-    groups: dict[str, list[str]] = {}
-    for node in nodes:
-        groups.setdefault(shape_routing(node), []).append(node)
-    return list(groups.values())
-
-
-def missing(out: pathlib.Path) -> list[str]:
-    """The full profile's node ids that no committed run, nor any run already in `out`, measured."""
+def missing(out: pathlib.Path) -> list[tuple[str, tuple]]:
+    """(node id, case) of the full profile's cases that no run under docs/results, nor any in `out`, measured."""
     paths = [*(HERE.parent / "docs" / "results").glob("**/bench-*.json"), *out.glob("bench-*.json")]
     runs = [json.loads(text) for text in (p.read_text() for p in paths) if text]  # "": a run that wrote nothing
-    return [node for node, _, measured in report.profile_cases(runs) if not measured]
+    return [(node, case) for node, case, measured in report.profile_cases(runs) if not measured]
 
 
-def run(todo: list[list[str]], gpus: list[str | None], seconds: float, out: pathlib.Path, tag: str) -> None:
+def parts(cases: list[tuple[str, tuple]]) -> dict[str, list[str]]:
+    """Node ids by shape and routing (`olmoe-1b-7b-trace`), the parts in the order of their first case."""
+    groups: dict[str, list[str]] = {}
+    for node, (shape, routing, *_) in cases:
+        groups.setdefault(f"{shape}-{routing}", []).append(node)
+    return groups
+
+
+def run(todo: dict[str, list[str]], gpus: list[str | None], seconds: float, out: pathlib.Path, tag: str) -> None:
     """Each GPU (None: no CUDA_VISIBLE_DEVICES) takes the next part until `seconds` have passed; a part still
     running then is killed, its finished cases already in its JSON."""
-    deadline, lock = time.monotonic() + seconds, threading.Lock()
+    deadline, lock, todo = time.monotonic() + seconds, threading.Lock(), list(todo.items())
 
     def worker(gpu):
         while True:
             with lock:
                 if not todo or time.monotonic() >= deadline:
                     return
-                nodes = todo.pop(0)
-            name = f"{tag}-{shape_routing(nodes[0])}"
+                part, nodes = todo.pop(0)
+            name = f"{tag}-{part}"
             (out / f"ids-{name}.txt").write_text("\n".join(nodes) + "\n")
             cmd = [sys.executable, "-m", "pytest", *nodes, "--benchmark-only", "-p", "no:cacheprovider", "-q", "-rs",
                    f"--cases-json={(out / f'bench-{name}.json').resolve()}"]
@@ -100,8 +95,8 @@ def main():
 
         alone = {d: bandwidths([d])[d] for d in range(len(gpus))}
         (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(dict(alone=alone, together=bandwidths(list(alone)))))
-    todo = parts([n for n in missing(args.out) if re.search(args.grep, n)])
-    print(f"{sum(map(len, todo))} cases in {len(todo)} parts on {len(gpus)} GPUs for {args.seconds:.0f} s", flush=True)
+    todo = parts([(node, case) for node, case in missing(args.out) if re.search(args.grep, node)])
+    print(f"{sum(map(len, todo.values()))} cases in {len(todo)} parts on {len(gpus)} GPUs for {args.seconds:.0f} s", flush=True)
     run(todo, gpus, args.seconds, args.out, args.tag)
 
 
