@@ -36,19 +36,29 @@ import asyncmoe
 from asyncmoe.trace import Trace
 from shapes import SHAPES, random_model, routing_shape
 
-def h2d_bandwidth(nbytes: int = 512 * 2**20, reps: int = 10) -> float:
-    """GB/s of a pinned host -> GPU copy_ (the copy engine), median of `reps`."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
+def h2d_bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10) -> dict[int, float]:
+    """GB/s of a pinned host -> GPU copy_ (the copy engine) on each of `devices`, median of `reps`. Every copy
+    is queued before any is waited for, so with several devices their copies are in flight together."""
+    src = {d: torch.empty(nbytes, dtype=torch.uint8).pin_memory() for d in devices}
+    dst = {d: torch.empty(nbytes, dtype=torch.uint8, device=d) for d in devices}
+    events = {d: [] for d in devices}
     for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return nbytes / 1e9 / (statistics.median(times[2:]) / 1e3)
+        for d in devices:
+            with torch.cuda.device(d):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst[d].copy_(src[d], non_blocking=True)
+                b.record()
+                events[d].append((a, b))
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return {d: nbytes / 1e9 / (statistics.median(a.elapsed_time(b) for a, b in events[d][2:]) / 1e3) for d in devices}
+
+
+def h2d_bandwidth() -> float:
+    """GB/s of a pinned 512 MB host -> GPU copy_ on the current device, median of 10."""
+    device = torch.cuda.current_device()
+    return h2d_bandwidths([device])[device]
 
 
 def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: torch.Tensor) -> dict:

@@ -4,36 +4,19 @@
 
 The latency suite's parts can run one per GPU on a machine of several GPUs only if the parts do not
 share a bottleneck, and every case is bound by its copies. This measures the suite's own H2D figure
-(`decode_step.h2d_bandwidth`: a pinned 512 MB `copy_`, median over repeats) on each GPU alone, then on
-all GPUs at once: the copies are queued back to back on every GPU before any is waited for, so they
-overlap for the whole measurement, a harder case than two suite parts, which copy only part of the time.
+(`decode_step.h2d_bandwidths`: a pinned 512 MB `copy_`, median of 20) on each GPU alone, then on all GPUs
+at once: the copies are queued back to back on every GPU before any is waited for, so they overlap for
+the whole measurement, a harder case than two suite parts, which copy only part of the time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-
-def bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 20) -> dict[int, float]:
-    """GB/s of each device's pinned host -> GPU copies, all devices' copies in flight together."""
-    src = {d: torch.empty(nbytes, dtype=torch.uint8).pin_memory() for d in devices}
-    dst = {d: torch.empty(nbytes, dtype=torch.uint8, device=d) for d in devices}
-    events = {d: [] for d in devices}
-    for _ in range(reps + 2):
-        for d in devices:
-            with torch.cuda.device(d):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst[d].copy_(src[d], non_blocking=True)
-                b.record()
-                events[d].append((a, b))
-    for d in devices:
-        torch.cuda.synchronize(d)
-    return {d: nbytes / 1e9 / (statistics.median(a.elapsed_time(b) for a, b in events[d][2:]) / 1e3) for d in devices}
+from decode_step import h2d_bandwidths
 
 
 def main():
@@ -41,8 +24,8 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     devices = list(range(torch.cuda.device_count()))
-    alone = {d: bandwidths([d])[d] for d in devices}
-    together = bandwidths(devices)
+    alone = {d: h2d_bandwidths([d], reps=20)[d] for d in devices}
+    together = h2d_bandwidths(devices, reps=20)
     result = {
         "gpus": [torch.cuda.get_device_name(d) for d in devices],
         "alone_GB_per_s": alone,

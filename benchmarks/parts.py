@@ -8,7 +8,7 @@ already in `--out`), so a part builds its unmodified reference once and its case
 run (conftest.py). Each GPU runs one part after another as its own pytest process (`CUDA_VISIBLE_DEVICES`),
 with `--cases-json`, so a part stopped by the time limit keeps every case it finished and the next run
 starts from the cases left. On several GPUs it first records whether their host -> GPU copies slow each
-other (`h2d_side_by_side.py`): every case is bound by its copies.
+other (as `h2d_side_by_side.py` does): every case is bound by its copies.
 """
 
 from __future__ import annotations
@@ -91,10 +91,11 @@ def main():
         sys.exit("parts.py runs the full profile, which needs CUDA GPUs; the CPU runs the smoke profile: pytest benchmarks/")
     args.out.mkdir(parents=True, exist_ok=True)
     if len(gpus) > 1:
-        from h2d_side_by_side import bandwidths
+        from decode_step import h2d_bandwidths
 
-        alone = {d: bandwidths([d])[d] for d in range(len(gpus))}
-        (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(dict(alone=alone, together=bandwidths(list(alone)))))
+        alone = {d: h2d_bandwidths([d], reps=20)[d] for d in range(len(gpus))}
+        together = h2d_bandwidths(list(alone), reps=20)
+        (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(dict(alone=alone, together=together)))
     todo = parts([(node, case) for node, case in missing(args.out) if re.search(args.grep, node)])
     print(f"{sum(map(len, todo.values()))} cases in {len(todo)} parts on {len(gpus)} GPUs for {args.seconds:.0f} s", flush=True)
     run(todo, gpus, args.seconds, args.out, args.tag)
