@@ -6,6 +6,7 @@
     python benchmarks/report.py --from-json run1/*.json run2/*.json   # ... then one table of all parts
     python benchmarks/report.py --coverage docs/results/*/bench-*.json  # which of the full profile's cases ran
     cd benchmarks; pytest $(python report.py --missing ../docs/results/*/bench-*.json | grep qwen3) --benchmark-only  # some of the rest
+    python benchmarks/parts.py --out DIR --tag c1 --seconds 540   # the rest, a part per GPU until a time limit
 
 Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
 with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
