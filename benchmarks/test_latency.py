@@ -296,6 +296,13 @@ def expert_bytes(model: torch.nn.Module) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
+def warmup_rounds(system: str, prefill: bool) -> int:
+    """Untimed rounds before a case's timed ones: one, except the seed's prompts. The seed's prompt is n / chunk
+    forwards, so its first round is warm after the first of them: a warm-up round would only add minutes (token
+    by token, 2048 tokens at ~99 ms per DeepSeek-V2-Lite step: ~200 s)."""
+    return 0 if prefill and system == "seed" else 1
+
+
 def test_decode(benchmark, case, request):
     shape, routing, system, fraction, batch = case
     if system in GPU_ONLY and not CUDA:
@@ -335,7 +342,7 @@ def test_decode(benchmark, case, request):
         dec.decode(p["steps"])
         sync()
 
-    benchmark.pedantic(decode, setup=setup, rounds=p["rounds"], iterations=1, warmup_rounds=1)
+    benchmark.pedantic(decode, setup=setup, rounds=p["rounds"], iterations=1, warmup_rounds=warmup_rounds(system, False))
     tokens = dec.history[:, : PROMPT + p["steps"] + 1].cpu()
     agree = (tokens == want).all(0).cumprod(0).sum().item() - PROMPT
     info = dict(shape=shape, routing=routing, system=system, cache=cache, experts=experts, batch=batch,
@@ -390,10 +397,7 @@ def test_prefill(benchmark, prefill_case, request):
         return first
 
     rounds = 2 if system in ("seed", "accelerate") else profile(request.config)["rounds"]
-    # the seed's prompt is n / chunk forwards, so its first round is warm after the first of them: a warm-up
-    # round would only add minutes (token by token, 2048 tokens at ~80 ms per DeepSeek-V2-Lite step: ~170 s)
-    warmup = 0 if system == "seed" else 1
-    first = benchmark.pedantic(prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup)
+    first = benchmark.pedantic(prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, True))
     bytes_moved = asyncmoe.stats(model).totals["bytes_h2d"] if cached else None
     ms = statistics.median(benchmark.stats.stats.data) * 1e3
     benchmark.extra_info.update(
