@@ -4,9 +4,8 @@
     python benchmarks/report.py --quick --out docs/results
     python benchmarks/report.py -k "deepseek and b1" --out run1   # the full profile, one part per device call
     python benchmarks/report.py --from-json run1/*.json run2/*.json   # ... then one table of all parts
-    python benchmarks/report.py --coverage docs/results/*/bench-*.json  # which of the full profile's cases ran
-    cd benchmarks; pytest $(python report.py --missing ../docs/results/*/bench-*.json | grep qwen3) --benchmark-only  # some of the rest
-    python benchmarks/parts.py --out DIR --tag c1 --seconds 540   # the rest, a part per GPU until a time limit
+    python benchmarks/report.py --coverage docs/results/*/bench-*.json  # which cases ran, each with its baselines in one run
+    python benchmarks/parts.py --out DIR --tag c1 --seconds 540   # the rest, a comparison group per GPU until a time limit
 
 Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
 with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
@@ -217,37 +216,61 @@ def merge(paths: list[pathlib.Path]) -> dict:
     return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
 
 
-def profile_cases(runs: list[dict]) -> list[tuple[str, tuple, bool]]:
+def bases(case: tuple, profile: set[tuple]) -> list[tuple]:
+    """The cases of `profile` that `case`'s ratios compare with, as `rows` and `baselines` take them from its run:
+    for asyncmoe the resident model (its floor), accelerate (a cache smaller than the experts) and the seed at the
+    same cache; for the seed, accelerate. Cases as (shape, routing, system, cache fraction, batch or prompt)."""
+    import test_latency as suite
+
+    shape, routing, system, fraction, size = case
+    if system in ("unmodified", "accelerate"):
+        return []
+    want = [] if system == "seed" else [(shape, routing, "unmodified", 1.0, size), (shape, routing, "seed", fraction, size)]
+    if fraction < 1.0:
+        want.append((shape, routing, "accelerate", suite.ACCELERATE_AT, size))
+    return [b for b in want if b in profile]
+
+
+def profile_cases(runs: list[dict], without: frozenset = frozenset()) -> list[tuple[str, tuple, bool]]:
     """The full profile's cases (test_latency.FULL), each as (pytest node id, case, measured by one of `runs`).
+    A case counts as measured where one run holds it and every case it compares with (`bases`) but those
+    `without` (cases no run can hold: parts.py's, longer than a device call): issue 5 asks for the systems "in
+    the same run", and the report takes a row's ratios from its own run only.
     The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out; its prompts
     count where fed in as many tokens per call as the suite feeds now (`seed_chunk`). A case interrupted mid-way
     (a run cut by its time limit) is in pytest-benchmark's JSON with no extra_info: not measured."""
-    import test_latency as suite  # torch and the suite: only these commands need them
+    import test_latency as suite
 
     def chunk(system, prompt, tokens_per_call):  # the seed's prompts were fed token by token until it took chunks
         return tokens_per_call if system == "seed" and prompt else None
 
-    done = {(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}",
-             chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
-            for run in runs for e in (b["extra_info"] for b in run["benchmarks"]) if e}  # {}: cut before it finished
+    def key(case):  # as `held` keys a run's cases
+        s, r, system, f, size = case
+        slots, n = suite.slots(s, f), int(size.removeprefix("prompt").removeprefix("b"))
+        return s, r, system, slots, size, chunk(system, size.startswith("prompt"), suite.seed_chunk(s, 1, slots) or n)
+
+    held = [{(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}",
+              chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
+             for e in (b["extra_info"] for b in run["benchmarks"]) if e}  # {}: cut before it finished
+            for run in runs]
     cases = [(c, False) for c in suite.decode_cases(suite.FULL)
              if not (c[2] == "seed" and suite.seed_raises(c[0], c[4], suite.slots(c[0], c[3])))]
     cases += [(c, True) for c in suite.prefill_cases(suite.FULL)]
+    profile = {(*c[:4], f"prompt{c[4]}" if prefill else f"b{c[4]}") for c, prefill in cases} - without
     out = []
-    for (s, r, system, f, n), prefill in cases:
-        size = f"prompt{n}" if prefill else f"b{n}"
-        node = f"test_latency.py::test_{'prefill' if prefill else 'decode'}[{suite.case_id((s, r, system, f, n), prefill)}]"
-        slots = suite.slots(s, f)
-        measured = (s, r, system, slots, size, chunk(system, prefill, suite.seed_chunk(s, 1, slots) or n)) in done
-        out.append((node, (s, r, system, f, size), measured))
+    for c, prefill in cases:
+        case = (*c[:4], f"prompt{c[4]}" if prefill else f"b{c[4]}")
+        need = [key(case)] + [key(b) for b in bases(case, profile)]
+        node = f"test_latency.py::test_{'prefill' if prefill else 'decode'}[{suite.case_id(c, prefill)}]"
+        out.append((node, case, any(all(k in run for k in need) for run in held)))
     return out
 
 
 def coverage(runs: list[dict]) -> str:
-    """Markdown: of the full profile's cases, which these runs measured, per shape and routing, and the
-    (batch or prompt, cache) cells with a system missing."""
+    """Markdown: of the full profile's cases, which these runs measured with what they compare with (`profile_cases`),
+    per shape and routing, and the (batch or prompt, cache) cells with a case not counted."""
     cases = profile_cases(runs)
-    lines = ["| shape | routing | cases measured | missing (case: cache fractions) |", "|---|---|---|---|"]
+    lines = ["| shape | routing | cases counted | not counted (case: cache fractions) |", "|---|---|---|---|"]
     for shape, routing in dict.fromkeys(c[:2] for _, c, _ in cases):
         ours = [(c, measured) for _, c, measured in cases if c[:2] == (shape, routing)]
         missing: dict[str, set] = {}
@@ -265,8 +288,9 @@ def main():
     p.add_argument("--out", default="docs/results")
     p.add_argument("-k", default=None, help="only the cases pytest -k selects: the full profile needs several device calls")
     p.add_argument("--from-json", nargs="+", type=pathlib.Path, help="merge these runs and write their table and plots")
-    p.add_argument("--coverage", nargs="+", type=pathlib.Path, help="print which of the full profile's cases these runs measured")
-    p.add_argument("--missing", nargs="+", type=pathlib.Path, help="print the node ids of the cases these runs did not measure")
+    p.add_argument("--coverage", nargs="+", type=pathlib.Path,
+                   help="print which of the full profile's cases these runs measured, each in one run with its baselines")
+    p.add_argument("--missing", nargs="+", type=pathlib.Path, help="print the node ids of the cases --coverage does not count")
     args = p.parse_args()
     if args.coverage:
         print(coverage([json.loads(path.read_text()) for path in args.coverage]), end="")

@@ -209,8 +209,13 @@ def model_key(case: tuple) -> tuple:
     run one model; the unmodified model and accelerate have no cache. Cases of one key share a build (`make`)
     and run one after another (conftest.py orders them so)."""
     shape, routing, system, fraction, _ = case
-    kind = "asyncmoe-prefetch" if system.endswith("prefetch") else ("asyncmoe" if system.startswith("asyncmoe") else system)
+    kind = model_kind(system)
     return kind, shape, routing, 0 if kind in ("unmodified", "accelerate") else slots(shape, fraction)
+
+
+def model_kind(system: str) -> str:
+    """What a system's model is built as: asyncmoe's eager and graph systems run one model."""
+    return "asyncmoe-prefetch" if system.endswith("prefetch") else ("asyncmoe" if system.startswith("asyncmoe") else system)
 
 
 _held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key

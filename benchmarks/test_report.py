@@ -106,29 +106,53 @@ def test_targets_met_and_missed():
 def test_coverage_of_the_full_profile():
     """--coverage counts the full profile's cases a set of runs measured; a fraction whose slot count a larger one
     also gets runs once (Mixtral: 12.5% and 25% of 8 experts are both 2 slots, top-2); the seed's prompt counts
-    where fed as the suite feeds it now (16 slots, top-8: 2 tokens per call; a run without the field fed 1); a case
-    cut before it finished (no extra_info) does not count."""
+    where fed as the suite feeds it now (16 slots, top-8: 2 tokens per call; a run without the field fed 1), and
+    with accelerate, which it compares with, in the same run; a case cut before it finished (no extra_info)
+    does not count."""
     import test_latency as suite
 
     assert not [c for c in suite.decode_cases(suite.FULL) if c[0].startswith("mixtral") and c[3] == 0.125]
     run = {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="unmodified", cache=64, batch=1)},
                           {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=2048,
                                               tokens_per_call=2)},
+                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="accelerate", cache=16, prompt=2048)},
                           {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=512)},
+                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="accelerate", cache=16, prompt=512)},
                           {"extra_info": {}}]}  # a case cut by the run's time limit
     table = report.coverage([run])
     total = sum(1 for c in suite.decode_cases(suite.FULL) + suite.prefill_cases(suite.FULL) if c[:2] == ("olmoe-1b-7b", "trace"))
     total -= sum(1 for s, r, sys, f, b in suite.decode_cases(suite.FULL)  # the seed below min(E, B*k): skipped by design
                  if (s, r, sys) == ("olmoe-1b-7b", "trace", "seed") and suite.slots(s, f) < min(64, 8 * b))
-    assert f"| olmoe-1b-7b | trace | 2 of {total} |" in table
+    assert f"| olmoe-1b-7b | trace | 4 of {total} |" in table
     assert "| qwen3-30b-a3b | router | 0 of " in table
     # --missing: the node ids of the rest (`case_id`, as the suite names its cases)
     cases = report.profile_cases([run])
     missing = [node for node, _, measured in cases if not measured]
-    assert len(missing) == len(cases) - 2
+    assert len(missing) == len(cases) - 4
     assert "test_latency.py::test_decode[olmoe-1b-7b-trace-unmodified-cache1-b1]" not in missing
     assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt2048]" not in missing
     assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt512]" in missing  # token by token
+
+
+def test_a_case_counts_with_what_it_compares_with_in_the_same_run():
+    """asyncmoe's rows compare with the resident model (the floor), accelerate and the seed at the same cache, the
+    report only within one run: a row counts where one run holds all four; a case no run can hold (`without`)
+    is not waited for."""
+    def run(*systems):
+        return {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system=system,
+                                                   cache=64 if system == "unmodified" else 16, batch=1)}
+                               for system in systems]}
+
+    def counted(*runs, without=frozenset()):
+        cases = report.profile_cases(list(runs), without)
+        return {case[2] for _, case, measured in cases if measured and case[4] == "b1"}
+
+    graph = "asyncmoe-graph-prefetch"
+    assert counted(run("unmodified", "accelerate", "seed", graph)) == {"unmodified", "accelerate", "seed", graph}
+    assert counted(run("unmodified", "accelerate", graph), run("seed", "accelerate")) == {"unmodified", "accelerate", "seed"}
+    assert counted(run("unmodified", graph)) == {"unmodified"}
+    seed = ("olmoe-1b-7b", "trace", "seed", 0.25, "b1")
+    assert counted(run("unmodified", "accelerate", graph), without={seed}) == {"unmodified", "accelerate", graph}
 
 
 def test_every_cache_compares_with_the_one_accelerate_run():
