@@ -1,20 +1,21 @@
-"""Run the full profile's uncounted cases, one part per GPU at a time, until a time limit; run it again to go on.
+"""Run the full profile's uncounted cases, a process per GPU at a time, until a time limit; run it again to go on.
 
     python benchmarks/parts.py --out docs/results/2026-12-01 --tag c1 --seconds 540 [--grep 'qwen3.*trace']
 
 The full profile takes hours (docs/results/coverage.md); a machine lends minutes at a time. Issue 5 asks for
 the systems "in the same run", and the report takes a row's ratios (limit ratio, speedups over accelerate and
 the seed) from its own run only, so a case counts once one run holds it with every case it compares with
-(`report.bases`). A part is one comparison group, a shape, routing and batch or prompt
-(`olmoe-1b-7b-trace-b1`): the group's resident model and accelerate, then, per cache size with a case not yet
-counted, that case and the seed at its size, all in one pytest run (`report.py --missing` against every run
-under docs/results and in `--out`). Each GPU runs one part after another as its own process
-(`CUDA_VISIBLE_DEVICES`) with `--cases-json`, so a part stopped by the time limit keeps every case it
-finished. A case the limit stops loses every minute it ran, so a part takes only the cache sizes that its
-estimates say finish in the time left (`estimate`: what the same case took in any run, on either routing);
-the rest wait for a later call, and a case longer than any call is named and never started. On several GPUs
-it first records whether their host -> GPU copies slow each other (as `h2d_side_by_side.py` does): every
-case is bound by its copies.
+(`report.bases`). The unit is a comparison group, a shape, routing and batch or prompt (`olmoe-1b-7b-trace-b1`):
+its uncounted cases in bundles (`parts`), the group's resident model and accelerate first, then each case with
+the seed at its cache (rows at one cache share their seed where they fit: `merged`). Each GPU runs one pytest
+process after another (`CUDA_VISIBLE_DEVICES`, `--cases-json`, so a process stopped by the time limit keeps
+every case it finished), each with the groups of one shape and routing that fit, so their models are built
+once. A case the limit stops loses every minute it ran, so a process takes only the bundles whose estimates
+(`estimate`: the model's build at that shape, the rounds the same case took in any run, either routing) fit
+the time left; the rest wait for a later call, and a case that cannot fit any call with what it compares
+with (`too_long`) is named and never started. What is in `--out` counts as measured, so a second call goes
+on where the first stopped. On several GPUs it first records whether their host -> GPU copies slow each
+other (as `h2d_side_by_side.py` does): every case is bound by its copies.
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ def measured_runs(out: pathlib.Path) -> list[dict]:
     return [json.loads(text) for text in (p.read_text() for p in paths) if text]  # "": a run that wrote nothing
 
 
-def estimate(case: tuple, runs: list[dict]) -> float | None:
-    """Seconds `case` will take on the GPU: its model's build, the longest any run recorded for that kind of
-    model at its shape (`setup_s`; in a part of one batch or prompt nearly every case builds its own), and its
-    timed and warm-up rounds, the longest any run took for the same case on either routing (they copy about as
-    much: OLMoE and DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n tokens not measured, at most n / m
-    times the same case's prompt of m (the seed's calls, n / chunk, are most of its time). None: no rounds
-    to go by."""
+def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]:
+    """What `case` will take on the GPU: (its model's `test_latency.model_key`, that model's build in seconds, its
+    rounds in seconds). The build: the longest any run recorded for that kind of model at that shape (`setup_s`;
+    cases of one key share it). The rounds, timed and warm-up: the longest any run took for the same case on
+    either routing (they copy about as much: OLMoE and DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n
+    tokens not measured, at most n / m times the same case's prompt of m (the seed's calls, n / chunk, are
+    most of its time); None: nothing to go by."""
     shape, _, system, fraction, size = case
     cache, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
     build, took = 0.0, {}  # took: batch or prompt length -> [seconds of rounds]
@@ -62,63 +63,98 @@ def estimate(case: tuple, runs: list[dict]) -> float | None:
         if (e["system"], e["cache"], "prompt" in e) == (system, cache, prefill):
             rounds = (s["rounds"] + suite.warmup_rounds(system, prefill)) * s["mean"]
             took.setdefault(e["prompt"] if prefill else e["batch"], []).append(rounds)
-    if n in took:
-        return build + max(took[n])
-    shorter = [rounds * n / m for m, times in took.items() if prefill and m < n for rounds in times]
-    return build + max(shorter) if shorter else None
+    times = took.get(n) or [t * n / m for m, ts in took.items() if prefill and m < n for t in ts]
+    return suite.model_key(case), build, max(times, default=None)
 
 
-def parts(cases: list[tuple[str, tuple, bool]]) -> dict[str, list[list[str]]]:
-    """For each comparison group with a case not counted (`report.profile_cases`), its node ids in bundles: first
-    the group's baselines that those cases need (the resident model, accelerate), then per cache size the
-    uncounted cases and the seed they compare with. A run takes the first bundle and whole others."""
-    profile = {case for _, case, _ in cases}
-    node_of = {case: node for node, case, _ in cases}
-    groups: dict[str, dict[object, dict[str, None]]] = {}  # group -> {"bases" or cache fraction: nodes, ordered}
+def cost(nodes: list[str], estimates: dict[str, tuple]) -> float:
+    """The estimated seconds of running `nodes` in one process: each model built once, every case's rounds (a case
+    without an estimate: none)."""
+    nodes = dict.fromkeys(nodes)
+    builds = {key: build for key, build, _ in (estimates[n] for n in nodes)}
+    return sum(builds.values()) + sum(estimates[n][2] or 0.0 for n in nodes)
+
+
+def too_long(cases: list[tuple[str, tuple, bool]], estimates: dict[str, tuple], seconds: float) -> set[tuple]:
+    """The cases that cannot finish in `seconds` together with what they compare with, so no call can count them:
+    the resident model, accelerate and the seed first; then asyncmoe's rows, which do without a seed too long."""
+    profile, node_of, out = {c for _, c, _ in cases}, {c: n for n, c, _ in cases}, set()
+    for node, case, _ in sorted(cases, key=lambda c: c[1][2].startswith("asyncmoe")):
+        if cost([node, *(node_of[b] for b in report.bases(case, profile - out))], estimates) > seconds:
+            out.add(case)
+    return out
+
+
+def parts(cases: list[tuple[str, tuple, bool]], skip: set[tuple] = frozenset()) -> dict[tuple, list[list[str]]]:
+    """For each comparison group (shape, routing, batch or prompt) with a case not counted (`report.profile_cases`)
+    nor in `skip`, its node ids in bundles: first the group's baselines that those cases need (the resident
+    model, accelerate), then each uncounted case with the seed it compares with. A run takes the first bundle
+    and whole others."""
+    profile, node_of = {c for _, c, _ in cases} - skip, {c: n for n, c, _ in cases}
+    groups: dict[tuple, list[dict[str, None]]] = {}
     for node, case, counted in cases:
-        if counted:
+        if counted or case in skip:
             continue
-        shape, routing, system, fraction, size = case
-        bundles = groups.setdefault(f"{shape}-{routing}-{size}", {"bases": {}})
-        for c in [case, *report.bases(case, profile)]:
-            at = "bases" if c[2] in ("unmodified", "accelerate") else c[3]
-            bundles.setdefault(at, {})[node_of[c]] = None
-    return {group: [list(nodes) for nodes in bundles.values()] for group, bundles in groups.items()}
+        bases = report.bases(case, profile)
+        bundles = groups.setdefault((case[0], case[1], case[4]), [{}])
+        bundles[0].update(dict.fromkeys(node_of[b] for b in bases if b[2] in ("unmodified", "accelerate")))
+        bundles.append(dict.fromkeys([node, *(node_of[b] for b in bases if b[2] == "seed")]))
+    return {group: [list(nodes) for nodes in bundles] for group, bundles in groups.items()}
 
 
-def fitting(bundles: list[list[str]], estimates: dict[str, float | None], seconds: float) -> list[str]:
-    """The nodes to run in `seconds`: the first bundle (the group's baselines), then, in order, each bundle that
-    finishes by its estimates in what those before it leave; none if no bundle past the first fits (where there
-    is one). A node without an estimate counts as none (the limit stops it if it must)."""
-    def cost(nodes):
-        return sum(estimates.get(n) or 0.0 for n in nodes)
-
+def merged(bundles: list[list[str]], estimates: dict[str, tuple], seconds: float) -> list[list[str]]:
+    """The bundles, those that share a case (the seed at one cache) as one where it still fits `seconds` beside
+    the group's baselines: the seed then runs once for all the rows at its cache."""
     first, *rest = bundles
-    chosen, left = list(first), seconds - cost(first)
-    if left < 0:
-        return []
+    out: list[list[str]] = []
     for nodes in rest:
-        if cost(nodes) <= left:
-            chosen += nodes
-            left -= cost(nodes)
-    return chosen if len(chosen) > len(first) or not rest else []
+        into = next((m for m in out if set(m) & set(nodes) and cost(first + m + nodes, estimates) <= seconds), None)
+        if into is None:
+            out.append(list(nodes))
+        else:
+            into += [n for n in nodes if n not in into]
+    return [first, *out]
 
 
-def run(todo: dict[str, list[list[str]]], estimates: dict[str, float | None], gpus: list[str | None], seconds: float,
+def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, chosen: list[str] = ()) -> list[str]:
+    """The nodes of one group to run in `left` seconds besides `chosen` (other groups' in the same process, whose
+    builds they share): the first bundle (the group's baselines), then, in order, each bundle that fits what
+    those before it leave; none if no bundle past the first fits (where there is one)."""
+    first, *rest = bundles
+    picked = [*chosen, *first]
+    if cost(picked, estimates) > left:
+        return []
+    added = False
+    for nodes in rest:
+        if cost(picked + nodes, estimates) <= left:
+            picked += [n for n in nodes if n not in picked]
+            added = True
+    return picked[len(chosen):] if added or not rest else []
+
+
+def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: list[str | None], seconds: float,
         out: pathlib.Path, tag: str, start_s: float = START_S) -> None:
-    """Each GPU (None: no CUDA_VISIBLE_DEVICES) takes the next part with bundles that fit the time left, and runs
-    those, until `seconds` have passed; a part still running then is killed, its finished cases already in its JSON."""
+    """Each GPU (None: no CUDA_VISIBLE_DEVICES) takes the first group with bundles that fit the time left, and
+    the other groups of its shape and routing that fit beside it (one process builds each model once for
+    them all), runs them, and goes on until `seconds` have passed; a part still running then is killed, its
+    finished cases already in its JSON."""
     deadline, lock, todo = time.monotonic() + seconds, threading.Lock(), list(todo.items())
 
     def worker(gpu):
         while True:
             with lock:
-                left = deadline - time.monotonic() - start_s
-                fit = [(i, fitting(nodes, estimates, left)) for i, (_, nodes) in enumerate(todo)] if left > 0 else []
-                i, nodes = next(((i, nodes) for i, nodes in fit if nodes), (None, None))
-                if nodes is None:
+                left, nodes, taken = deadline - time.monotonic() - start_s, [], []
+                for i, (group, bundles) in enumerate(todo if left > 0 else []):
+                    if taken and group[:2] != todo[taken[0]][0][:2]:
+                        continue
+                    new = fitting(bundles, estimates, left, nodes)
+                    if new:
+                        nodes, taken = nodes + new, taken + [i]
+                if not nodes:
                     return
-                part = todo.pop(i)[0]
+                groups = [todo[i][0] for i in taken]
+                todo[:] = [item for i, item in enumerate(todo) if i not in taken]
+            part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
             name = f"{tag}-{part}"
             (out / f"ids-{name}.txt").write_text("\n".join(nodes) + "\n")
             cmd = [sys.executable, "-m", "pytest", *nodes, "--benchmark-only", "-p", "no:cacheprovider", "-q", "-rs",
@@ -160,15 +196,16 @@ def main():
         together = h2d_bandwidths(list(alone), reps=20)
         (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(dict(alone=alone, together=together)))
     runs = measured_runs(args.out)
-    profile = report.profile_cases(runs)
-    estimates = {node: estimate(case, runs) for node, case, _ in profile}
-    too_long = {case: node for node, case, _ in profile if (estimates[node] or 0) > args.seconds - START_S}
-    for node in too_long.values():
-        print(f"longer than this call ({estimates[node]:.0f} s estimated), not started: {node}", flush=True)
-    todo = {group: [[n for n in nodes if n not in too_long.values()] for nodes in bundles]
-            for group, bundles in parts(report.profile_cases(runs, without=frozenset(too_long))).items()
-            if re.search(args.grep, group)}
-    print(f"{sum(len(n) for b in todo.values() for n in b)} cases in {len(todo)} parts on {len(gpus)} GPUs "
+    cases = report.profile_cases(runs)
+    estimates = {node: estimate(case, runs) for node, case, _ in cases}
+    never = too_long(cases, estimates, args.seconds - START_S)
+    for node, case, _ in cases:
+        if case in never:
+            print(f"too long for this call with what it compares with, not started: {node}", flush=True)
+    todo = {group: merged(bundles, estimates, args.seconds - START_S)
+            for group, bundles in parts(report.profile_cases(runs, without=frozenset(never)), never).items()
+            if re.search(args.grep, "-".join(group))}
+    print(f"{len({n for b in todo.values() for ns in b for n in ns})} cases in {len(todo)} groups on {len(gpus)} GPUs "
           f"for {args.seconds:.0f} s", flush=True)
     run(todo, estimates, gpus, args.seconds, args.out, args.tag)
 

@@ -10,49 +10,87 @@ import test_latency as suite
 
 ROUTER = ["test_latency.py::test_decode[tiny-router-unmodified-cache1-b1]"]
 TRACE = ["test_latency.py::test_prefill[tiny-trace-unmodified-cache1-prompt32]"]
+UNKNOWN = {node: (("unmodified", node), 0.0, None) for node in ROUTER + TRACE}  # no run to estimate them from
+
+
+def case(system, fraction, counted=False, size="b1"):
+    return f"{system}@{fraction}-{size}", ("olmoe-1b-7b", "trace", system, fraction, size), counted
 
 
 def test_a_part_is_a_comparison_group_in_bundles():
-    """A part: the uncounted cases of one shape, routing and batch, each with what it compares with: the group's
-    resident model and accelerate first, then per cache size its cases and the seed there, counted or not."""
-    def case(system, fraction, counted, size="b1"):
-        c = ("olmoe-1b-7b", "trace", system, fraction, size)
-        return f"{system}@{fraction}-{size}", c, counted
-
+    """A group's uncounted cases, each with what it compares with: the group's resident model and accelerate
+    first, then each case with the seed at its cache, counted or not."""
     cases = [case("unmodified", 1.0, True), case("accelerate", 0.25, True), case("seed", 0.25, True),
-             case("asyncmoe-graph", 0.25, False), case("seed", 0.5, True), case("asyncmoe-graph", 0.5, False),
+             case("asyncmoe-graph", 0.25), case("seed", 0.5, True), case("asyncmoe-graph", 0.5),
              case("asyncmoe-graph", 0.125, True), case("unmodified", 1.0, True, "b8")]
-    assert parts.parts(cases) == {"olmoe-1b-7b-trace-b1": [["unmodified@1.0-b1", "accelerate@0.25-b1"],
-                                                           ["asyncmoe-graph@0.25-b1", "seed@0.25-b1"],
-                                                           ["asyncmoe-graph@0.5-b1", "seed@0.5-b1"]]}
+    assert parts.parts(cases) == {("olmoe-1b-7b", "trace", "b1"): [["unmodified@1.0-b1", "accelerate@0.25-b1"],
+                                                                  ["asyncmoe-graph@0.25-b1", "seed@0.25-b1"],
+                                                                  ["asyncmoe-graph@0.5-b1", "seed@0.5-b1"]]}
+    skip = {cases[4][1]}  # the seed at 0.5, too long for any call: the row at 0.5 goes without it
+    assert parts.parts(cases, skip)[("olmoe-1b-7b", "trace", "b1")][2] == ["asyncmoe-graph@0.5-b1"]
+
+
+def test_rows_at_one_cache_share_their_seed_where_they_fit():
+    estimates = {n: (n, 0.0, t) for n, t in [("u", 10.0), ("eager", 100.0), ("graph", 50.0), ("prefetch", 50.0),
+                                               ("seed", 200.0), ("eager2", 10.0)]}
+    bundles = [["u"], ["eager", "seed"], ["eager2"], ["graph", "seed"], ["prefetch", "seed"]]
+    assert parts.merged(bundles, estimates, 400) == [["u"], ["eager", "seed", "graph"], ["eager2"], ["prefetch", "seed"]]
+    assert parts.merged(bundles, estimates, 500) == [["u"], ["eager", "seed", "graph", "prefetch"], ["eager2"]]
+
+
+def test_too_long_is_what_no_call_can_hold_with_what_it_compares_with():
+    cases = [case("unmodified", 1.0), case("accelerate", 0.25), case("seed", 0.25), case("asyncmoe-graph", 0.25),
+             case("seed", 0.5), case("asyncmoe-graph", 0.5)]
+    estimates = {n: (c[2:4], 0.0, {"accelerate": 100.0, "seed": 300.0}.get(c[2], 50.0)) for n, c, _ in cases}
+    estimates["seed@0.5-b1"] = (("seed", 0.5), 0.0, 450.0)
+    # the seed at 0.5 with accelerate: 550 s; the row at 0.5 without it: 200 s; at 0.25 with the seed: 500 s
+    assert parts.too_long(cases, estimates, 490) == {cases[4][1], cases[3][1]}
 
 
 def test_each_part_runs_into_its_own_json(tmp_path):
-    parts.run({"tiny-router": [ROUTER], "tiny-trace": [TRACE]}, {}, [None, None], 600, tmp_path, "t")  # two workers, as on two GPUs
-    for name, nodes in [("t-tiny-router", ROUTER), ("t-tiny-trace", TRACE)]:
+    todo = {("tiny", "router", "b1"): [ROUTER], ("tiny", "trace", "prompt32"): [TRACE]}
+    parts.run(todo, UNKNOWN, [None, None], 600, tmp_path, "t")  # two workers, as on two GPUs
+    for name, nodes in [("t-tiny-router-b1", ROUTER), ("t-tiny-trace-prompt32", TRACE)]:
         run = json.loads((tmp_path / f"bench-{name}.json").read_text())
         assert sorted(b["fullname"].split("::")[-1] for b in run["benchmarks"]) == sorted(n.split("::")[-1] for n in nodes)
         assert (tmp_path / f"ids-{name}.txt").read_text().split() == nodes
 
 
 def test_a_part_running_at_the_limit_is_stopped(tmp_path):
-    parts.run({"tiny-router": [ROUTER], "tiny-trace": [TRACE]}, {}, [None], 1, tmp_path, "t", start_s=0)  # before pytest has collected
-    assert "stopped at the 1 s limit" in (tmp_path / "bench-t-tiny-router.txt").read_text()
-    assert not (tmp_path / "bench-t-tiny-router.json").exists()
-    assert not (tmp_path / "ids-t-tiny-trace.txt").exists()
+    todo = {("tiny", "router", "b1"): [ROUTER], ("tiny", "trace", "prompt32"): [TRACE]}
+    parts.run(todo, UNKNOWN, [None], 1, tmp_path, "t", start_s=0)  # stopped before pytest has collected
+    assert "stopped at the 1 s limit" in (tmp_path / "bench-t-tiny-router-b1.txt").read_text()
+    assert not (tmp_path / "bench-t-tiny-router-b1.json").exists()
+    assert not (tmp_path / "ids-t-tiny-trace-prompt32.txt").exists()
 
 
 def test_no_part_starts_in_less_time_than_its_start_up(tmp_path):
-    parts.run({"tiny-router": [ROUTER]}, {}, [None], parts.START_S - 1, tmp_path, "t")
+    parts.run({("tiny", "router", "b1"): [ROUTER]}, UNKNOWN, [None], parts.START_S - 1, tmp_path, "t")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_part_takes_its_baselines_and_the_bundles_that_fit():
-    estimates = {"u": 10.0, "a": 40.0, "g1": 100.0, "s1": None, "g2": 300.0, "g3": 50.0}
+    estimates = {"u": ("U", 5.0, 5.0), "a": ("A", 10.0, 30.0), "g1": ("G", 30.0, 70.0), "s1": ("S", 0.0, None),
+                 "g2": ("G2", 0.0, 300.0), "g3": ("G", 30.0, 50.0)}  # g1 and g3 share a model: one build
     bundles = [["u", "a"], ["g1", "s1"], ["g2"], ["g3"]]
+    assert parts.cost(["g1", "g3"], estimates) == 30.0 + 70.0 + 50.0
     assert parts.fitting(bundles, estimates, 250) == ["u", "a", "g1", "s1", "g3"]  # g2 would be stopped: it waits
     assert parts.fitting(bundles, estimates, 49) == []  # nothing but the baselines fits
     assert parts.fitting([["u", "a"]], estimates, 60) == ["u", "a"]  # only they are left to measure
+    assert parts.fitting([["g3"]], estimates, 60, chosen=["g1"]) == []  # beside g1: 150 s
+    assert parts.fitting([["g3"]], estimates, 150, chosen=["g1"]) == ["g3"]
+
+
+def test_groups_of_a_shape_and_routing_share_a_process(tmp_path, monkeypatch):
+    """A GPU takes the first group that fits, then the other groups of its shape and routing that fit beside it."""
+    estimates = {"b1": (("asyncmoe", 16), 30.0, 100.0), "b8": (("asyncmoe", 16), 30.0, 100.0),
+                 "trace": (("asyncmoe", 16), 30.0, 10.0), "b32": (("asyncmoe", 16), 30.0, 400.0)}
+    todo = {("olmoe-1b-7b", "router", "b1"): [["b1"]], ("olmoe-1b-7b", "trace", "b1"): [["trace"]],
+            ("olmoe-1b-7b", "router", "b32"): [["b32"]], ("olmoe-1b-7b", "router", "b8"): [["b8"]]}
+    ran = []
+    monkeypatch.setattr(parts.subprocess, "run", lambda cmd, **kw: ran.append([a for a in cmd if a in estimates]))
+    parts.run(todo, estimates, [None], 300, tmp_path, "t", start_s=0)
+    assert ran == [["b1", "b8"], ["trace"]]  # b32 fits neither beside them (530 s) nor alone (430 s)
 
 
 def test_an_estimate_is_a_build_and_what_the_same_case_took_on_either_routing():
@@ -63,11 +101,12 @@ def test_an_estimate_is_a_build_and_what_the_same_case_took_on_either_routing():
 
     runs = [{"benchmarks": [case("asyncmoe-graph", "b8", 0.3, 5, 2.0), case("asyncmoe-eager", "b1", 5.0, 5, 1.0, cache=32),
                             case("seed", "prompt512", 40.0, 2, 30.0), {"extra_info": {}, "stats": {}}]}]  # {}: a cut case
-    trace = ("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.25, "b8")
-    assert parts.estimate(trace, runs) == 5.0 + (5 + 1) * 2.0  # the asyncmoe model's build, a warm-up and 5 timed rounds
-    # a seed prompt 4x as long: 4x the calls, no warm-up round; the build once
-    assert parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs) == 40.0 + 4 * 2 * 30.0
-    assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b8"), runs) is None  # other cache
+    graph = ("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.25, "b8")
+    # the asyncmoe model's build (recorded at another cache), then a warm-up and 5 timed rounds
+    assert parts.estimate(graph, runs) == (suite.model_key(graph), 5.0, (5 + 1) * 2.0)
+    # a seed prompt 4x as long: 4x the calls, no warm-up round
+    assert parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs)[1:] == (40.0, 4 * 2 * 30.0)
+    assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b8"), runs)[2] is None  # other cache
 
 
 def test_a_case_in_out_is_no_longer_missing(tmp_path):
