@@ -36,7 +36,7 @@ import report
 import test_latency as suite
 
 HERE = pathlib.Path(__file__).parent
-START_S = 50  # a part's pytest start-up: collection, the unmodified model's references (~50 s a run, seventh session)
+START_S = 50  # a process's start-up: pytest's collection, the unmodified model's references (~50 s a run, seventh session)
 
 
 def measured_runs(out: pathlib.Path) -> list[dict]:
