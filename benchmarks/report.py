@@ -30,14 +30,18 @@ import sys
 HERE = pathlib.Path(__file__).parent
 
 
+def compared_with(system: str) -> list[str]:
+    """The systems a row's speedups are over: asyncmoe's over accelerate and the seed, the seed's over accelerate."""
+    return {"unmodified": [], "accelerate": [], "seed": ["accelerate"]}.get(system, ["accelerate", "seed"])
+
+
 def baselines(row: dict, group: list[dict]) -> list[tuple[str, dict]]:
     """The (system, case) a row gets a speedup over, from its group: asyncmoe's over accelerate and the seed,
     the seed's over accelerate. Accelerate has no cache of its own, so the rows of every cache smaller than
     the experts compare with its one run (with every expert in a slot nothing is offloaded); the seed at the
     same cache."""
-    bases = {"unmodified": [], "accelerate": [], "seed": ["accelerate"]}.get(row["system"], ["accelerate", "seed"])
     found = [(base, next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == row["cache"])), None))
-             for base in bases if base != "accelerate" or row["cache"] < row["experts"]]
+             for base in compared_with(row["system"]) if base != "accelerate" or row["cache"] < row["experts"]]
     return [(base, other) for base, other in found if other]
 
 
@@ -223,11 +227,12 @@ def bases(case: tuple, profile: set[tuple]) -> list[tuple]:
     import test_latency as suite
 
     shape, routing, system, fraction, size = case
-    if system in ("unmodified", "accelerate"):
-        return []
-    want = [] if system == "seed" else [(shape, routing, "unmodified", 1.0, size), (shape, routing, "seed", fraction, size)]
-    if fraction < 1.0:
-        want.append((shape, routing, "accelerate", suite.ACCELERATE_AT, size))
+    want = [(shape, routing, "unmodified", 1.0, size)] if system.startswith("asyncmoe") else []  # the floor's
+    for base in compared_with(system):
+        if base == "seed":
+            want.append((shape, routing, "seed", fraction, size))
+        elif fraction < 1.0:  # with every expert in a slot nothing is offloaded to compare with accelerate
+            want.append((shape, routing, "accelerate", suite.ACCELERATE_AT, size))
     return [b for b in want if b in profile]
 
 
