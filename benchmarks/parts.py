@@ -119,17 +119,14 @@ def merged(bundles: list[list[str]], estimates: dict[str, tuple], seconds: float
 def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, chosen: list[str] = ()) -> list[str]:
     """The nodes of one group to run in `left` seconds besides `chosen` (other groups' in the same process, whose
     builds they share): the first bundle (the group's baselines), then, in order, each bundle that fits what
-    those before it leave; none if no bundle past the first fits (where there is one)."""
+    those before it leave; none if no bundle past the first fits."""
     first, *rest = bundles
-    picked = [*chosen, *first]
-    if cost(picked, estimates) > left:
-        return []
-    added = False
+    picked, added = [*chosen, *first], False
     for nodes in rest:
         if cost(picked + nodes, estimates) <= left:
             picked += [n for n in nodes if n not in picked]
             added = True
-    return picked[len(chosen):] if added or not rest else []
+    return picked[len(chosen):] if added else []
 
 
 def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: list[str | None], seconds: float,
@@ -178,6 +175,27 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
         t.join()
 
 
+def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, list[list[str]]], dict[str, tuple]]:
+    """What is left to run after `runs`, for processes of at most `seconds`: the groups whose name `grep` matches,
+    in bundles, and every case's estimate. Prints the cases no such process can hold with what they compare with."""
+    cases = report.profile_cases(runs)
+    estimates = {node: estimate(case, runs) for node, case, _ in cases}
+    never = too_long(cases, estimates, seconds)
+    for node, case, _ in cases:
+        if case in never:
+            print(f"too long for one call with what it compares with, not started: {node}", flush=True)
+    todo = {}
+    for group, bundles in parts(report.profile_cases(runs, without=frozenset(never)), never).items():
+        first, *rest = merged(bundles, estimates, seconds)
+        for nodes in rest:
+            if cost(first + nodes, estimates) > seconds:
+                print(f"too long for one call beside its group's baselines, not started: {' '.join(nodes)}", flush=True)
+        rest = [nodes for nodes in rest if cost(first + nodes, estimates) <= seconds]
+        if rest and re.search(grep, "-".join(group)):
+            todo[group] = [first, *rest]
+    return todo, estimates
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=pathlib.Path, required=True, help="where the parts' JSON, ids and output go")
@@ -195,16 +213,7 @@ def main():
         alone = {d: h2d_bandwidths([d], reps=20)[d] for d in range(len(gpus))}
         together = h2d_bandwidths(list(alone), reps=20)
         (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(dict(alone=alone, together=together)))
-    runs = measured_runs(args.out)
-    cases = report.profile_cases(runs)
-    estimates = {node: estimate(case, runs) for node, case, _ in cases}
-    never = too_long(cases, estimates, args.seconds - START_S)
-    for node, case, _ in cases:
-        if case in never:
-            print(f"too long for this call with what it compares with, not started: {node}", flush=True)
-    todo = {group: merged(bundles, estimates, args.seconds - START_S)
-            for group, bundles in parts(report.profile_cases(runs, without=frozenset(never)), never).items()
-            if re.search(args.grep, "-".join(group))}
+    todo, estimates = plan(measured_runs(args.out), args.seconds - START_S, args.grep)
     print(f"{len({n for b in todo.values() for ns in b for n in ns})} cases in {len(todo)} groups on {len(gpus)} GPUs "
           f"for {args.seconds:.0f} s", flush=True)
     run(todo, estimates, gpus, args.seconds, args.out, args.tag)

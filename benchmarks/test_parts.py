@@ -3,6 +3,7 @@ process into its own JSON, stopped at the time limit, cases chosen by what their
 and what is in --out no longer missing."""
 
 import json
+import pathlib
 
 import parts
 import report
@@ -48,7 +49,7 @@ def test_too_long_is_what_no_call_can_hold_with_what_it_compares_with():
 
 
 def test_each_part_runs_into_its_own_json(tmp_path):
-    todo = {("tiny", "router", "b1"): [ROUTER], ("tiny", "trace", "prompt32"): [TRACE]}
+    todo = {("tiny", "router", "b1"): [[], ROUTER], ("tiny", "trace", "prompt32"): [[], TRACE]}
     parts.run(todo, UNKNOWN, [None, None], 600, tmp_path, "t")  # two workers, as on two GPUs
     for name, nodes in [("t-tiny-router-b1", ROUTER), ("t-tiny-trace-prompt32", TRACE)]:
         run = json.loads((tmp_path / f"bench-{name}.json").read_text())
@@ -57,7 +58,7 @@ def test_each_part_runs_into_its_own_json(tmp_path):
 
 
 def test_a_part_running_at_the_limit_is_stopped(tmp_path):
-    todo = {("tiny", "router", "b1"): [ROUTER], ("tiny", "trace", "prompt32"): [TRACE]}
+    todo = {("tiny", "router", "b1"): [[], ROUTER], ("tiny", "trace", "prompt32"): [[], TRACE]}
     parts.run(todo, UNKNOWN, [None], 1, tmp_path, "t", start_s=0)  # stopped before pytest has collected
     assert "stopped at the 1 s limit" in (tmp_path / "bench-t-tiny-router-b1.txt").read_text()
     assert not (tmp_path / "bench-t-tiny-router-b1.json").exists()
@@ -65,7 +66,7 @@ def test_a_part_running_at_the_limit_is_stopped(tmp_path):
 
 
 def test_no_part_starts_in_less_time_than_its_start_up(tmp_path):
-    parts.run({("tiny", "router", "b1"): [ROUTER]}, UNKNOWN, [None], parts.START_S - 1, tmp_path, "t")
+    parts.run({("tiny", "router", "b1"): [[], ROUTER]}, UNKNOWN, [None], parts.START_S - 1, tmp_path, "t")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -76,17 +77,16 @@ def test_a_part_takes_its_baselines_and_the_bundles_that_fit():
     assert parts.cost(["g1", "g3"], estimates) == 30.0 + 70.0 + 50.0
     assert parts.fitting(bundles, estimates, 250) == ["u", "a", "g1", "s1", "g3"]  # g2 would be stopped: it waits
     assert parts.fitting(bundles, estimates, 49) == []  # nothing but the baselines fits
-    assert parts.fitting([["u", "a"]], estimates, 60) == ["u", "a"]  # only they are left to measure
-    assert parts.fitting([["g3"]], estimates, 60, chosen=["g1"]) == []  # beside g1: 150 s
-    assert parts.fitting([["g3"]], estimates, 150, chosen=["g1"]) == ["g3"]
+    assert parts.fitting([[], ["g3"]], estimates, 60, chosen=["g1"]) == []  # beside g1: 150 s
+    assert parts.fitting([[], ["g3"]], estimates, 150, chosen=["g1"]) == ["g3"]
 
 
 def test_groups_of_a_shape_and_routing_share_a_process(tmp_path, monkeypatch):
     """A GPU takes the first group that fits, then the other groups of its shape and routing that fit beside it."""
     estimates = {"b1": (("asyncmoe", 16), 30.0, 100.0), "b8": (("asyncmoe", 16), 30.0, 100.0),
                  "trace": (("asyncmoe", 16), 30.0, 10.0), "b32": (("asyncmoe", 16), 30.0, 400.0)}
-    todo = {("olmoe-1b-7b", "router", "b1"): [["b1"]], ("olmoe-1b-7b", "trace", "b1"): [["trace"]],
-            ("olmoe-1b-7b", "router", "b32"): [["b32"]], ("olmoe-1b-7b", "router", "b8"): [["b8"]]}
+    todo = {("olmoe-1b-7b", "router", "b1"): [[], ["b1"]], ("olmoe-1b-7b", "trace", "b1"): [[], ["trace"]],
+            ("olmoe-1b-7b", "router", "b32"): [[], ["b32"]], ("olmoe-1b-7b", "router", "b8"): [[], ["b8"]]}
     ran = []
     monkeypatch.setattr(parts.subprocess, "run", lambda cmd, **kw: ran.append([a for a in cmd if a in estimates]))
     parts.run(todo, estimates, [None], 300, tmp_path, "t", start_s=0)
@@ -118,3 +118,29 @@ def test_a_case_in_out_is_no_longer_missing(tmp_path):
     (tmp_path / "bench-t-x.json").write_text(json.dumps({"benchmarks": [{"extra_info": extra}]}))
     after = report.profile_cases(parts.measured_runs(tmp_path))
     assert [n for n, _, counted in after if not counted] == [n for n, _, counted in before if not counted and n != node]
+
+
+def test_the_plan_for_the_committed_runs_keeps_every_comparison_in_one_process(capsys):
+    """On docs/results as committed: every case left runs in some bundle, with the group's baselines first and the
+    seed at its cache in its own bundle; nothing longer than a process is planned, and what is too long is named."""
+    runs = parts.measured_runs(pathlib.Path("/nonexistent"))
+    cases = report.profile_cases(runs)
+    todo, estimates = parts.plan(runs, 490)
+    named = capsys.readouterr().out
+    planned = {n for bundles in todo.values() for nodes in bundles for n in nodes}
+    for node, case, counted in cases:
+        if node in named:
+            assert node not in planned
+        elif not counted:
+            assert node in planned
+    profile = {c for _, c, _ in cases}
+    node_of = {c: n for n, c, _ in cases}
+    for (shape, routing, size), (first, *rest) in todo.items():
+        for nodes in rest:
+            assert parts.cost(first + nodes, estimates) <= 490
+            for node in nodes:
+                case = next(c for n, c, _ in cases if n == node)
+                assert case[:2] + case[4:] == (shape, routing, size)
+                for base in report.bases(case, profile):
+                    assert node_of[base] in first + nodes or node_of[base] in named
+    assert parts.plan(runs, 490, grep="qwen3.*-b8")[0].keys() <= {("qwen3-30b-a3b", r, "b8") for r in ("router", "trace")}
