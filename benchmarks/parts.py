@@ -51,20 +51,24 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     cases of one key share it). The rounds, timed and warm-up: the longest any run took for the same case on
     either routing (they copy about as much: OLMoE and DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n
     tokens not measured, at most n / m times the same case's prompt of m (the seed's calls, n / chunk, are
-    most of its time); else the slowest the system took at another cache; None: nothing to go by."""
+    most of its time); else the slowest the system took at another cache, or for asyncmoe's graph systems the
+    slowest its eager one took (the graph's step is the eager step's copies and kernels, captured); None:
+    nothing to go by."""
     shape, _, system, fraction, size = case
     cache, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
-    build, took = 0.0, {}  # took: (cache, batch or prompt length) -> [seconds of rounds]
+    build, took = 0.0, {}  # took: (system, cache, batch or prompt length) -> [seconds of rounds]
     for e, s in ((b["extra_info"], b["stats"]) for run in runs for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
             continue
         if suite.model_kind(e["system"]) == suite.model_kind(system):
             build = max(build, e.get("setup_s", 0.0))
-        if (e["system"], "prompt" in e) == (system, prefill):
-            rounds = (s["rounds"] + suite.warmup_rounds(system, prefill)) * s["mean"]
-            took.setdefault((e["cache"], e["prompt"] if prefill else e["batch"]), []).append(rounds)
-    times = (took.get((cache, n)) or [t * n / m for (c, m), ts in took.items() if c == cache and prefill and m < n for t in ts]
-             or [t for (c, m), ts in took.items() if m == n for t in ts])  # at other caches: the slowest
+        if ("prompt" in e) == prefill:
+            rounds = (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
+            took.setdefault((e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), []).append(rounds)
+    times = (took.get((system, cache, n))
+             or [t * n / m for (y, c, m), ts in took.items() if (y, c) == (system, cache) and prefill and m < n for t in ts]
+             or [t for (y, c, m), ts in took.items() if (y, m) == (system, n) for t in ts]
+             or [t for (y, c, m), ts in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system for t in ts])
     return suite.model_key(case), build, max(times, default=None)
 
 

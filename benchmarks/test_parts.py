@@ -108,6 +108,7 @@ def test_an_estimate_is_a_build_and_what_the_same_case_took_on_either_routing():
     assert parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs)[1:] == (40.0, 4 * 2 * 30.0)
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b8"), runs)[2] == 12.0  # another cache's
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b32"), runs)[2] is None  # no batch 32
+    assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph-prefetch", 0.5, "b1"), runs)[2] == 6.0  # eager's
 
 
 def test_a_case_in_out_is_no_longer_missing(tmp_path):
