@@ -19,19 +19,23 @@ import torch
 from decode_step import h2d_bandwidths
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    devices = list(range(torch.cuda.device_count()))
+def side_by_side(devices: list[int]) -> dict:
+    """Each device's H2D GB/s alone, then with every device copying at once."""
     alone = {d: h2d_bandwidths([d], reps=20)[d] for d in devices}
     together = h2d_bandwidths(devices, reps=20)
-    result = {
+    return {
         "gpus": [torch.cuda.get_device_name(d) for d in devices],
         "alone_GB_per_s": alone,
         "together_GB_per_s": together,
         "together_over_alone": {d: together[d] / alone[d] for d in devices},
     }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result = side_by_side(list(range(torch.cuda.device_count())))
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -15,7 +15,7 @@ once. A case the limit stops loses every minute it ran, so a process takes only 
 the time left; the rest wait for a later call, and a case that cannot fit any call with what it compares
 with (`too_long`) is named and never started. What is in `--out` counts as measured, so a second call goes
 on where the first stopped. On several GPUs it first records whether their host -> GPU copies slow each
-other (as `h2d_side_by_side.py` does): every case is bound by its copies.
+other (`h2d_side_by_side.side_by_side`): every case is bound by its copies.
 """
 
 from __future__ import annotations
@@ -213,11 +213,9 @@ def main():
         sys.exit("parts.py runs the full profile, which needs CUDA GPUs; the CPU runs the smoke profile: pytest benchmarks/")
     args.out.mkdir(parents=True, exist_ok=True)
     if len(gpus) > 1:
-        from decode_step import h2d_bandwidths
+        from h2d_side_by_side import side_by_side
 
-        alone = {d: h2d_bandwidths([d], reps=20)[d] for d in range(len(gpus))}
-        together = h2d_bandwidths(list(alone), reps=20)
-        (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(dict(alone=alone, together=together)))
+        (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(side_by_side(list(range(len(gpus))))))
     todo, estimates = plan(measured_runs(args.out), args.seconds - START_S, args.grep)
     print(f"{len({n for b in todo.values() for ns in b for n in ns})} cases in {len(todo)} groups on {len(gpus)} GPUs "
           f"for {args.seconds:.0f} s", flush=True)
