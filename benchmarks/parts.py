@@ -1,6 +1,7 @@
 """Run the full profile's uncounted cases, a process per GPU at a time, until a time limit; run it again to go on.
 
     python benchmarks/parts.py --out docs/results/2026-12-01 --tag c1 --seconds 540 [--grep 'qwen3.*trace']
+    python benchmarks/parts.py --seconds 540 --simulate 2     # CPU: the calls of 2 GPUs the rest would take
 
 The full profile takes hours (docs/results/coverage.md); a machine lends minutes at a time. Issue 5 asks for
 the systems "in the same run", and the report takes a row's ratios (limit ratio, speedups over accelerate and
@@ -11,7 +12,7 @@ the seed at its cache (rows at one cache share their seed where they fit: `merge
 process after another (`CUDA_VISIBLE_DEVICES`, `--cases-json`, so a process stopped by the time limit keeps
 every case it finished), each with the groups of one shape and routing that fit, so their models are built
 once. A case the limit stops loses every minute it ran, so a process takes only the bundles whose estimates
-(`estimate`: the model's build at that shape, the rounds the same case took in any run, either routing) fit
+(`estimate`: the model's build at that shape, the rounds the same case took in the newest run, either routing) fit
 the time left; the rest wait for a later call, and a case that cannot fit any call with what it compares
 with (`too_long`) is named and never started. What is in `--out` counts as measured, so a second call goes
 on where the first stopped. On several GPUs it first records whether their host -> GPU copies slow each
@@ -21,6 +22,9 @@ other (`h2d_side_by_side.side_by_side`): every case is bound by its copies.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
+import io
 import json
 import os
 import pathlib
@@ -40,36 +44,42 @@ START_S = 50  # a process's start-up: pytest's collection, the unmodified model'
 
 
 def measured_runs(out: pathlib.Path) -> list[dict]:
-    """Every run under docs/results and in `out`."""
+    """Every run under docs/results and in `out`, oldest first."""
     paths = [*(HERE.parent / "docs" / "results").glob("**/bench-*.json"), *out.glob("bench-*.json")]
-    return [json.loads(text) for text in (p.read_text() for p in paths) if text]  # "": a run that wrote nothing
+    runs = [json.loads(text) for text in (p.read_text() for p in paths) if text]  # "": a run that wrote nothing
+    return sorted(runs, key=lambda run: run["datetime"])
 
 
 def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]:
     """What `case` will take on the GPU: (its model's `test_latency.model_key`, that model's build in seconds, its
-    rounds in seconds). The build: the longest any run recorded for that kind of model at that shape (`setup_s`;
-    cases of one key share it). The rounds, timed and warm-up: the longest any run took for the same case on
-    either routing (they copy about as much: OLMoE and DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n
-    tokens not measured, at most n / m times the same case's prompt of m (the seed's calls, n / chunk, are
-    most of its time); else the slowest the system took at another cache, or for asyncmoe's graph systems the
-    slowest its eager one took (the graph's step is the eager step's copies and kernels, captured); None:
-    nothing to go by."""
+    rounds in seconds), each from the newest of `runs` (oldest first) that has one, the longest there: the code
+    changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session).
+    The build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it). The
+    rounds, timed and warm-up: the same case's, on either routing (they copy about as much: OLMoE and
+    DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n tokens not measured, n / m times the same case's
+    prompt of m (the seed's calls, n / chunk, are most of its time); else the system's at another cache, or
+    for asyncmoe's graph systems its eager one's (the graph's step is the eager step's copies and kernels,
+    captured); None: nothing to go by."""
     shape, _, system, fraction, size = case
     cache, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
-    build, took = 0.0, {}  # took: (system, cache, batch or prompt length) -> [seconds of rounds]
-    for e, s in ((b["extra_info"], b["stats"]) for run in runs for b in run["benchmarks"]):
+    build, took = (-1, 0.0), {}  # build: (run, seconds); took: (system, cache, batch or prompt length) -> (run, [seconds])
+    for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
             continue
         if suite.model_kind(e["system"]) == suite.model_kind(system):
-            build = max(build, e.get("setup_s", 0.0))
+            build = max(build, (i, e.get("setup_s", 0.0)))
         if ("prompt" in e) == prefill:
-            rounds = (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
-            took.setdefault((e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), []).append(rounds)
-    times = (took.get((system, cache, n))
-             or [t * n / m for (y, c, m), ts in took.items() if (y, c) == (system, cache) and prefill and m < n for t in ts]
-             or [t for (y, c, m), ts in took.items() if (y, m) == (system, n) for t in ts]
-             or [t for (y, c, m), ts in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system for t in ts])
-    return suite.model_key(case), build, max(times, default=None)
+            key, rounds = (e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
+            took[key] = (i, [rounds]) if key not in took or took[key][0] < i else (i, [*took[key][1], rounds])
+
+    def newest(found):  # [(run, [seconds])] -> the seconds of the newest run
+        return [t for i, ts in found if i == max(i for i, _ in found) for t in ts] if found else []
+
+    times = (newest([took[(system, cache, n)]] if (system, cache, n) in took else [])
+             or newest([(i, [t * n / m for t in ts]) for (y, c, m), (i, ts) in took.items() if (y, c) == (system, cache) and prefill and m < n])
+             or newest([v for (y, c, m), v in took.items() if (y, m) == (system, n)])
+             or newest([v for (y, c, m), v in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system]))
+    return suite.model_key(case), build[1], max(times, default=None)
 
 
 def cost(nodes: list[str], estimates: dict[str, tuple]) -> float:
@@ -81,11 +91,19 @@ def cost(nodes: list[str], estimates: dict[str, tuple]) -> float:
 
 
 def too_long(cases: list[tuple[str, tuple, bool]], estimates: dict[str, tuple], seconds: float) -> set[tuple]:
-    """The cases that cannot finish in `seconds` together with what they compare with, so no call can count them:
-    the resident model, accelerate and the seed first; then asyncmoe's rows, which do without a seed too long."""
+    """The cases no call of `seconds` can count, never to be started: first the baselines that cannot finish with
+    what they compare with (a seed with accelerate); then for each asyncmoe row that cannot finish with its
+    baselines, the seed at its cache where the row fits without it (asyncmoe's row is the one the table is for;
+    the rows at that cache then count without the seed), else the row itself."""
     profile, node_of, out = {c for _, c, _ in cases}, {c: n for n, c, _ in cases}, set()
     for node, case, _ in sorted(cases, key=lambda c: c[1][2].startswith("asyncmoe")):
-        if cost([node, *(node_of[b] for b in report.bases(case, profile - out))], estimates) > seconds:
+        bases = report.bases(case, profile - out)
+        if cost([node, *(node_of[b] for b in bases)], estimates) <= seconds:
+            continue
+        seed = [b for b in bases if b[2] == "seed"]
+        if seed and cost([node, *(node_of[b] for b in bases if b not in seed)], estimates) <= seconds:
+            out.update(seed)
+        else:
             out.add(case)
     return out
 
@@ -134,28 +152,33 @@ def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, 
     return picked[len(chosen):] if added else []
 
 
+def take(todo: list[tuple[tuple, list[list[str]]]], estimates: dict[str, tuple], left: float) -> tuple[list[str], list[tuple]]:
+    """The next process's nodes and groups, taken out of `todo`: the first group with bundles that fit `left`
+    seconds, and the other groups of its shape and routing that fit beside it (its models built once for all)."""
+    nodes, taken = [], []
+    for i, (group, bundles) in enumerate(todo if left > 0 else []):
+        if taken and group[:2] != todo[taken[0]][0][:2]:
+            continue
+        new = fitting(bundles, estimates, left, nodes)
+        if new:
+            nodes, taken = nodes + new, taken + [i]
+    groups = [todo[i][0] for i in taken]
+    todo[:] = [item for i, item in enumerate(todo) if i not in taken]
+    return nodes, groups
+
+
 def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: list[str | None], seconds: float,
         out: pathlib.Path, tag: str, start_s: float = START_S) -> None:
-    """Each GPU (None: no CUDA_VISIBLE_DEVICES) takes the first group with bundles that fit the time left, and
-    the other groups of its shape and routing that fit beside it (one process builds each model once for
-    them all), runs them, and goes on until `seconds` have passed; a part still running then is killed, its
-    finished cases already in its JSON."""
+    """Each GPU (None: no CUDA_VISIBLE_DEVICES) runs what `take` gives it for the time left, and goes on until
+    `seconds` have passed; a part still running then is killed, its finished cases already in its JSON."""
     deadline, lock, todo = time.monotonic() + seconds, threading.Lock(), list(todo.items())
 
     def worker(gpu):
         while True:
             with lock:
-                left, nodes, taken = deadline - time.monotonic() - start_s, [], []
-                for i, (group, bundles) in enumerate(todo if left > 0 else []):
-                    if taken and group[:2] != todo[taken[0]][0][:2]:
-                        continue
-                    new = fitting(bundles, estimates, left, nodes)
-                    if new:
-                        nodes, taken = nodes + new, taken + [i]
-                if not nodes:
-                    return
-                groups = [todo[i][0] for i in taken]
-                todo[:] = [item for i, item in enumerate(todo) if i not in taken]
+                nodes, groups = take(todo, estimates, deadline - time.monotonic() - start_s)
+            if not nodes:
+                return
             part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
             name = f"{tag}-{part}"
             (out / f"ids-{name}.txt").write_text("\n".join(nodes) + "\n")
@@ -188,30 +211,82 @@ def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, 
     never = too_long(cases, estimates, seconds)
     for node, case, _ in cases:
         if case in never:
-            print(f"too long for one call with what it compares with, not started: {node}", flush=True)
+            print(f"too long for a process of {seconds:.0f} s with what it compares with, not started: {node}", flush=True)
     todo = {}
     for group, bundles in parts(report.profile_cases(runs, without=frozenset(never)), never).items():
         first, *rest = merged(bundles, estimates, seconds)
         for nodes in rest:
             if cost(first + nodes, estimates) > seconds:
-                print(f"too long for one call beside its group's baselines, not started: {' '.join(nodes)}", flush=True)
+                print(f"too long for a process of {seconds:.0f} s beside its group's baselines, not started: {' '.join(nodes)}",
+                      flush=True)
         rest = [nodes for nodes in rest if cost(first + nodes, estimates) <= seconds]
         if rest and re.search(grep, "-".join(group)):
             todo[group] = [first, *rest]
     return todo, estimates
 
 
+def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep: str = "") -> tuple[list[list[float]], list[dict]]:
+    """The seconds of each process parts.py would start, call after call, until nothing is left, and the runs
+    then: every process its start-up and its cases' estimates (a case without one: `unknown_s`), each case
+    then measured as estimated. For the device time the rest of the profile needs (docs/results/coverage.md);
+    what it counts is what `plan` plans, so the cases too long for a call are not in it."""
+    runs, calls = list(runs), []
+    while True:
+        with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
+            todo, estimates = plan(runs, seconds - START_S, grep)
+        estimates = {n: (key, build, unknown_s if took is None else took) for n, (key, build, took) in estimates.items()}
+        case_of = {n: c for n, c, _ in report.profile_cases(runs)}
+        todo, clock, took = list(todo.items()), [0.0] * gpus, []
+        while True:
+            gpu = min(range(gpus), key=clock.__getitem__)
+            nodes, _ = take(todo, estimates, seconds - clock[gpu] - START_S)
+            if not nodes:
+                break
+            took.append(START_S + cost(nodes, estimates))
+            clock[gpu] += took[-1]
+            runs.append({"benchmarks": [measured(case_of[n], *estimates[n][1:]) for n in nodes]})
+        if not took:
+            return calls, runs
+        calls.append(took)
+
+
+def measured(case: tuple, build: float, took: float) -> dict:
+    """A pytest-benchmark entry for `case` as `profile_cases` and `estimate` read one: built in `build` seconds,
+    its rounds and warm-up in `took`."""
+    shape, routing, system, fraction, size = case
+    slots, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
+    extra = dict(shape=shape, routing=routing, system=system, cache=slots, setup_s=build, **{"prompt" if prefill else "batch": n})
+    if prefill and system == "seed":
+        extra["tokens_per_call"] = suite.seed_chunk(shape, 1, slots) or n
+    return {"extra_info": extra, "stats": {"rounds": 1, "mean": took / (1 + suite.warmup_rounds(system, prefill))}}
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--out", type=pathlib.Path, required=True, help="where the parts' JSON, ids and output go")
-    p.add_argument("--tag", required=True, help="names this run's files, e.g. the call and commit: c1-d81205b")
+    p.add_argument("--out", type=pathlib.Path, help="where the parts' JSON, ids and output go")
+    p.add_argument("--tag", help="names this run's files, e.g. the call and commit: c1-d81205b")
     p.add_argument("--seconds", type=float, required=True, help="stop every part this long after the start")
     p.add_argument("--grep", default="", help="only the parts whose name this regex matches, e.g. 'qwen3.*-b8'")
+    p.add_argument("--simulate", type=int, metavar="GPUS",
+                   help="run nothing: print the calls of --seconds on GPUS GPUs the rest would take (`simulate`)")
+    p.add_argument("--unknown-s", type=float, default=100.0, help="with --simulate, the seconds of a case never measured")
     args = p.parse_args()
+    if args.simulate:
+        calls, _ = simulate(measured_runs(pathlib.Path("/nonexistent")), args.seconds, args.simulate, args.unknown_s, args.grep)
+        busy = sum(map(sum, calls))
+        print(f"{len(calls)} calls of {args.seconds:.0f} s on {args.simulate} GPUs, {sum(map(len, calls))} processes, "
+              f"{busy / 3600:.1f} GPU-hours busy, {len(calls) * args.seconds * args.simulate / 3600:.1f} held")
+        return
+    if args.out is None or args.tag is None:
+        p.error("--out and --tag name what a run writes")
     gpus = [str(i) for i in range(torch.cuda.device_count())]
     if not gpus:
         sys.exit("parts.py runs the full profile, which needs CUDA GPUs; the CPU runs the smoke profile: pytest benchmarks/")
     args.out.mkdir(parents=True, exist_ok=True)
+    env = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
+           if d.metadata["Name"] in ("torch", "transformers", "triton", "accelerate", "pytest-benchmark")}
+    env["gpus"] = [torch.cuda.get_device_name(int(g)) for g in gpus]
+    (args.out / f"env-{args.tag}.json").write_text(json.dumps(env))
     if len(gpus) > 1:
         from h2d_side_by_side import side_by_side
 
