@@ -62,23 +62,24 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     captured); None: nothing to go by."""
     shape, _, system, fraction, size = case
     cache, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
-    build, took = (-1, 0.0), {}  # build: (run, seconds); took: (system, cache, batch or prompt length) -> (run, [seconds])
+    build, took = (-1, 0.0), {}  # build: (run, seconds); took: (system, cache, batch or prompt length) -> [(run, seconds)]
     for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
             continue
         if suite.model_kind(e["system"]) == suite.model_kind(system):
-            build = max(build, (i, e.get("setup_s", 0.0)))
+            build = max(build, (i, e.get("setup_s", 0.0)))  # the newest run, the longest there
         if ("prompt" in e) == prefill:
-            key, rounds = (e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
-            took[key] = (i, [rounds]) if key not in took or took[key][0] < i else (i, [*took[key][1], rounds])
+            rounds = (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
+            took.setdefault((e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), []).append((i, rounds))
 
-    def newest(found):  # [(run, [seconds])] -> the seconds of the newest run
-        return [t for i, ts in found if i == max(i for i, _ in found) for t in ts] if found else []
+    def newest(found: list[tuple[int, float]]) -> list[float]:
+        return [t for i, t in found if i == max(i for i, _ in found)] if found else []
 
-    times = (newest([took[(system, cache, n)]] if (system, cache, n) in took else [])
-             or newest([(i, [t * n / m for t in ts]) for (y, c, m), (i, ts) in took.items() if (y, c) == (system, cache) and prefill and m < n])
-             or newest([v for (y, c, m), v in took.items() if (y, m) == (system, n)])
-             or newest([v for (y, c, m), v in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system]))
+    times = (newest(took.get((system, cache, n), []))
+             or newest([(i, t * n / m) for (y, c, m), ts in took.items() if (y, c) == (system, cache) and prefill and m < n
+                        for i, t in ts])
+             or newest([it for (y, c, m), ts in took.items() if (y, m) == (system, n) for it in ts])
+             or newest([it for (y, c, m), ts in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system for it in ts]))
     return suite.model_key(case), build[1], max(times, default=None)
 
 
