@@ -41,6 +41,14 @@ import test_latency as suite
 
 HERE = pathlib.Path(__file__).parent
 START_S = 50  # a process's start-up: pytest's collection, the unmodified model's references (~50 s a run, seventh session)
+MARGIN = 1.1  # processes took 0.86-1.05x their estimates plus START_S (tenth session's, estimated from the runs before)
+
+
+def room(seconds: float, start_s: float = START_S) -> float:
+    """The estimated seconds of cases that a process with `seconds` left may take: less its start-up, and a margin
+    for what estimates miss (rounds vary from run to run; a case's untimed work, its prompt before each round,
+    its Decoder and graph, is not in them)."""
+    return (seconds - start_s) / MARGIN
 
 
 def measured_runs(out: pathlib.Path) -> list[dict]:
@@ -55,7 +63,8 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     rounds in seconds), each from the newest of `runs` (oldest first) that has one, the longest there: the code
     changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session).
     The build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it). The
-    rounds, timed and warm-up: the same case's, on either routing (they copy about as much: OLMoE and
+    rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
+    warm-up): the same case's, on either routing (they copy about as much: OLMoE and
     DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n tokens not measured, n / m times the same case's
     prompt of m (the seed's calls, n / chunk, are most of its time); else the system's at another cache, or
     for asyncmoe's graph systems its eager one's (the graph's step is the eager step's copies and kernels,
@@ -69,7 +78,7 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
         if suite.model_kind(e["system"]) == suite.model_kind(system):
             build = max(build, (i, e.get("setup_s", 0.0)))  # the newest run, the longest there
         if ("prompt" in e) == prefill:
-            rounds = (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
+            rounds = e["wall_s"] - e["setup_s"] if "wall_s" in e else (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
             took.setdefault((e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), []).append((i, rounds))
 
     def newest(found: list[tuple[int, float]]) -> list[float]:
@@ -177,7 +186,7 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
     def worker(gpu):
         while True:
             with lock:
-                nodes, groups = take(todo, estimates, deadline - time.monotonic() - start_s)
+                nodes, groups = take(todo, estimates, room(deadline - time.monotonic(), start_s))
             if not nodes:
                 return
             part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
@@ -234,13 +243,13 @@ def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep
     runs, calls = list(runs), []
     while True:
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
-            todo, estimates = plan(runs, seconds - START_S, grep)
+            todo, estimates = plan(runs, room(seconds), grep)
         estimates = {n: (key, build, unknown_s if took is None else took) for n, (key, build, took) in estimates.items()}
         case_of = {n: c for n, c, _ in report.profile_cases(runs)}
         todo, clock, took = list(todo.items()), [0.0] * gpus, []
         while True:
             gpu = min(range(gpus), key=clock.__getitem__)
-            nodes, _ = take(todo, estimates, seconds - clock[gpu] - START_S)
+            nodes, _ = take(todo, estimates, room(seconds - clock[gpu]))
             if not nodes:
                 break
             took.append(START_S + cost(nodes, estimates))
@@ -292,7 +301,7 @@ def main():
         from h2d_side_by_side import side_by_side
 
         (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(side_by_side(list(range(len(gpus))))))
-    todo, estimates = plan(measured_runs(args.out), args.seconds - START_S, args.grep)
+    todo, estimates = plan(measured_runs(args.out), room(args.seconds), args.grep)
     print(f"{len({n for b in todo.values() for ns in b for n in ns})} cases in {len(todo)} groups on {len(gpus)} GPUs "
           f"for {args.seconds:.0f} s", flush=True)
     run(todo, estimates, gpus, args.seconds, args.out, args.tag)

@@ -10,7 +10,7 @@ host-side LRU (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyn
 `asyncmoe-graph-prefetch` (GPU only). Each case decodes `steps` greedy tokens after the same prompt;
 pytest-benchmark times the decode (prefill excluded), and `extra_info` holds tokens/s, hit rate,
 prefetch recall, bytes moved per token and `setup_s`, the seconds the case's model took to build and
-install (near 0 where the last case's model was reused: `make`). In fp32 (the CPU profile) every
+install (near 0 where the last case's model was reused: `make`), and `wall_s`, the whole case's. In fp32 (the CPU profile) every
 system's tokens must equal the unmodified model's; in bf16 the agreement is recorded, not asserted
 (logits are close, not bit-equal, so a near-tie may go either way).
 
@@ -367,6 +367,7 @@ def test_decode(benchmark, case, request):
         info["hit_rate"] = seed_lru.hit_rate(model)
     if routing == "trace" and cache < experts:
         info["belady_bytes_per_token"] = belady_misses_per_step(shape, batch, cache) * len(find_experts(model)) * expert_bytes(model)
+    info["wall_s"] = time.perf_counter() - start  # the whole case, its build included: what parts.py plans with
     benchmark.extra_info.update(info)
     if DTYPE == torch.float32:
         assert agree == p["steps"] + 1, f"{system}: tokens part from the unmodified model's after {agree}"
@@ -417,6 +418,7 @@ def test_prefill(benchmark, prefill_case, request):
     if cached:
         benchmark.extra_info["bytes_per_prefill"] = bytes_moved
         assert bytes_moved > 0  # a prompt routes to more experts than the cache holds: it must copy
+    benchmark.extra_info["wall_s"] = time.perf_counter() - start
     if DTYPE == torch.float32:
         assert torch.equal(first.cpu(), want), f"{system}: the first new token differs from the unmodified model's"
 

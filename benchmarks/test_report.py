@@ -22,6 +22,9 @@ def test_report_rows_and_files(tmp_path):
     assert dict(json.loads(cases_path.read_text()), datetime=None) == dict(data, datetime=None)
     table = report.rows(data)
     assert {r["system"] for r in table} >= {"unmodified", "seed", "asyncmoe-eager"}
+    for b in data["benchmarks"]:  # a case's wall time holds its build and every round, warm-up included
+        e, rounds = b["extra_info"], len(b["stats"]["data"])
+        assert e["wall_s"] > e["setup_s"] + rounds * b["stats"]["min"]
     for r in table:
         assert r["tokens_per_s"] == pytest.approx(1e3 * r["batch"] / r["ms_per_token"])
     eager = next(r for r in table if r["system"] == "asyncmoe-eager")
