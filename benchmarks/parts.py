@@ -70,7 +70,7 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     for asyncmoe's graph systems its eager one's (the graph's step is the eager step's copies and kernels,
     captured); None: nothing to go by."""
     shape, _, system, fraction, size = case
-    cache, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
+    (prefill, n), cache = report.parse_size(size), suite.slots(shape, fraction)
     build, took = (-1, 0.0), {}  # build: (run, seconds); took: (system, cache, batch or prompt length) -> [(run, seconds)]
     for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
@@ -262,13 +262,14 @@ def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep
 
 def measured(case: tuple, build: float, took: float) -> dict:
     """A pytest-benchmark entry for `case` as `profile_cases` and `estimate` read one: built in `build` seconds,
-    its rounds and warm-up in `took`."""
+    the rest of it in `took`."""
     shape, routing, system, fraction, size = case
-    slots, n, prefill = suite.slots(shape, fraction), int(size.removeprefix("prompt").removeprefix("b")), size.startswith("prompt")
-    extra = dict(shape=shape, routing=routing, system=system, cache=slots, setup_s=build, **{"prompt" if prefill else "batch": n})
+    (prefill, n), slots = report.parse_size(size), suite.slots(shape, fraction)
+    extra = dict(shape=shape, routing=routing, system=system, cache=slots, setup_s=build, wall_s=build + took,
+                 **{"prompt" if prefill else "batch": n})
     if prefill and system == "seed":
         extra["tokens_per_call"] = suite.seed_chunk(shape, 1, slots) or n
-    return {"extra_info": extra, "stats": {"rounds": 1, "mean": took / (1 + suite.warmup_rounds(system, prefill))}}
+    return {"extra_info": extra, "stats": {}}
 
 
 def main():

@@ -220,6 +220,11 @@ def merge(paths: list[pathlib.Path]) -> dict:
     return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
 
 
+def parse_size(size: str) -> tuple[bool, int]:
+    """A case's batch or prompt as the profile names it, `b8` or `prompt512`: (whether a prompt, the number)."""
+    return size.startswith("prompt"), int(size.removeprefix("prompt").removeprefix("b"))
+
+
 def bases(case: tuple, profile: set[tuple]) -> list[tuple]:
     """The cases of `profile` that `case`'s ratios compare with, as `rows` and `baselines` take them from its run:
     for asyncmoe the resident model (its floor), accelerate (a cache smaller than the experts) and the seed at the
@@ -251,8 +256,8 @@ def profile_cases(runs: list[dict], without: frozenset = frozenset()) -> list[tu
 
     def key(case):  # as `held` keys a run's cases
         s, r, system, f, size = case
-        slots, n = suite.slots(s, f), int(size.removeprefix("prompt").removeprefix("b"))
-        return s, r, system, slots, size, chunk(system, size.startswith("prompt"), suite.seed_chunk(s, 1, slots) or n)
+        (prefill, n), slots = parse_size(size), suite.slots(s, f)
+        return s, r, system, slots, size, chunk(system, prefill, suite.seed_chunk(s, 1, slots) or n)
 
     held = [{(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}",
               chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))

@@ -140,9 +140,9 @@ def test_the_simulation_measures_what_it_plans_until_nothing_is_left():
 def test_a_case_in_out_is_no_longer_missing(tmp_path):
     before = report.profile_cases(parts.measured_runs(tmp_path))
     node, (shape, routing, system, fraction, size), _ = next(c for c in before if c[1][2] == "unmodified" and not c[2])
-    kind = "prompt" if size.startswith("prompt") else "batch"
+    prefill, n = report.parse_size(size)
     extra = {"shape": shape, "routing": routing, "system": system, "cache": suite.slots(shape, fraction),
-             kind: int(size.removeprefix("prompt").removeprefix("b"))}
+             "prompt" if prefill else "batch": n}
     (tmp_path / "bench-t-x.json").write_text(json.dumps({"datetime": "2026-12-01T00:00:00", "benchmarks": [{"extra_info": extra}]}))
     after = report.profile_cases(parts.measured_runs(tmp_path))
     assert [n for n, _, counted in after if not counted] == [n for n, _, counted in before if not counted and n != node]
