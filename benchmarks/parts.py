@@ -12,7 +12,7 @@ the seed at its cache (rows at one cache share their seed where they fit: `merge
 process after another (`CUDA_VISIBLE_DEVICES`, `--cases-json`, so a process stopped by the time limit keeps
 every case it finished), each with the groups of one shape and routing that fit, so their models are built
 once. A case the limit stops loses every minute it ran, so a process takes only the bundles whose estimates
-(`estimate`: the model's build at that shape, the rounds the same case took in the newest run, either routing) fit
+(`estimate`: the model's build at that shape, the rounds the same case took in the newest run, its routing first) fit
 the time left; the rest wait for a later call, and a case that cannot fit any call with what it compares
 with (`too_long`) is named and never started. What is in `--out` counts as measured, so a second call goes
 on where the first stopped. On several GPUs it first records whether their host -> GPU copies slow each
@@ -62,34 +62,47 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     """What `case` will take on the GPU: (its model's `test_latency.model_key`, that model's build in seconds, its
     rounds in seconds), each from the newest of `runs` (oldest first) that has one, the longest there: the code
     changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session).
-    The build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it). The
+    The build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it), else
+    for asyncmoe with prefetch, without it, and the other way (one `asyncmoe.compile`: 0.6-1.2x in one run). The
     rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
-    warm-up): the same case's, on either routing (they copy about as much: OLMoE and
-    DeepSeek-V2-Lite batch 1, 0.7-1.3x); a prompt of n tokens not measured, n / m times the same case's
-    prompt of m (the seed's calls, n / chunk, are most of its time); else the system's at another cache, or
-    for asyncmoe's graph systems its eager one's (the graph's step is the eager step's copies and kernels,
-    captured); None: nothing to go by."""
-    shape, _, system, fraction, size = case
+    warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
+    seed's calls, n / chunk, are most of its time); else the system's at another cache, or for asyncmoe's
+    graph systems its eager one's (the graph's step is the eager step's copies and kernels, captured); each
+    from the case's own routing first, then the other's (they copy about as much at batch 1, 0.7-1.3x, but at
+    batches 8 and 32 the random router spreads a step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5,
+    OLMoE and DeepSeek-V2-Lite, eleventh session); None: nothing to go by."""
+    shape, routing, system, fraction, size = case
     (prefill, n), cache = report.parse_size(size), suite.slots(shape, fraction)
-    build, took = (-1, 0.0), {}  # build: (run, seconds); took: (system, cache, batch or prompt length) -> [(run, seconds)]
+    build, other, took = (-1, 0.0), (-1, 0.0), {}  # build: (run, seconds); took: (routing, system, cache, size) -> [(run, seconds)]
     for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
             continue
-        if suite.model_kind(e["system"]) == suite.model_kind(system):
+        kind = suite.model_kind(e["system"])
+        if kind == suite.model_kind(system):
             build = max(build, (i, e.get("setup_s", 0.0)))  # the newest run, the longest there
+        elif kind.startswith("asyncmoe") and system.startswith("asyncmoe"):
+            other = max(other, (i, e.get("setup_s", 0.0)))
         if ("prompt" in e) == prefill:
             rounds = e["wall_s"] - e["setup_s"] if "wall_s" in e else (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
-            took.setdefault((e["system"], e["cache"], e["prompt"] if prefill else e["batch"]), []).append((i, rounds))
+            key = (e["routing"], e["system"], e["cache"], e["prompt"] if prefill else e["batch"])
+            took.setdefault(key, []).append((i, rounds))
 
     def newest(found: list[tuple[int, float]]) -> list[float]:
         return [t for i, t in found if i == max(i for i, _ in found)] if found else []
 
-    times = (newest(took.get((system, cache, n), []))
-             or newest([(i, t * n / m) for (y, c, m), ts in took.items() if (y, c) == (system, cache) and prefill and m < n
-                        for i, t in ts])
-             or newest([it for (y, c, m), ts in took.items() if (y, m) == (system, n) for it in ts])
-             or newest([it for (y, c, m), ts in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system for it in ts]))
-    return suite.model_key(case), build[1], max(times, default=None)
+    def guess(took: dict[tuple, list[tuple[int, float]]]) -> list[float]:
+        return (newest(took.get((system, cache, n), []))
+                or newest([(i, t * n / m) for (y, c, m), ts in took.items() if (y, c) == (system, cache) and prefill and m < n
+                           for i, t in ts])
+                or newest([it for (y, c, m), ts in took.items() if (y, m) == (system, n) for it in ts])
+                or newest([it for (y, c, m), ts in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system
+                           for it in ts]))
+
+    either: dict[tuple, list[tuple[int, float]]] = {}
+    for (r, *key), ts in took.items():
+        either.setdefault(tuple(key), []).extend(ts)
+    times = guess({tuple(key): ts for (r, *key), ts in took.items() if r == routing}) or guess(either)
+    return suite.model_key(case), (build if build[0] >= 0 else other)[1], max(times, default=None)
 
 
 def cost(nodes: list[str], estimates: dict[str, tuple]) -> float:

@@ -97,7 +97,7 @@ def test_groups_of_a_shape_and_routing_share_a_process(tmp_path, monkeypatch):
     assert ran == [["b1", "b8"], ["trace"]]
 
 
-def test_an_estimate_is_a_build_and_what_the_same_case_took_on_either_routing():
+def test_an_estimate_is_a_build_and_what_the_same_case_took():
     def case(system, size, setup_s, rounds, mean, cache=16):
         kind, n = ("prompt", int(size[6:])) if size.startswith("prompt") else ("batch", int(size[1:]))
         extra = dict(shape="olmoe-1b-7b", routing="router", system=system, cache=cache, setup_s=setup_s, **{kind: n})
@@ -112,7 +112,22 @@ def test_an_estimate_is_a_build_and_what_the_same_case_took_on_either_routing():
     assert parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs)[1:] == (40.0, 4 * 2 * 30.0)
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b8"), runs)[2] == 12.0  # another cache's
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b32"), runs)[2] is None  # no batch 32
-    assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph-prefetch", 0.5, "b1"), runs)[2] == 6.0  # eager's
+    # eager's rounds, and with no prefetch model built at this shape, the build of the one without
+    assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph-prefetch", 0.5, "b1"), runs)[1:] == (5.0, 6.0)
+
+
+def test_an_estimate_takes_the_cases_own_routing_first():
+    """At batch 8 the random router spreads a step over more experts than the trace: the other routing's time
+    only where the case's own routing has nothing to go by."""
+    def row(routing, cache, mean):
+        extra = dict(shape="olmoe-1b-7b", routing=routing, system="asyncmoe-graph", cache=cache, batch=8, setup_s=0.0)
+        return dict(extra_info=extra, stats=dict(rounds=5, mean=mean))
+
+    runs = [{"benchmarks": [row("router", 16, 3.0), row("trace", 16, 2.0), row("trace", 32, 1.0)]}]
+    at = lambda routing, fraction: parts.estimate(("olmoe-1b-7b", routing, "asyncmoe-graph", fraction, "b8"), runs)[2]
+    assert (at("router", 0.25), at("trace", 0.25)) == (6 * 3.0, 6 * 2.0)
+    assert at("trace", 0.5) == 6 * 1.0
+    assert at("router", 0.5) == 6 * 3.0  # its own routing at another cache before the trace's at this one
 
 
 def test_an_estimate_is_the_newest_runs():
