@@ -69,11 +69,11 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     seed's calls, n / chunk, are most of its time); else the system's at another cache, or for asyncmoe's
     graph systems its eager one's (the graph's step is the eager step's copies and kernels, captured); each
     from the case's own routing first, then the other's (they copy about as much at batch 1, 0.7-1.3x, but at
-    batches 8 and 32 the random router spreads a step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5,
-    OLMoE and DeepSeek-V2-Lite, eleventh session); None: nothing to go by."""
+    batches 8 and 32 the random router spreads a step over more experts: asyncmoe's rows 1.0-2.6x the
+    trace's, median 1.5, OLMoE and DeepSeek-V2-Lite, eleventh session); None: nothing to go by."""
     shape, routing, system, fraction, size = case
     (prefill, n), cache = report.parse_size(size), suite.slots(shape, fraction)
-    build, other, took = (-1, 0.0), (-1, 0.0), {}  # build: (run, seconds); took: (routing, system, cache, size) -> [(run, seconds)]
+    build, other, took = (-1, 0.0), (-1, 0.0), {}  # builds: (run, seconds); took: (routing, system, cache, size) -> [...]
     for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
             continue
@@ -90,12 +90,12 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     def newest(found: list[tuple[int, float]]) -> list[float]:
         return [t for i, t in found if i == max(i for i, _ in found)] if found else []
 
-    def guess(took: dict[tuple, list[tuple[int, float]]]) -> list[float]:
-        return (newest(took.get((system, cache, n), []))
-                or newest([(i, t * n / m) for (y, c, m), ts in took.items() if (y, c) == (system, cache) and prefill and m < n
+    def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]
+        return (newest(seen.get((system, cache, n), []))
+                or newest([(i, t * n / m) for (y, c, m), ts in seen.items() if (y, c) == (system, cache) and prefill and m < n
                            for i, t in ts])
-                or newest([it for (y, c, m), ts in took.items() if (y, m) == (system, n) for it in ts])
-                or newest([it for (y, c, m), ts in took.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system
+                or newest([it for (y, c, m), ts in seen.items() if (y, m) == (system, n) for it in ts])
+                or newest([it for (y, c, m), ts in seen.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system
                            for it in ts]))
 
     either: dict[tuple, list[tuple[int, float]]] = {}
