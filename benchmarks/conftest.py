@@ -46,9 +46,8 @@ def pytest_collection_modifyitems(items):
     it is built once: each item moves up to the first item of its key, the order otherwise kept."""
     keys = []
     for item in items:
-        params = item.callspec.params if hasattr(item, "callspec") else {}
-        case = params.get("case") or params.get("prefill_case")
-        keys.append(item.module.model_key(case) if case else item.nodeid)
+        found = item.module.case_of(item) if hasattr(item.module, "case_of") else None
+        keys.append(item.module.model_key(found[0]) if found else item.nodeid)
     first = {}
     for i, key in enumerate(keys):
         first.setdefault(key, i)
