@@ -258,7 +258,7 @@ def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
             todo, estimates = plan(runs, room(seconds), grep)
         estimates = {n: (key, build, unknown_s if took is None else took) for n, (key, build, took) in estimates.items()}
-        case_of = {n: c for n, c, _ in report.profile_cases(runs)}
+        case_by_node = {n: c for n, c, _ in report.profile_cases(runs)}
         todo, clock, took = list(todo.items()), [0.0] * gpus, []
         while True:
             gpu = min(range(gpus), key=clock.__getitem__)
@@ -267,7 +267,7 @@ def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep
                 break
             took.append(START_S + cost(nodes, estimates))
             clock[gpu] += took[-1]
-            runs.append({"benchmarks": [measured(case_of[n], *estimates[n][1:]) for n in nodes]})
+            runs.append({"benchmarks": [measured(case_by_node[n], *estimates[n][1:]) for n in nodes]})
         if not took:
             return calls, runs
         calls.append(took)

@@ -221,7 +221,8 @@ def merge(paths: list[pathlib.Path]) -> dict:
 
 
 def parse_size(size: str) -> tuple[bool, int]:
-    """A case's batch or prompt as the profile names it, `b8` or `prompt512`: (whether a prompt, the number)."""
+    """A case's batch or prompt as the profile names it (`test_latency.size_name`), `b8` or `prompt512`: (whether a
+    prompt, the number)."""
     return size.startswith("prompt"), int(size.removeprefix("prompt").removeprefix("b"))
 
 
@@ -259,17 +260,18 @@ def profile_cases(runs: list[dict], without: frozenset = frozenset()) -> list[tu
         (prefill, n), slots = parse_size(size), suite.slots(s, f)
         return s, r, system, slots, size, chunk(system, prefill, suite.seed_chunk(s, 1, slots) or n)
 
-    held = [{(e["shape"], e["routing"], e["system"], e["cache"], f"b{e['batch']}" if "batch" in e else f"prompt{e['prompt']}",
+    held = [{(e["shape"], e["routing"], e["system"], e["cache"],
+              suite.size_name("prompt" in e, e.get("prompt", e.get("batch"))),
               chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
              for e in (b["extra_info"] for b in run["benchmarks"]) if e}  # {}: cut before it finished
             for run in runs]
     cases = [(c, False) for c in suite.decode_cases(suite.FULL)
              if not (c[2] == "seed" and suite.seed_raises(c[0], c[4], suite.slots(c[0], c[3])))]
     cases += [(c, True) for c in suite.prefill_cases(suite.FULL)]
-    profile = {(*c[:4], f"prompt{c[4]}" if prefill else f"b{c[4]}") for c, prefill in cases} - without
+    named = [((*c[:4], suite.size_name(prefill, c[4])), c, prefill) for c, prefill in cases]
+    profile = {case for case, _, _ in named} - without
     out = []
-    for c, prefill in cases:
-        case = (*c[:4], f"prompt{c[4]}" if prefill else f"b{c[4]}")
+    for case, c, prefill in named:
         need = [key(case)] + [key(b) for b in bases(case, profile)]
         node = f"test_latency.py::test_{'prefill' if prefill else 'decode'}[{suite.case_id(c, prefill)}]"
         out.append((node, case, any(all(k in run for k in need) for run in held)))

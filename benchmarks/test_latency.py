@@ -100,7 +100,12 @@ def slots(shape: str, fraction: float) -> int:
 def case_id(case: tuple, prefill: bool = False) -> str:
     """The case's pytest id: `olmoe-1b-7b-trace-seed-cache0.25-b1` (a decode case), `...-prompt512` (prefill)."""
     shape, routing, system, fraction, size = case
-    return "-".join([shape, routing, system, f"cache{fraction:g}", f"prompt{size}" if prefill else f"b{size}"])
+    return "-".join([shape, routing, system, f"cache{fraction:g}", size_name(prefill, size)])
+
+
+def size_name(prefill: bool, n: int) -> str:
+    """A case's batch or prompt as ids and the report name it: `b8`, `prompt512` (`report.parse_size` reads it)."""
+    return f"prompt{n}" if prefill else f"b{n}"
 
 
 def pytest_generate_tests(metafunc):
