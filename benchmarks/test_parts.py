@@ -163,6 +163,14 @@ def test_a_case_in_out_is_no_longer_missing(tmp_path):
     assert [n for n, _, counted in after if not counted] == [n for n, _, counted in before if not counted and n != node]
 
 
+def test_a_short_call_plans_what_the_longest_call_would(capsys):
+    """What no call can hold is judged by the longest call, so a short one starts no row without a baseline that
+    a longer call could run beside it; `take` then gives it only the bundles that fit its time."""
+    runs = parts.measured_runs(pathlib.Path("/nonexistent"))
+    longest = parts.plan(runs, parts.room(parts.CALL_S)), capsys.readouterr().out
+    assert (parts.plan(runs, parts.room(185)), capsys.readouterr().out) == longest
+
+
 def test_the_plan_for_the_committed_runs_keeps_every_comparison_in_one_process(capsys):
     """On docs/results as committed: every case left runs in some bundle, with the group's baselines first and the
     seed at its cache in its own bundle; nothing longer than a process is planned, and what is too long is named."""
