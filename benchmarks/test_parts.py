@@ -188,6 +188,8 @@ def test_the_plan_for_the_committed_runs_keeps_every_comparison_in_one_process(c
     profile = {c for _, c, _ in cases}
     node_of = {c: n for n, c, _ in cases}
     for (shape, routing, size), (first, *rest) in todo.items():
+        alone = [set(nodes) <= set(first) for nodes in rest]  # a baseline's own bundle, already in `first`
+        assert all(alone) or not any(alone)  # runs alone only where no row is left to run it with
         for nodes in rest:
             assert parts.cost(first + nodes, estimates) <= 490
             for node in nodes:
