@@ -297,7 +297,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=pathlib.Path, help="where the parts' JSON, ids and output go")
     p.add_argument("--tag", help="names this run's files, e.g. the call and commit: c1-d81205b")
-    p.add_argument("--seconds", type=float, required=True, 
+    p.add_argument("--seconds", type=float, required=True,
                    help="stop every part this long after parts.py starts (its imports not counted)")
     p.add_argument("--grep", default="", help="only the parts whose name this regex matches, e.g. 'qwen3.*-b8'")
     p.add_argument("--simulate", type=int, metavar="GPUS",
@@ -312,7 +312,7 @@ def main():
         return
     if args.out is None or args.tag is None:
         p.error("--out and --tag name what a run writes")
-    started = time.monotonic()  # --seconds holds the H2D measurement and the plan too (~15-20 s; call 14 was cut)
+    deadline = time.monotonic() + args.seconds  # the H2D measurement and the plan too (~15-20 s; call 14 was cut)
     gpus = [str(i) for i in range(torch.cuda.device_count())]
     if not gpus:
         sys.exit("parts.py runs the full profile, which needs CUDA GPUs; the CPU runs the smoke profile: pytest benchmarks/")
@@ -325,10 +325,10 @@ def main():
         from h2d_side_by_side import side_by_side
 
         (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(side_by_side(list(range(len(gpus))))))
-    todo, estimates = plan(measured_runs(args.out), room(args.seconds - (time.monotonic() - started)), args.grep)
+    todo, estimates = plan(measured_runs(args.out), room(deadline - time.monotonic()), args.grep)
     print(f"{len({n for b in todo.values() for ns in b for n in ns})} cases in {len(todo)} groups on {len(gpus)} GPUs "
           f"for {args.seconds:.0f} s", flush=True)
-    run(todo, estimates, gpus, args.seconds - (time.monotonic() - started), args.out, args.tag)
+    run(todo, estimates, gpus, deadline - time.monotonic(), args.out, args.tag)
 
 
 if __name__ == "__main__":
