@@ -43,6 +43,7 @@ HERE = pathlib.Path(__file__).parent
 START_S = 50  # a process's start-up: pytest's collection, the unmodified model's references (~50 s a run, seventh session)
 MARGIN = 1.1  # processes took 0.86-1.05x their estimates plus START_S (tenth session's, estimated from the runs before)
 CALL_S = 575  # the longest --seconds a device call of 600 s holds with parts.py's imports and the results' copy
+EXIT_S = 10  # a part killed at the limit takes seconds to exit, its pinned host memory freed (577 s for 572: call 17)
 
 
 def room(seconds: float, start_s: float = START_S) -> float:
@@ -194,13 +195,14 @@ def take(todo: list[tuple[tuple, list[list[str]]]], estimates: dict[str, tuple],
 def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: list[str | None], seconds: float,
         out: pathlib.Path, tag: str, start_s: float = START_S) -> None:
     """Each GPU (None: no CUDA_VISIBLE_DEVICES) runs what `take` gives it for the time left, and goes on until
-    `seconds` have passed; a part still running then is killed, its finished cases already in its JSON."""
-    deadline, lock, todo = time.monotonic() + seconds, threading.Lock(), list(todo.items())
+    `seconds` have passed; a part still running EXIT_S before then is killed, its finished cases already in its
+    JSON, so that it has exited by then."""
+    stop, lock, todo = time.monotonic() + seconds - EXIT_S, threading.Lock(), list(todo.items())
 
     def worker(gpu):
         while True:
             with lock:
-                nodes, groups = take(todo, estimates, room(deadline - time.monotonic(), start_s))
+                nodes, groups = take(todo, estimates, room(stop - time.monotonic(), start_s))
             if not nodes:
                 return
             part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
@@ -213,9 +215,9 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
             with open(out / f"bench-{name}.txt", "w") as log:
                 try:
                     subprocess.run(cmd, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   timeout=max(1.0, deadline - time.monotonic()))
+                                   timeout=max(1.0, stop - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    log.write(f"\nparts.py: stopped at the {seconds:.0f} s limit\n")
+                    log.write(f"\nparts.py: stopped {EXIT_S} s before the {seconds:.0f} s limit\n")
             result = out / f"bench-{name}.json"
             done = len(json.loads(result.read_text())["benchmarks"]) if result.exists() else 0
             print(f"GPU {gpu}: {name}, {done} of {len(nodes)} cases in {time.monotonic() - start:.0f} s", flush=True)

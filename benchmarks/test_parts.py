@@ -62,10 +62,19 @@ def test_each_part_runs_into_its_own_json(tmp_path):
 
 def test_a_part_running_at_the_limit_is_stopped(tmp_path):
     todo = {("tiny", "router", "b1"): [[], ROUTER], ("tiny", "trace", "prompt32"): [[], TRACE]}
-    parts.run(todo, UNKNOWN, [None], 1, tmp_path, "t", start_s=0)  # stopped before pytest has collected
-    assert "stopped at the 1 s limit" in (tmp_path / "bench-t-tiny-router-b1.txt").read_text()
+    seconds = parts.EXIT_S + 1  # stopped before pytest has collected
+    parts.run(todo, UNKNOWN, [None], seconds, tmp_path, "t", start_s=0)
+    assert f"stopped {parts.EXIT_S} s before the {seconds} s limit" in (tmp_path / "bench-t-tiny-router-b1.txt").read_text()
     assert not (tmp_path / "bench-t-tiny-router-b1.json").exists()
     assert not (tmp_path / "ids-t-tiny-trace-prompt32.txt").exists()
+
+
+def test_a_part_is_stopped_in_time_to_exit_by_the_limit(tmp_path, monkeypatch):
+    """A killed part takes seconds to exit (call 17 of 2026-11-30: 577 s for a 572 s limit, cutting the call)."""
+    timeouts = []
+    monkeypatch.setattr(parts.subprocess, "run", lambda *args, timeout, **kwargs: timeouts.append(timeout))
+    parts.run({("tiny", "router", "b1"): [[], ROUTER]}, UNKNOWN, [None], 100, tmp_path, "t", start_s=0)
+    assert len(timeouts) == 1 and 100 - parts.EXIT_S - 1 < timeouts[0] <= 100 - parts.EXIT_S
 
 
 def test_no_part_starts_in_less_time_than_its_start_up(tmp_path):
