@@ -43,7 +43,7 @@ HERE = pathlib.Path(__file__).parent
 START_S = 50  # a process's start-up: pytest's collection, the unmodified model's references (~50 s a run, seventh session)
 MARGIN = 1.1  # processes took 0.86-1.05x their estimates plus START_S (tenth session's, estimated from the runs before)
 CALL_S = 575  # the longest --seconds a device call of 600 s holds with parts.py's imports and the results' copy
-EXIT_S = 10  # a part killed at the limit takes seconds to exit, its pinned host memory freed (577 s for 572: call 17)
+EXIT_S = 10  # a part killed at the limit takes seconds to exit (call 17 of 2026-11-30: 577 s for a 572 s limit)
 
 
 def room(seconds: float, start_s: float = START_S) -> float:
