@@ -47,10 +47,10 @@ EXIT_S = 10  # a part killed at the limit takes seconds to exit (call 17 of 2026
 
 
 def room(seconds: float, start_s: float = START_S) -> float:
-    """The estimated seconds of cases that a process with `seconds` left may take: less its start-up, and a margin
-    for what estimates miss (rounds vary from run to run; a case's untimed work, its prompt before each round,
-    its Decoder and graph, is not in them)."""
-    return (seconds - start_s) / MARGIN
+    """The estimated seconds of cases that a process with `seconds` left may take: less its start-up and the
+    EXIT_S it is stopped before the limit, and a margin for what estimates miss (rounds vary from run to run; a
+    case's untimed work, its prompt before each round, its Decoder and graph, is not in them)."""
+    return (seconds - start_s - EXIT_S) / MARGIN
 
 
 def measured_runs(out: pathlib.Path) -> list[dict]:
@@ -197,12 +197,12 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
     """Each GPU (None: no CUDA_VISIBLE_DEVICES) runs what `take` gives it for the time left, and goes on until
     `seconds` have passed; a part still running EXIT_S before then is killed, its finished cases already in its
     JSON, so that it has exited by then."""
-    stop, lock, todo = time.monotonic() + seconds - EXIT_S, threading.Lock(), list(todo.items())
+    deadline, lock, todo = time.monotonic() + seconds, threading.Lock(), list(todo.items())
 
     def worker(gpu):
         while True:
             with lock:
-                nodes, groups = take(todo, estimates, room(stop - time.monotonic(), start_s))
+                nodes, groups = take(todo, estimates, room(deadline - time.monotonic(), start_s))
             if not nodes:
                 return
             part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
@@ -215,7 +215,7 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
             with open(out / f"bench-{name}.txt", "w") as log:
                 try:
                     subprocess.run(cmd, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   timeout=max(1.0, stop - time.monotonic()))
+                                   timeout=max(1.0, deadline - EXIT_S - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     log.write(f"\nparts.py: stopped {EXIT_S} s before the {seconds:.0f} s limit\n")
             result = out / f"bench-{name}.json"
