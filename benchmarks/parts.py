@@ -44,6 +44,11 @@ START_S = 50  # a process's start-up: pytest's collection, the unmodified model'
 MARGIN = 1.1  # processes took 0.86-1.05x their estimates plus START_S (tenth session's, estimated from the runs before)
 CALL_S = 575  # the longest --seconds a device call of 600 s holds with parts.py's imports and the results' copy
 EXIT_S = 10  # a part killed at the limit takes seconds to exit (call 17 of 2026-11-30: 577 s for a 572 s limit)
+# a graph row not yet measured takes about what the other graph row or the eager one took at its cache: the copies
+# set a step's time there, and eager is never faster (an upper bound); the same system at another cache moves other
+# bytes (call 18 of 2026-11-30: Qwen3's graph at 16/128, batch 8, estimated from it at 128/128: 14 s, took 82)
+GRAPH_FROM = {"asyncmoe-graph": ("asyncmoe-graph-prefetch", "asyncmoe-eager"),
+              "asyncmoe-graph-prefetch": ("asyncmoe-graph", "asyncmoe-eager")}
 
 
 def room(seconds: float, start_s: float = START_S) -> float:
@@ -68,11 +73,12 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     for asyncmoe with prefetch, without it, and the other way (one `asyncmoe.compile`: 0.6-1.2x in one run). The
     rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
     warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
-    seed's calls, n / chunk, are most of its time); else the system's at another cache, or for asyncmoe's
-    graph systems its eager one's (the graph's step is the eager step's copies and kernels, captured); each
-    from the case's own routing first, then the other's (they copy about as much at batch 1, 0.7-1.3x, but at
-    batches 8 and 32 the random router spreads a step over more experts: asyncmoe's rows 1.0-2.6x the
-    trace's, median 1.5, OLMoE and DeepSeek-V2-Lite, eleventh session); None: nothing to go by."""
+    seed's calls, n / chunk, are most of its time); for asyncmoe's graph systems, `GRAPH_FROM` at the same
+    cache; else the system's at another cache, or for the graph systems the eager one's there (the graph's step
+    is the eager step's copies and kernels, captured); each from the case's own routing first, then the
+    other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
+    step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
+    eleventh session); None: nothing to go by."""
     shape, routing, system, fraction, size = case
     (prefill, n), cache = report.parse_size(size), suite.slots(shape, fraction)
     build, other, took = (-1, 0.0), (-1, 0.0), {}  # builds: (run, seconds); took: (routing, system, cache, size) -> [...]
@@ -96,6 +102,7 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
         return (newest(seen.get((system, cache, n), []))
                 or newest([(i, t * n / m) for (y, c, m), ts in seen.items() if (y, c) == (system, cache) and prefill and m < n
                            for i, t in ts])
+                or next(filter(None, (newest(seen.get((y, cache, n), [])) for y in GRAPH_FROM.get(system, ()))), [])
                 or newest([it for (y, c, m), ts in seen.items() if (y, m) == (system, n) for it in ts])
                 or newest([it for (y, c, m), ts in seen.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system
                            for it in ts]))

@@ -139,6 +139,24 @@ def test_an_estimate_takes_the_cases_own_routing_first():
     assert at("router", 0.5) == 6 * 3.0  # its own routing at another cache before the trace's at this one
 
 
+def test_a_graph_row_is_estimated_from_the_other_graph_row_or_eager_at_its_cache():
+    """A step's copies at a cache set its time there: a graph row not measured takes about what the other graph
+    row took at its cache, else the eager one, not what the same system took at another cache (call 18 of
+    2026-11-30: Qwen3's graph at 16/128, batch 8, estimated from 128/128 at 14 s, took 82). Eager is never
+    estimated from a graph row, which runs faster."""
+    def row(system, cache, mean):
+        extra = dict(shape="olmoe-1b-7b", routing="router", system=system, cache=cache, batch=8, setup_s=0.0)
+        return dict(extra_info=extra, stats=dict(rounds=5, mean=mean))
+
+    runs = [{"benchmarks": [row("asyncmoe-graph", 64, 0.5), row("asyncmoe-eager", 16, 4.0),
+                            row("asyncmoe-graph-prefetch", 32, 2.0), row("asyncmoe-eager", 32, 3.0)]}]
+    at = lambda system, fraction: parts.estimate(("olmoe-1b-7b", "router", system, fraction, "b8"), runs)[2]
+    assert at("asyncmoe-graph", 0.25) == 6 * 4.0  # eager at 16/64, not the graph at 64/64
+    assert at("asyncmoe-graph", 0.5) == 6 * 2.0  # the other graph row before eager
+    assert at("asyncmoe-graph-prefetch", 0.25) == 6 * 4.0
+    assert at("asyncmoe-eager", 1.0) == 6 * 4.0  # eager at another cache, the longest of the newest run
+
+
 def test_an_estimate_is_the_newest_runs():
     """The code changes what a case takes: the newest run that measured it says, not the slowest of all."""
     def run(setup_s, mean, **wall_s):
