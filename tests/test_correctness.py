@@ -47,10 +47,22 @@ def test_logits_equal_unmodified(family, cache, policy):
 @pytest.mark.parametrize("cache", CACHES)
 @torch.no_grad()
 def test_greedy_generate_identical(family, cache):
+    """asyncmoe's `generate` gives the unmodified model's greedy tokens, or parts from them only where the
+    reference's own two best logits tie to the 1e-5 the logits agree to: there a 6e-8 difference picks the other,
+    both greedy (qwen3_moe at caches 2 and 4: an exact fp32 tie at the 5th new token on an AVX512 CPU, 2026-11-30),
+    and what follows is no longer comparable."""
     ref = reference(family)
     model = asyncmoe.compile(copy.deepcopy(ref), cache=cache)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, ref.config.vocab_size, (2, 6), generator=g)
-    kw = dict(max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0, attention_mask=torch.ones_like(ids))
-    expected = ref.generate(ids, **kw)
-    assert torch.equal(model.generate(ids, **kw), expected)
+    kw = dict(max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0, attention_mask=torch.ones_like(ids),
+              output_logits=True, return_dict_in_generate=True)
+    want, got = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert got.sequences.shape == want.sequences.shape
+    for b, (w, o) in enumerate(zip(want.sequences[:, 6:], got.sequences[:, 6:])):
+        parted = (w != o).nonzero()
+        if len(parted):
+            t = parted[0].item()
+            logits = want.logits[t][b]  # [vocab]: the reference's at the step where the two part
+            gap = (logits[w[t]] - logits[o[t]]).item()
+            assert gap <= 1e-5, f"{family} cache={cache}: sequence {b} parts at new token {t}, {gap:.2e} below the best"
