@@ -85,11 +85,11 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
             continue
-        kind = suite.model_kind(e["system"])
-        if kind == suite.model_kind(system):
-            build = max(build, (i, e.get("setup_s", 0.0)))  # the newest run, the longest there
-        elif kind.startswith("asyncmoe") and system.startswith("asyncmoe"):
-            other = max(other, (i, e.get("setup_s", 0.0)))
+        kind, setup = suite.model_kind(e["system"]), e.get("setup_s")  # None: not recorded (the first runs), not 0 s
+        if setup is not None and kind == suite.model_kind(system):
+            build = max(build, (i, setup))  # the newest run, the longest there
+        elif setup is not None and kind.startswith("asyncmoe") and system.startswith("asyncmoe"):
+            other = max(other, (i, setup))
         if ("prompt" in e) == prefill:
             rounds = e["wall_s"] - e["setup_s"] if "wall_s" in e else (s["rounds"] + suite.warmup_rounds(e["system"], prefill)) * s["mean"]
             key = (e["routing"], e["system"], e["cache"], e["prompt"] if prefill else e["batch"])
@@ -171,16 +171,29 @@ def merged(bundles: list[list[str]], estimates: dict[str, tuple], seconds: float
     return [first, *out]
 
 
+def unknown(nodes: list[str], estimates: dict[str, tuple]) -> bool:
+    """Whether a case of `nodes` has nothing to estimate it by."""
+    return any(estimates[n][2] is None for n in nodes)
+
+
 def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, chosen: list[str] = ()) -> list[str]:
     """The nodes of one group to run in `left` seconds besides `chosen` (other groups' in the same process, whose
     builds they share): the first bundle (the group's baselines), then, in order, each bundle that fits what
-    those before it leave; none if no bundle past the first fits."""
+    those before it leave; none if no bundle past the first fits. A bundle with a case never measured (`cost`
+    counts it as none) runs alone beside its baselines, with all the time the process has: taken with others,
+    it is the case the limit stops, and it stays unmeasured (call 22 of 2026-11-30: Mixtral's six asyncmoe rows
+    at batch 8 in one process, the first stopped after ~120 s). The group's other bundles wait for a later call,
+    which estimates them by it."""
     first, *rest = bundles
     picked, added = [*chosen, *first], False
     for nodes in rest:
+        if unknown(nodes, estimates) and (added or chosen):
+            continue
         if cost(picked + nodes, estimates) <= left:
             picked += [n for n in nodes if n not in picked]
             added = True
+            if unknown(nodes, estimates):
+                break
     return picked[len(chosen):] if added else []
 
 
@@ -194,6 +207,8 @@ def take(todo: list[tuple[tuple, list[list[str]]]], estimates: dict[str, tuple],
         new = fitting(bundles, estimates, left, nodes)
         if new:
             nodes, taken = nodes + new, taken + [i]
+            if unknown(new, estimates):  # alone beside its baselines (`fitting`)
+                break
     groups = [todo[i][0] for i in taken]
     todo[:] = [item for i, item in enumerate(todo) if i not in taken]
     return nodes, groups
@@ -267,14 +282,14 @@ def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, 
 
 def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep: str = "") -> tuple[list[list[float]], list[dict]]:
     """The seconds of each process parts.py would start, call after call, until nothing is left, and the runs
-    then: every process its start-up and its cases' estimates (a case without one: `unknown_s`), each case
-    then measured as estimated. For the device time the rest of the profile needs (docs/results/coverage.md);
+    then: the processes `take` gives, each its start-up and its cases' estimates (a case without one, which
+    `take` runs alone beside its baselines: `unknown_s`), each case then measured as estimated. For the device time the rest of the profile needs (docs/results/coverage.md);
     what it counts is what `plan` plans, so the cases too long for a call are not in it."""
     runs, calls = list(runs), []
     while True:
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
             todo, estimates = plan(runs, room(seconds), grep)
-        estimates = {n: (key, build, unknown_s if took is None else took) for n, (key, build, took) in estimates.items()}
+        priced = {n: (key, build, unknown_s if took is None else took) for n, (key, build, took) in estimates.items()}
         case_by_node = {n: c for n, c, _ in report.profile_cases(runs)}
         todo, clock, took = list(todo.items()), [0.0] * gpus, []
         while True:
@@ -282,9 +297,9 @@ def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep
             nodes, _ = take(todo, estimates, room(seconds - clock[gpu]))
             if not nodes:
                 break
-            took.append(START_S + cost(nodes, estimates))
+            took.append(START_S + cost(nodes, priced))
             clock[gpu] += took[-1]
-            runs.append({"benchmarks": [measured(case_by_node[n], *estimates[n][1:]) for n in nodes]})
+            runs.append({"benchmarks": [measured(case_by_node[n], *priced[n][1:]) for n in nodes]})
         if not took:
             return calls, runs
         calls.append(took)

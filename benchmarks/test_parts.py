@@ -83,7 +83,7 @@ def test_no_part_starts_in_less_time_than_its_start_up(tmp_path):
 
 
 def test_a_part_takes_its_baselines_and_the_bundles_that_fit():
-    estimates = {"u": ("U", 5.0, 5.0), "a": ("A", 10.0, 30.0), "g1": ("G", 30.0, 70.0), "s1": ("S", 0.0, None),
+    estimates = {"u": ("U", 5.0, 5.0), "a": ("A", 10.0, 30.0), "g1": ("G", 30.0, 70.0), "s1": ("S", 0.0, 10.0),
                  "g2": ("G2", 0.0, 300.0), "g3": ("G", 30.0, 50.0)}  # g1 and g3 share a model: one build
     bundles = [["u", "a"], ["g1", "s1"], ["g2"], ["g3"]]
     assert parts.cost(["g1", "g3"], estimates) == 30.0 + 70.0 + 50.0
@@ -91,6 +91,23 @@ def test_a_part_takes_its_baselines_and_the_bundles_that_fit():
     assert parts.fitting(bundles, estimates, 49) == []  # nothing but the baselines fits
     assert parts.fitting([[], ["g3"]], estimates, 60, chosen=["g1"]) == []  # beside g1: 150 s
     assert parts.fitting([[], ["g3"]], estimates, 150, chosen=["g1"]) == ["g3"]
+
+
+def test_a_case_never_measured_runs_alone_beside_its_baselines(tmp_path, monkeypatch):
+    """`cost` counts a case with no estimate as none: taken with others, it would be the one the limit stops
+    (call 22 of 2026-11-30). It runs with its group's baselines only, where nothing else is taken before it; the
+    group's other bundles wait for the next call (a group is one process's), which estimates them by it."""
+    estimates = {"u": ("U", 5.0, 5.0), "g1": ("G", 30.0, 70.0), "x1": ("X", 30.0, None), "x2": ("X", 30.0, None),
+                 "o": ("O", 10.0, 10.0)}
+    assert parts.fitting([["u"], ["g1"], ["x1"], ["x2"]], estimates, 400) == ["u", "g1"]
+    assert parts.fitting([["u"], ["x1"], ["g1"], ["x2"]], estimates, 400) == ["u", "x1"]
+    assert parts.fitting([[], ["x1"]], estimates, 400, chosen=["o"]) == []  # not beside another group's cases
+    todo = {("olmoe-1b-7b", "router", "b8"): [["u"], ["x1"], ["x2"]], ("olmoe-1b-7b", "router", "b32"): [[], ["o"]],
+            ("olmoe-1b-7b", "router", "b1"): [["u"], ["g1"]]}
+    ran = []
+    monkeypatch.setattr(parts.subprocess, "run", lambda cmd, **kw: ran.append([a for a in cmd if a in estimates]))
+    parts.run(todo, estimates, [None], 1000, tmp_path, "t", start_s=0)
+    assert ran == [["u", "x1"], ["o", "u", "g1"]]  # x2 waits for a call that can estimate it by x1
 
 
 def test_groups_of_a_shape_and_routing_share_a_process(tmp_path, monkeypatch):
