@@ -187,12 +187,13 @@ def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, 
     first, *rest = bundles
     picked, added = [*chosen, *first], False
     for nodes in rest:
-        if unknown(nodes, estimates) and (added or chosen):
+        alone = unknown(nodes, estimates)
+        if alone and (added or chosen):
             continue
         if cost(picked + nodes, estimates) <= left:
             picked += [n for n in nodes if n not in picked]
             added = True
-            if unknown(nodes, estimates):
+            if alone:
                 break
     return picked[len(chosen):] if added else []
 
@@ -283,8 +284,9 @@ def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, 
 def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep: str = "") -> tuple[list[list[float]], list[dict]]:
     """The seconds of each process parts.py would start, call after call, until nothing is left, and the runs
     then: the processes `take` gives, each its start-up and its cases' estimates (a case without one, which
-    `take` runs alone beside its baselines: `unknown_s`), each case then measured as estimated. For the device time the rest of the profile needs (docs/results/coverage.md);
-    what it counts is what `plan` plans, so the cases too long for a call are not in it."""
+    `take` runs alone beside its baselines: `unknown_s`), each case then measured as estimated. For the device
+    time the rest of the profile needs (docs/results/coverage.md); what it counts is what `plan` plans, so the
+    cases too long for a call are not in it."""
     runs, calls = list(runs), []
     while True:
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
