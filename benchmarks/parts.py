@@ -26,6 +26,7 @@ import contextlib
 import importlib.metadata
 import io
 import json
+import math
 import os
 import pathlib
 import re
@@ -74,7 +75,8 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
     warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
     seed's calls, n / chunk, are most of its time); for asyncmoe's graph systems, `GRAPH_FROM` at the same
-    cache; else the system's at another cache, or for the graph systems the eager one's there (the graph's step
+    cache; else the system's at another cache (the seed's prompt times its calls there over here, `calls`), or
+    for the graph systems the eager one's there (the graph's step
     is the eager step's copies and kernels, captured); each from the case's own routing first, then the
     other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
     step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
@@ -98,12 +100,22 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     def newest(found: list[tuple[int, float]]) -> list[float]:
         return [t for i, t in found if i == max(i for i, _ in found)] if found else []
 
+    def calls(other: int) -> float:
+        """The seed's calls for the prompt at this cache over its calls at `other`, both with fewer slots than
+        experts (`seed_chunk` tokens a call; with every expert in a slot, one call, not comparable): its calls are
+        most of its time (call 21 of 2026-11-30: at 16/128, 256 calls of 2 tokens, estimated from 64 of 8 at 64/128
+        unscaled, took 3.2x)."""
+        chunks = [suite.seed_chunk(shape, 1, c) for c in (cache, other)]
+        if system != "seed" or not prefill or None in chunks:
+            return 1.0
+        return math.ceil(n / chunks[0]) / math.ceil(n / chunks[1])
+
     def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]
         return (newest(seen.get((system, cache, n), []))
                 or newest([(i, t * n / m) for (y, c, m), ts in seen.items() if (y, c) == (system, cache) and prefill and m < n
                            for i, t in ts])
                 or next(filter(None, (newest(seen.get((y, cache, n), [])) for y in GRAPH_FROM.get(system, ()))), [])
-                or newest([it for (y, c, m), ts in seen.items() if (y, m) == (system, n) for it in ts])
+                or newest([(i, t * calls(c)) for (y, c, m), ts in seen.items() if (y, m) == (system, n) for i, t in ts])
                 or newest([it for (y, c, m), ts in seen.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system
                            for it in ts]))
 

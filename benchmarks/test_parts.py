@@ -174,6 +174,21 @@ def test_a_graph_row_is_estimated_from_the_other_graph_row_or_eager_at_its_cache
     assert at("asyncmoe-eager", 1.0) == 6 * 4.0  # eager at another cache, the longest of the newest run
 
 
+def test_the_seeds_prompt_at_another_cache_is_scaled_by_its_calls():
+    """The seed feeds a prompt `seed_chunk` tokens a call, cache // top-k: at half the slots, twice the calls
+    (call 21 of 2026-11-30: Qwen3's seed at 16/128 estimated unscaled from 64/128, took 3.2x). With every
+    expert in a slot it takes the prompt in one call, which says nothing of the calls at a smaller cache."""
+    def seed(cache, wall_s):
+        extra = dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=cache, prompt=512, setup_s=1.0,
+                     wall_s=1.0 + wall_s)
+        return dict(extra_info=extra, stats={})
+
+    at = lambda fraction, runs: parts.estimate(("olmoe-1b-7b", "trace", "seed", fraction, "prompt512"), runs)[2]
+    assert at(0.25, [{"benchmarks": [seed(32, 10.0)]}]) == 2 * 10.0  # 256 calls of 2 tokens against 128 of 4
+    assert at(0.5, [{"benchmarks": [seed(16, 10.0)]}]) == 10.0 / 2
+    assert at(0.25, [{"benchmarks": [seed(64, 10.0)]}]) == 10.0  # one call at 64/64: unscaled
+
+
 def test_an_estimate_is_the_newest_runs():
     """The code changes what a case takes: the newest run that measured it says, not the slowest of all."""
     def run(setup_s, mean, **wall_s):
