@@ -47,9 +47,11 @@ CALL_S = 575  # the longest --seconds a device call of 600 s holds with parts.py
 EXIT_S = 10  # a part killed at the limit takes seconds to exit (call 17 of 2026-11-30: 577 s for a 572 s limit)
 # a graph row not yet measured takes about what the other graph row or the eager one took at its cache: the copies
 # set a step's time there, and eager is never faster (an upper bound); the same system at another cache moves other
-# bytes (call 18 of 2026-11-30: Qwen3's graph at 16/128, batch 8, estimated from it at 128/128: 14 s, took 82)
-GRAPH_FROM = {"asyncmoe-graph": ("asyncmoe-graph-prefetch", "asyncmoe-eager"),
-              "asyncmoe-graph-prefetch": ("asyncmoe-graph", "asyncmoe-eager")}
+# bytes (call 18 of 2026-11-30: Qwen3's graph at 16/128, batch 8, estimated from it at 128/128: 14 s, took 82); with
+# every expert in a slot, the resident model's graph, which moves nothing either (call 22: Qwen3's graph at 128/128,
+# batch 32, estimated from 64/128: 109 s, took 7)
+GRAPH_FROM = {"asyncmoe-graph": ("asyncmoe-graph-prefetch", "unmodified", "asyncmoe-eager"),
+              "asyncmoe-graph-prefetch": ("asyncmoe-graph", "unmodified", "asyncmoe-eager")}
 
 
 def room(seconds: float, start_s: float = START_S) -> float:
@@ -75,14 +77,14 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
     warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
     seed's calls, n / chunk, are most of its time); for asyncmoe's graph systems, `GRAPH_FROM` at the same
-    cache; else the system's at another cache (the seed's prompt times its calls there over here, `calls`), or
-    for the graph systems the eager one's there (the graph's step
+    cache; else the system's at another cache (`elsewhere`; the seed's prompt times its calls there over here,
+    `calls`), or for the graph systems the eager one's there (the graph's step
     is the eager step's copies and kernels, captured); each from the case's own routing first, then the
     other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
     step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
     eleventh session); None: nothing to go by."""
     shape, routing, system, fraction, size = case
-    (prefill, n), cache = report.parse_size(size), suite.slots(shape, fraction)
+    (prefill, n), cache, experts = report.parse_size(size), suite.slots(shape, fraction), suite.routing_shape(shape)[0]
     build, other, took = (-1, 0.0), (-1, 0.0), {}  # builds: (run, seconds); took: (routing, system, cache, size) -> [...]
     for i, e, s in ((i, b["extra_info"], b["stats"]) for i, run in enumerate(runs) for b in run["benchmarks"]):
         if not e or e["shape"] != shape:
@@ -110,14 +112,21 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
             return 1.0
         return math.ceil(n / chunks[0]) / math.ceil(n / chunks[1])
 
+    def elsewhere(y: str, seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:
+        """What y took at other caches: smaller ones first, which move at least as many bytes (an upper bound),
+        then larger ones that still move experts; at a cache that moves experts, never one with every expert in a
+        slot, where nothing moves (Mixtral's graph at 2/8 and 4/8, router, batch 1, estimated from 8/8: 2.6 s)."""
+        at = lambda keep: newest([(i, t * calls(c)) for (z, c, m), ts in seen.items() if (z, m) == (y, n) and keep(c)
+                                  for i, t in ts])
+        return at(lambda c: c < cache) or at(lambda c: cache < c < experts)
+
     def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]
         return (newest(seen.get((system, cache, n), []))
                 or newest([(i, t * n / m) for (y, c, m), ts in seen.items() if (y, c) == (system, cache) and prefill and m < n
                            for i, t in ts])
                 or next(filter(None, (newest(seen.get((y, cache, n), [])) for y in GRAPH_FROM.get(system, ()))), [])
-                or newest([(i, t * calls(c)) for (y, c, m), ts in seen.items() if (y, m) == (system, n) for i, t in ts])
-                or newest([it for (y, c, m), ts in seen.items() if (y, m) == ("asyncmoe-eager", n) and "graph" in system
-                           for it in ts]))
+                or elsewhere(system, seen)
+                or (elsewhere("asyncmoe-eager", seen) if "graph" in system else []))
 
     either: dict[tuple, list[tuple[int, float]]] = {}
     for (r, *key), ts in took.items():

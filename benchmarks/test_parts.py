@@ -186,7 +186,29 @@ def test_the_seeds_prompt_at_another_cache_is_scaled_by_its_calls():
     at = lambda fraction, runs: parts.estimate(("olmoe-1b-7b", "trace", "seed", fraction, "prompt512"), runs)[2]
     assert at(0.25, [{"benchmarks": [seed(32, 10.0)]}]) == 2 * 10.0  # 256 calls of 2 tokens against 128 of 4
     assert at(0.5, [{"benchmarks": [seed(16, 10.0)]}]) == 10.0 / 2
-    assert at(0.25, [{"benchmarks": [seed(64, 10.0)]}]) == 10.0  # one call at 64/64: unscaled
+    assert at(0.25, [{"benchmarks": [seed(64, 10.0)]}]) is None  # one call at 64/64, moving nothing: not comparable
+
+
+def test_another_cache_is_a_smaller_one_first_never_one_with_every_expert_in_a_slot():
+    """A smaller cache moves at least as many bytes: an upper bound. With every expert in a slot nothing moves, so
+    such a row says nothing of a cache that moves experts (Mixtral's graph at 2/8, router, batch 1, estimated from
+    8/8: 2.6 s, where the eager row at 2/8 took ~42 s), and a graph row there takes the resident model's time
+    (Qwen3's graph at 128/128, batch 32, estimated from 64/128: 109 s, took 7)."""
+    def row(system, cache, took):
+        extra = dict(shape="olmoe-1b-7b", routing="router", system=system, cache=cache, batch=8, setup_s=0.0,
+                     wall_s=took)
+        return dict(extra_info=extra, stats={})
+
+    runs = [{"benchmarks": [row("asyncmoe-graph", 64, 0.5), row("unmodified", 64, 0.25), row("asyncmoe-eager", 16, 4.0),
+                            row("asyncmoe-eager", 64, 1.0), row("asyncmoe-eager", 8, 6.0)]}]
+    at = lambda system, fraction, runs=runs: parts.estimate(("olmoe-1b-7b", "router", system, fraction, "b8"), runs)[2]
+    assert at("asyncmoe-graph", 0.5) == 6.0  # eager at 8/64, the smaller cache, not the graph at 64/64
+    assert at("asyncmoe-eager", 0.5) == 6.0  # not 16/64's: the smaller caches' newest run, the longest there
+    assert at("asyncmoe-graph-prefetch", 1.0) == 0.5  # the other graph row at 64/64
+    without_graph = [{"benchmarks": runs[0]["benchmarks"][1:]}]
+    assert at("asyncmoe-graph", 1.0, without_graph) == 0.25  # the resident model's, not eager's
+    assert at("asyncmoe-eager", 0.125, [{"benchmarks": [row("asyncmoe-eager", 16, 4.0), row("asyncmoe-eager", 64, 9.0)]}]) == 4.0
+    assert at("asyncmoe-graph", 0.25, [{"benchmarks": [row("asyncmoe-graph", 64, 0.5)]}]) is None  # nothing to go by
 
 
 def test_an_estimate_is_the_newest_runs():
