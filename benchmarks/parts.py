@@ -102,22 +102,21 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     def newest(found: list[tuple[int, float]]) -> list[float]:
         return [t for i, t in found if i == max(i for i, _ in found)] if found else []
 
-    def calls(other: int) -> float:
-        """The seed's calls for the prompt at this cache over its calls at `other`, both with fewer slots than
-        experts (`seed_chunk` tokens a call; with every expert in a slot, one call, not comparable): its calls are
-        most of its time (call 21 of 2026-11-30: at 16/128, 256 calls of 2 tokens, estimated from 64 of 8 at 64/128
-        unscaled, took 3.2x)."""
-        chunks = [suite.seed_chunk(shape, 1, c) for c in (cache, other)]
-        if system != "seed" or not prefill or None in chunks:
-            return 1.0
-        return math.ceil(n / chunks[0]) / math.ceil(n / chunks[1])
+    chunked = system == "seed" and prefill and cache < experts  # the seed's prompt in calls of `seed_chunk` tokens
+
+    def calls(other: int, m: int) -> float:
+        """The seed's calls for this prompt here over its calls for a prompt of m tokens at `other`: they are most
+        of its time (call 21 of 2026-11-30: at 16/128, 256 calls of 2 tokens, estimated from 64 calls of 8 at
+        64/128 unscaled, took 3.2x)."""
+        return math.ceil(n / suite.seed_chunk(shape, 1, cache)) / math.ceil(m / suite.seed_chunk(shape, 1, other))
 
     def elsewhere(y: str, seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:
         """What y took at other caches: smaller ones first, which move at least as many bytes (an upper bound),
         then larger ones that still move experts; at a cache that moves experts, never one with every expert in a
-        slot, where nothing moves (Mixtral's graph at 2/8 and 4/8, router, batch 1, estimated from 8/8: 2.6 s)."""
-        at = lambda keep: newest([(i, t * calls(c)) for (z, c, m), ts in seen.items() if (z, m) == (y, n) and keep(c)
-                                  for i, t in ts])
+        slot, where nothing moves (Mixtral's graph at 2/8 and 4/8, router, batch 1, estimated from 8/8: 2.6 s).
+        The seed's prompt there, scaled by `calls`, also from a shorter prompt (it goes by calls either way)."""
+        at = lambda keep: newest([(i, t * calls(c, m) if chunked else t) for (z, c, m), ts in seen.items()
+                                  if z == y and (m == n or chunked and m < n) and keep(c) for i, t in ts])
         return at(lambda c: c < cache) or at(lambda c: cache < c < experts)
 
     def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]

@@ -187,6 +187,8 @@ def test_the_seeds_prompt_at_another_cache_is_scaled_by_its_calls():
     assert at(0.25, [{"benchmarks": [seed(32, 10.0)]}]) == 2 * 10.0  # 256 calls of 2 tokens against 128 of 4
     assert at(0.5, [{"benchmarks": [seed(16, 10.0)]}]) == 10.0 / 2
     assert at(0.25, [{"benchmarks": [seed(64, 10.0)]}]) is None  # one call at 64/64, moving nothing: not comparable
+    shorter = dict(seed(32, 10.0), extra_info=dict(seed(32, 10.0)["extra_info"], prompt=128))
+    assert at(0.25, [{"benchmarks": [shorter]}]) == 8 * 10.0  # 256 calls of 2 tokens against 32 of 4 for 128 tokens
 
 
 def test_another_cache_is_a_smaller_one_first_never_one_with_every_expert_in_a_slot():
