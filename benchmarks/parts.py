@@ -251,7 +251,8 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
             part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
             name = f"{tag}-{part}"
             (out / f"ids-{name}.txt").write_text("\n".join(nodes) + "\n")
-            cmd = [sys.executable, "-m", "pytest", *nodes, "--benchmark-only", "-p", "no:cacheprovider", "-q", "-rs",
+            # -v: pytest names each case as it starts, so the log of a part the limit stops names the case it cut
+            cmd = [sys.executable, "-m", "pytest", *nodes, "--benchmark-only", "-p", "no:cacheprovider", "-v", "-rs",
                    f"--cases-json={(out / f'bench-{name}.json').resolve()}"]
             env = dict(os.environ) if gpu is None else dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)
             start = time.monotonic()

@@ -58,6 +58,7 @@ def test_each_part_runs_into_its_own_json(tmp_path):
         run = json.loads((tmp_path / f"bench-{name}.json").read_text())
         assert sorted(b["fullname"].split("::")[-1] for b in run["benchmarks"]) == sorted(n.split("::")[-1] for n in nodes)
         assert (tmp_path / f"ids-{name}.txt").read_text().split() == nodes
+        assert all(node in (tmp_path / f"bench-{name}.txt").read_text() for node in nodes)  # named as each starts
 
 
 def test_a_part_running_at_the_limit_is_stopped(tmp_path):
