@@ -201,6 +201,23 @@ def test_replay_feeds_the_recorded_gate_to_the_gate_predictor():
     assert gate_scores(trace)[0, 1].sum() > 0
 
 
+def test_the_default_prefetch_leaves_temporal_out():
+    """Temporal nominates what the target routed last call, which is resident: it copies nothing. Its nominations
+    are kept from eviction, so at a cache of top-k slots, which they fill, the gate's prefetch evicts by the
+    policy alone, often an expert the gate nominated: more misses than the gate alone (predictors.Prefetch)."""
+    demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
+    trace = Trace(demo.ids[:512], 64, gate_ids=demo.gate_ids[:512], gate_probs=demo.gate_probs[:512])
+    misses = {}
+    for sources in (asyncmoe.Prefetch().sources, ("gate",), ("gate", "temporal", "transition"), ("temporal",), ()):
+        sim = simulate(trace, cache=trace.top_k, prefetch=sources, compiled=False)
+        misses[sources] = sim.totals["misses_per_token"]
+        if sources == ("temporal",):
+            assert sim.totals["prefetched_per_token"] == 0
+    assert "temporal" not in asyncmoe.Prefetch().sources
+    assert misses[asyncmoe.Prefetch().sources] <= misses[("gate",)] < misses[()]
+    assert misses[("gate", "temporal", "transition")] > 1.02 * misses[("gate",)]
+
+
 def test_simulate_the_recorded_gate():
     demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
     with pytest.raises(ValueError, match="did not record what it predicted"):

@@ -34,7 +34,8 @@ MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be pr
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Prefetch settings. `per_token`: experts each token nominates (default: the model's top-k);
+    """Prefetch settings. `sources`: the predictors (default gate and transition, not temporal: below);
+    `per_token`: experts each token nominates (default: the model's top-k);
     `budget`: most experts admitted per target layer per call; `depth`: layers ahead;
     `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block,
     which floods the SMs the compute needs).
@@ -44,9 +45,17 @@ class Prefetch:
     (12.6 MB, 0.25 ms at 51 GB/s) about fills one layer's compute (0.26 ms). Replaying the embedded
     model's recorded routing and gate at the OLMoE shape (docs/results/2026-11-30, sixth session),
     budgets 1 / 2 / top-k (8) gave 16.2 / 17.3 / 19.0 ms/token at cache 16 against 17.6 without
-    prefetch, and 9.05 / 9.63 / 9.90 against 9.48 at cache 32."""
+    prefetch, and 9.05 / 9.63 / 9.90 against 9.48 at cache 32.
 
-    sources: tuple[str, ...] = SOURCES
+    Why not temporal by default: what the target routed last call is resident (it was just used), so
+    temporal never nominates an expert to copy; its only effect is that `prefetch` keeps those experts
+    from eviction, and where they fill the slots (cache near top-k) the gate's prefetch then evicts by
+    the policy alone, often an expert the gate itself nominated. On the embedded model's recorded trace
+    (8192 tokens, `asyncmoe.trace.simulate`) gate + temporal + transition leaves 4.0% more misses per
+    token than gate + transition at cache 8 of 64, top-8 (28.24 against 27.15), 1.3% at top-6 (18.08
+    against 17.85), and 0.0-0.7% at caches 12-32; gate + transition and the gate alone miss alike there."""
+
+    sources: tuple[str, ...] = ("gate", "transition")
     depth: int = 1
     per_token: int | None = None
     budget: int = 1
