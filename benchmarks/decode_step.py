@@ -106,7 +106,7 @@ def main():
     p.add_argument("--budgets", type=int, nargs="+", default=[asyncmoe.Prefetch.budget], help="prefetch budgets to try")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
     p.add_argument("--sources", nargs="+", default=None,
-                   help="prefetch predictor sets to try, each joined by + (default: all three; temporal+transition "
+                   help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s; temporal+transition "
                         "with a --replay trace that did not record the gate)")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
