@@ -204,7 +204,7 @@ def test_replay_feeds_the_recorded_gate_to_the_gate_predictor():
 def test_the_default_prefetch_leaves_temporal_out():
     """Temporal nominates what the target routed last call, which is resident: it copies nothing. Its nominations
     are kept from eviction, so at a cache of top-k slots, which they fill, the gate's prefetch evicts by the
-    policy alone, often an expert the gate nominated: more misses than the gate alone (predictors.Prefetch)."""
+    policy alone, which may take one the gate nominated: more misses than the gate alone (predictors.Prefetch)."""
     demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
     trace = Trace(demo.ids[:512], 64, gate_ids=demo.gate_ids[:512], gate_probs=demo.gate_probs[:512])
     misses = {}
