@@ -50,10 +50,11 @@ class Prefetch:
     Why not temporal by default: what the target routed last call is resident (it was just used), so
     temporal never nominates an expert to copy; its only effect is that `prefetch` keeps those experts
     from eviction, and where they fill the slots (cache near top-k) the gate's prefetch then evicts by
-    the policy alone, which may take one the gate nominated (without temporal only those are kept). On the embedded model's recorded trace
-    (8192 tokens, `asyncmoe.trace.simulate`) gate + temporal + transition leaves 4.0% more misses per
-    token than gate + transition at cache 8 of 64, top-8 (28.24 against 27.15), 1.3% at top-6 (18.08
-    against 17.85), and 0.0-0.7% at caches 12-32; gate + transition and the gate alone miss alike there."""
+    the policy alone, which may take one the gate nominated (without temporal only those are kept).
+    On the embedded model's recorded trace (8192 tokens, `asyncmoe.trace.simulate`) gate + temporal +
+    transition leaves 4.0% more misses per token than gate + transition at cache 8 of 64, top-8 (28.24
+    against 27.15), 1.3% at top-6 (18.08 against 17.85), and 0.0-0.7% at caches 12-32; gate +
+    transition and the gate alone miss alike there."""
 
     sources: tuple[str, ...] = ("gate", "transition")
     depth: int = 1
