@@ -1,6 +1,6 @@
-"""Prefetch on real routing: the embedded model, cache 16 of 64, greedy decode on the CPU, per predictor set.
+"""Prefetch on real routing: the embedded model, cache 16 of 64 (or --cache), greedy decode on the CPU, per predictor set.
 
-    python scripts/prefetch_study.py
+    python scripts/prefetch_study.py [--cache 8]
 
 Six 32-token prompts from the validation split (scripts/train_demo_model.py), 64 greedy tokens each.
 Per decoded token: demand misses (copies the compute waits for), experts prefetched, prefetched but
@@ -10,6 +10,7 @@ the timing differs. Results: docs/routing.md.
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -24,8 +25,8 @@ from train_demo_model import corpus_files, encode, split  # noqa: E402
 KEYS = ("hits", "misses", "prefetched", "wasted", "prefetch_hits")
 
 
-def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], new_tokens: int = 64) -> dict:
-    model = asyncmoe.from_pretrained(asyncmoe.demo_model_path(), cache=16, dtype=torch.float32, device="cpu", prefetch=plan)
+def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int, new_tokens: int = 64) -> dict:
+    model = asyncmoe.from_pretrained(asyncmoe.demo_model_path(), cache=cache, dtype=torch.float32, device="cpu", prefetch=plan)
     dec = asyncmoe.Decoder(model, 1, prompts[0].shape[1] + new_tokens + 1, graph=False)
     total = dict.fromkeys(KEYS, 0)
     for ids in prompts:
@@ -40,15 +41,19 @@ def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], new_tokens:
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cache", type=int, default=16, help="slots per MoE layer (of 64)")
+    cache = p.parse_args().cache
     tokenizer = transformers.AutoTokenizer.from_pretrained(asyncmoe.demo_model_path())
     data = encode(tokenizer, split(corpus_files())[1])
     prompts = [data[i * 997 : i * 997 + 32][None] for i in range(6)]
     print("| prefetch | hit rate | demand misses / token | prefetched / token | unused / token | recall |")
     print("|---|---|---|---|---|---|")
-    for label, plan in [("off", None), ("default (gate first)", asyncmoe.Prefetch()),
+    for label, plan in [("off", None), (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch()),
                         ("gate", asyncmoe.Prefetch(sources=("gate",))),
+                        ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"))),
                         ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition")))]:
-        r = run(plan, prompts)
+        r = run(plan, prompts, cache)
         print(f"| {label} | {r['hit_rate']:.1%} | {r['misses']:.2f} | {r['prefetched']:.2f} | {r['wasted']:.2f} | {r['recall']:.1%} |", flush=True)
 
 
