@@ -1,4 +1,4 @@
-"""Prefetch on real routing: the embedded model, cache 16 of 64 (or --cache), greedy decode on the CPU, per predictor set.
+"""Prefetch on real routing: the embedded model, 16 of 64 slots (--cache), greedy decode on the CPU, per predictor set.
 
     python scripts/prefetch_study.py [--cache 8]
 
@@ -26,7 +26,8 @@ KEYS = ("hits", "misses", "prefetched", "wasted", "prefetch_hits")
 
 
 def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int, new_tokens: int = 64) -> dict:
-    model = asyncmoe.from_pretrained(asyncmoe.demo_model_path(), cache=cache, dtype=torch.float32, device="cpu", prefetch=plan)
+    model = asyncmoe.from_pretrained(asyncmoe.demo_model_path(), cache=cache, dtype=torch.float32, device="cpu",
+                                     prefetch=plan)
     dec = asyncmoe.Decoder(model, 1, prompts[0].shape[1] + new_tokens + 1, graph=False)
     total = dict.fromkeys(KEYS, 0)
     for ids in prompts:

@@ -22,6 +22,12 @@ from asyncmoe.trace.simulate import belady_misses, gate_scores, simulate
 from models import tiny
 
 
+def demo_trace(tokens: int) -> Trace:
+    """The embedded model's first `tokens` held-out tokens of routing, with what its gate predicted."""
+    demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
+    return Trace(demo.ids[:tokens], demo.num_experts, gate_ids=demo.gate_ids[:tokens], gate_probs=demo.gate_probs[:tokens])
+
+
 def random_trace(seed, N=120, L=3, E=12, k=2, skew=1.3):
     rng = np.random.default_rng(seed)
     p = 1 / np.arange(1, E + 1) ** skew
@@ -205,8 +211,7 @@ def test_the_default_prefetch_leaves_temporal_out():
     """Temporal nominates what the target routed last call, which is resident: it copies nothing. Its nominations
     are kept from eviction, so at a cache of top-k slots, which they fill, the gate's prefetch evicts by the
     policy alone, which may take one the gate nominated: more misses than the gate alone (predictors.Prefetch)."""
-    demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
-    trace = Trace(demo.ids[:512], 64, gate_ids=demo.gate_ids[:512], gate_probs=demo.gate_probs[:512])
+    trace = demo_trace(512)
     misses = {}
     for sources in (asyncmoe.Prefetch().sources, ("gate",), ("gate", "temporal", "transition"), ("temporal",), ()):
         sim = simulate(trace, cache=trace.top_k, prefetch=sources, compiled=False)
@@ -219,12 +224,11 @@ def test_the_default_prefetch_leaves_temporal_out():
 
 
 def test_simulate_the_recorded_gate():
-    demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
+    trace = demo_trace(300)
     with pytest.raises(ValueError, match="did not record what it predicted"):
-        simulate(Trace(demo.ids[:300], 64), cache=16, prefetch=("gate",), compiled=False)
+        simulate(Trace(trace.ids, 64), cache=16, prefetch=("gate",), compiled=False)
     with pytest.raises(ValueError, match="budget must be >= 1"):
-        simulate(Trace(demo.ids[:300], 64), cache=16, prefetch=("temporal",), budget=0, compiled=False)
-    trace = Trace(demo.ids[:300], 64, gate_ids=demo.gate_ids[:300], gate_probs=demo.gate_probs[:300])
+        simulate(Trace(trace.ids, 64), cache=16, prefetch=("temporal",), budget=0, compiled=False)
     plain = simulate(trace, cache=16, compiled=False)
     one, wide = (simulate(trace, cache=16, prefetch=("gate",), budget=b, compiled=False) for b in (1, trace.top_k))
     assert 0 < one.totals["prefetched_per_token"] <= trace.layers < wide.totals["prefetched_per_token"]
