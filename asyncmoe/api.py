@@ -30,7 +30,7 @@ def compile(
     can be compiled straight onto the GPU without its experts ever going there.
     `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo".
     `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
-    computes (True: `Prefetch()`, gate + transition for the next layer; a `Prefetch` to choose).
+    computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose).
     `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose work still
     runs: realistic routing for random-weight models of real shapes (docs/traces.md).
     `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its own

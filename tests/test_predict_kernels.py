@@ -61,7 +61,7 @@ def _prefetch_pair(E_before, E, C, device, seed):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("sources", [("gate",), ("temporal", "transition"), ("gate", "temporal", "transition"), ("transition",),
-                                     ("gate", "transition")])  # the last: Prefetch()'s default
+                                     ("gate", "transition")])  # the first: Prefetch()'s default
 @pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 70), (64, 64, 16, 8, 8)])
 def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over

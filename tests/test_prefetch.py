@@ -21,7 +21,7 @@ from test_cache_step import devices
 @torch.no_grad()
 def test_prefetch_on_off_identical(family, cache):
     ref = tiny(family)
-    on = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=asyncmoe.Prefetch(depth=2))
+    on = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=asyncmoe.Prefetch(sources=("gate", "transition"), depth=2))
     off = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=False)
     g = torch.Generator().manual_seed(5)
     for batch, length in [(1, 8), (1, 1), (4, 1), (1, 1), (2, 17)]:
@@ -57,7 +57,8 @@ def test_budget_caps_what_a_layer_admits_per_call():
 @torch.no_grad()
 def test_every_layer_learns_its_transitions(device, depth):
     """Every layer's transition counts take each call's (routed at the layer before -> routed here) pairs."""
-    model = asyncmoe.compile(tiny("qwen3_moe", device=device, num_hidden_layers=4), cache=4, prefetch=asyncmoe.Prefetch(depth=depth))
+    model = asyncmoe.compile(tiny("qwen3_moe", device=device, num_hidden_layers=4), cache=4,
+                             prefetch=asyncmoe.Prefetch(sources=("gate", "transition"), depth=depth))
     caches = [m.asyncmoe.cache for _, m in find_experts(model)]
     g = torch.Generator().manual_seed(1)
     want = [torch.zeros(NUM_EXPERTS, NUM_EXPERTS, device=device) for _ in caches[1:]]
@@ -136,7 +137,7 @@ def test_combine_ranks_the_gate_first_and_drops_weak_support():
     assert scores.tolist() == [1, 0, 1, 0] and sources.tolist() == [TEMPORAL, 0, TEMPORAL, 0]
 
 
-@pytest.mark.parametrize("bad", [dict(sources=("oracle",)), dict(sources=()), dict(depth=0), dict(budget=0)])
+@pytest.mark.parametrize("bad", [dict(sources=("oracle",)), dict(sources=()), dict(depth=0), dict(depth=2), dict(budget=0)])
 def test_bad_prefetch_settings(bad):
     with pytest.raises(ValueError, match="prefetch"):
         asyncmoe.Prefetch(**bad)

@@ -34,7 +34,7 @@ MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be pr
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Prefetch settings. `sources`: the predictors (default gate and transition, not temporal: below);
+    """Prefetch settings. `sources`: the predictors (default the gate alone: below);
     `per_token`: experts each token nominates (default: the model's top-k);
     `budget`: most experts admitted per target layer per call; `depth`: layers ahead;
     `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block,
@@ -53,10 +53,18 @@ class Prefetch:
     the policy alone, which may take one the gate nominated (without temporal only those are kept).
     On the embedded model's recorded trace (8192 tokens, `asyncmoe.trace.simulate`) gate + temporal +
     transition leaves 4.0% more misses per token than gate + transition at cache 8 of 64, top-8 (28.24
-    against 27.15), 1.3% at top-6 (18.08 against 17.85), and 0.0-0.7% at caches 12-32; gate +
-    transition and the gate alone miss alike there."""
+    against 27.15), 1.3% at top-6 (18.08 against 17.85), and 0.0-0.7% at caches 12-32; on the H200
+    at the OLMoE shape replaying that trace, 24.42 against 23.69 ms/token at cache 8 (3.0%).
 
-    sources: tuple[str, ...] = ("gate", "transition")
+    Why not transition by default: beside the gate at a budget of one it decided no admission on the
+    embedded trace (the gate's nomination comes first; the same misses either way), and alone its
+    scores stay under MIN_SUPPORT there (0.01 fetches per token, none used, on the suite's synthetic
+    Mixtral trace); what it does cost is its `observe` and scoring each call. On the H200 (same run)
+    the gate alone moved the same bytes with the same hits as gate + transition at caches 8 and 16,
+    and was 0.5% faster at 16 (16.10 against 16.19 ms/token, faster in each of 5 rounds), equal at 8
+    (docs/results/2026-11-30, eighteenth session)."""
+
+    sources: tuple[str, ...] = ("gate",)
     depth: int = 1
     per_token: int | None = None
     budget: int = 1
@@ -68,6 +76,9 @@ class Prefetch:
             raise ValueError(f"prefetch sources must be a non-empty subset of {SOURCES}, got {self.sources}")
         if self.depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
+        if self.depth > 1 and self.sources == ("gate",):
+            raise ValueError(f"prefetch depth {self.depth} needs temporal or transition in sources: the gate predicts only "
+                             f"the next layer (its router on this layer's input)")
         if self.budget < 1:
             raise ValueError(f"prefetch budget must be >= 1 (experts per layer per call), got {self.budget}")
         if self.copy_programs is not None and self.copy_programs < 1:
