@@ -17,8 +17,8 @@ what the machinery costs, not how well a policy or predictor would do on real ro
 `--replay TRACE` the asyncmoe models route by a recorded trace instead (MoE layer i by trace layer
 i mod its layers; docs/traces.md), e.g. benchmarks/traces/demo_val.npz, the embedded model's routing
 on held-out text (scripts/routing_stats.py). The gate predictor then scores by what it predicted when
-the trace was recorded, if the trace has it (demo_val.npz does), else only temporal and transition
-predict (the random router knows nothing of the trace).
+the trace was recorded, if the trace has it (demo_val.npz does); else by the random router, which knows
+nothing of the trace (as in the latency suite's synthetic traces; the prefetch gate then keeps it off).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch
 import transformers
 
 import asyncmoe
-from asyncmoe.trace import Trace
 from shapes import SHAPES, random_model, routing_shape
 
 def h2d_bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10) -> dict[int, float]:
@@ -106,8 +105,7 @@ def main():
     p.add_argument("--budgets", type=int, nargs="+", default=[asyncmoe.Prefetch.budget], help="prefetch budgets to try")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
     p.add_argument("--sources", nargs="+", default=None,
-                   help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s; temporal+transition "
-                        "with a --replay trace that did not record the gate)")
+                   help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -126,9 +124,8 @@ def main():
 
     rows = run(base, "unmodified")
     resident_ms = rows[0]["ms_per_token"]
-    gateless = args.replay is not None and Trace.load(args.replay).gate_ids is None
+    source_sets = args.sources or ["+".join(asyncmoe.Prefetch().sources)]
     for cache in args.caches:
-        source_sets = args.sources or ["temporal+transition" if gateless else "+".join(asyncmoe.Prefetch().sources)]
         plans = [asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b, copy_programs=c or None)
                  for s in source_sets for b in args.budgets for c in args.copy_programs] if cache < experts else []
         for plan in plans + [None]:
