@@ -51,7 +51,7 @@ def main():
     print("| prefetch | hit rate | demand misses / token | prefetched / token | unused / token | recall |")
     print("|---|---|---|---|---|---|")
     for label, plan in [("off", None), (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch()),
-                        ("gate", asyncmoe.Prefetch(sources=("gate",))),
+                        ("gate+transition", asyncmoe.Prefetch(sources=("gate", "transition"))),
                         ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"))),
                         ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition")))]:
         r = run(plan, prompts, cache)

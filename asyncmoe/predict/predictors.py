@@ -76,7 +76,7 @@ class Prefetch:
             raise ValueError(f"prefetch sources must be a non-empty subset of {SOURCES}, got {self.sources}")
         if self.depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
-        if self.depth > 1 and self.sources == ("gate",):
+        if self.depth > 1 and set(self.sources) == {"gate"}:
             raise ValueError(f"prefetch depth {self.depth} needs temporal or transition in sources: the gate predicts only "
                              f"the next layer (its router on this layer's input)")
         if self.budget < 1:
