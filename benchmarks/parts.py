@@ -45,6 +45,9 @@ START_S = 50  # a process's start-up: pytest's collection, the unmodified model'
 MARGIN = 1.1  # processes took 0.86-1.05x their estimates plus START_S (tenth session's, estimated from the runs before)
 CALL_S = 575  # the longest --seconds a device call of 600 s holds with parts.py's imports and the results' copy
 EXIT_S = 10  # a part killed at the limit takes seconds to exit (call 17 of 2026-11-30: 577 s for a 572 s limit)
+H2D_GB_S = 55.0  # pinned host -> GPU copies on the H200, measured in every run (55.3-55.5 GB/s)
+COPY_BOUND = 1.3  # Mixtral's asyncmoe rows at 2/8 took 1.19-1.30x their copies (batch 1 and prompts, 2026-11-30)
+ACCELERATE_GB_S = 7.0  # accelerate's step over the experts it copies from pageable memory: Mixtral 67.6 GB in 9.7 s, Qwen3 58 GB in ~8
 # a graph row not yet measured takes about what the other graph row or the eager one took at its cache: the copies
 # set a step's time there, and eager is never faster (an upper bound); the same system at another cache moves other
 # bytes (call 18 of 2026-11-30: Qwen3's graph at 16/128, batch 8, estimated from it at 128/128: 14 s, took 82); with
@@ -82,7 +85,7 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     copies and kernels, captured); each from the case's own routing first, then the
     other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
     step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
-    eleventh session); None: nothing to go by."""
+    eleventh session); with nothing to go by, its copies' time (`copies_s`), as `Copies`."""
     shape, routing, system, fraction, size = case
     (prefill, n), cache, experts = report.parse_size(size), suite.slots(shape, fraction), suite.routing_shape(shape)[0]
     build, other, took = (-1, 0.0), (-1, 0.0), {}  # builds: (run, seconds); took: (routing, system, cache, size) -> [...]
@@ -131,15 +134,45 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
     for (r, *key), ts in took.items():
         either.setdefault(tuple(key), []).extend(ts)
     times = guess({tuple(key): ts for (r, *key), ts in took.items() if r == routing}) or guess(either)
-    return suite.model_key(case), (build if build[0] >= 0 else other)[1], max(times, default=None)
+    return suite.model_key(case), (build if build[0] >= 0 else other)[1], max(times) if times else copies_s(case)
+
+
+class Copies(float):
+    """The seconds of a case nothing like which was measured: its copies' time (`copies_s`), not a measurement."""
+
+
+def copies_s(case: tuple) -> Copies:
+    """What a decode case takes by its copies, for a case nothing like which was measured: each MoE layer, at
+    each step and at the prompt before each round (warm-up and timed), copies the experts its tokens reach that
+    its slots do not hold, at H2D_GB_S, times COPY_BOUND. Routing taken as uniform: B tokens of k experts each
+    reach E * (1 - (1 - k/E)**B) of E, a fraction cache/E of them held. That over-counts a trace's reuse
+    (Mixtral's trace at batch 1, 2/8: 10.1 GB copied a token, 12.7 by this) and is what a random router does at
+    batches 8 and 32, reaching every expert. Accelerate copies every expert at every call, at its own rate.
+    Before this a case never measured cost none and was started in whatever a process had left: call 38 of
+    2026-11-30 gave Mixtral's eager row at 2/8, batch 32, its last ~136 s and stopped it (by this, 237 s). A
+    prompt: 0 (every prompt case has another cache or a shorter prompt to go by)."""
+    shape, routing, system, fraction, size = case
+    prefill, batch = report.parse_size(size)
+    if prefill:
+        return Copies(0.0)
+    config, (experts, k) = suite.SHAPES[shape][1], suite.routing_shape(shape)
+    expert_bytes = 3 * config["hidden_size"] * config.get("moe_intermediate_size", config["intermediate_size"]) * 2  # bf16
+    layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)
+    held = suite.slots(shape, fraction) / experts
+    misses = lambda tokens: experts * (1 - (1 - k / experts) ** tokens) * (1 - held)  # a layer's, one call of `tokens`
+    steps, rounds, seconds_per_GB = suite.FULL["steps"], suite.FULL["rounds"], COPY_BOUND / H2D_GB_S
+    if system == "accelerate":  # every expert every call, fewer steps (`test_latency.test_decode`), its step's time
+        misses, steps, rounds, seconds_per_GB = lambda tokens: experts, min(steps, 2), 2, 1 / ACCELERATE_GB_S
+    per_round = steps * misses(batch) + misses(batch * suite.PROMPT)
+    rounds += suite.warmup_rounds(system, False)
+    return Copies(rounds * per_round * layers * expert_bytes / 1e9 * seconds_per_GB)
 
 
 def cost(nodes: list[str], estimates: dict[str, tuple]) -> float:
-    """The estimated seconds of running `nodes` in one process: each model built once, every case's rounds (a case
-    without an estimate: none)."""
+    """The estimated seconds of running `nodes` in one process: each model built once, every case's rounds."""
     nodes = dict.fromkeys(nodes)
     builds = {key: build for key, build, _ in (estimates[n] for n in nodes)}
-    return sum(builds.values()) + sum(estimates[n][2] or 0.0 for n in nodes)
+    return sum(builds.values()) + sum(estimates[n][2] for n in nodes)
 
 
 def too_long(cases: list[tuple[str, tuple, bool]], estimates: dict[str, tuple], seconds: float) -> set[tuple]:
@@ -192,15 +225,15 @@ def merged(bundles: list[list[str]], estimates: dict[str, tuple], seconds: float
 
 
 def unknown(nodes: list[str], estimates: dict[str, tuple]) -> bool:
-    """Whether a case of `nodes` has nothing to estimate it by."""
-    return any(estimates[n][2] is None for n in nodes)
+    """Whether a case of `nodes` has nothing measured to estimate it by, only its copies."""
+    return any(isinstance(estimates[n][2], Copies) for n in nodes)
 
 
 def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, chosen: list[str] = ()) -> list[str]:
     """The nodes of one group to run in `left` seconds besides `chosen` (other groups' in the same process, whose
     builds they share): the first bundle (the group's baselines), then, in order, each bundle that fits what
     those before it leave; none if no bundle past the first fits. A bundle with a case never measured (`cost`
-    counts it as none) runs alone beside its baselines, with all the time the process has: taken with others,
+    counts its copies, `copies_s`: a guess) runs alone beside its baselines, with all the time the process has: taken with others,
     it is the case the limit stops, and it stays unmeasured (call 22 of 2026-11-30: Mixtral's six asyncmoe rows
     at batch 8 in one process, the first stopped after ~120 s). The group's other bundles wait for a later call,
     which estimates them by it."""
@@ -302,17 +335,16 @@ def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, 
     return todo, estimates
 
 
-def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep: str = "") -> tuple[list[list[float]], list[dict]]:
+def simulate(runs: list[dict], seconds: float, gpus: int, grep: str = "") -> tuple[list[list[float]], list[dict]]:
     """The seconds of each process parts.py would start, call after call, until nothing is left, and the runs
-    then: the processes `take` gives, each its start-up and its cases' estimates (a case without one, which
-    `take` runs alone beside its baselines: `unknown_s`), each case then measured as estimated. For the device
+    then: the processes `take` gives, each its start-up and its cases' estimates (a case never measured, which
+    `take` runs alone beside its baselines: its copies, `copies_s`), each case then measured as estimated. For the device
     time the rest of the profile needs (docs/results/coverage.md); what it counts is what `plan` plans, so the
     cases too long for a call are not in it."""
     runs, calls = list(runs), []
     while True:
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
             todo, estimates = plan(runs, room(seconds), grep)
-        priced = {n: (key, build, unknown_s if took is None else took) for n, (key, build, took) in estimates.items()}
         case_by_node = {n: c for n, c, _ in report.profile_cases(runs)}
         todo, clock, took = list(todo.items()), [0.0] * gpus, []
         while True:
@@ -320,9 +352,9 @@ def simulate(runs: list[dict], seconds: float, gpus: int, unknown_s: float, grep
             nodes, _ = take(todo, estimates, room(seconds - clock[gpu]))
             if not nodes:
                 break
-            took.append(START_S + cost(nodes, priced))
+            took.append(START_S + cost(nodes, estimates))
             clock[gpu] += took[-1]
-            runs.append({"benchmarks": [measured(case_by_node[n], *priced[n][1:]) for n in nodes]})
+            runs.append({"benchmarks": [measured(case_by_node[n], *estimates[n][1:]) for n in nodes]})
         if not took:
             return calls, runs
         calls.append(took)
@@ -349,13 +381,17 @@ def main():
     p.add_argument("--grep", default="", help="only the parts whose name this regex matches, e.g. 'qwen3.*-b8'")
     p.add_argument("--simulate", type=int, metavar="GPUS",
                    help="run nothing: print the calls of --seconds on GPUS GPUs the rest would take (`simulate`)")
-    p.add_argument("--unknown-s", type=float, default=100.0, help="with --simulate, the seconds of a case never measured")
     args = p.parse_args()
     if args.simulate:
-        calls, _ = simulate(measured_runs(pathlib.Path("/nonexistent")), args.seconds, args.simulate, args.unknown_s, args.grep)
+        calls, after = simulate(measured_runs(pathlib.Path("/nonexistent")), args.seconds, args.simulate, args.grep)
         busy = sum(map(sum, calls))
         print(f"{len(calls)} calls of {args.seconds:.0f} s on {args.simulate} GPUs, {sum(map(len, calls))} processes, "
               f"{busy / 3600:.1f} GPU-hours busy, {len(calls) * args.seconds * args.simulate / 3600:.1f} held")
+        with contextlib.redirect_stdout(io.StringIO()):
+            left = plan(after, room(args.seconds), args.grep)[0]
+        if left:  # planned for the longest call (`plan`), too long for these
+            print(f"left for calls longer than {args.seconds:.0f} s (up to {CALL_S} s): "
+                  f"{len({n for bundles in left.values() for nodes in bundles[1:] for n in nodes})} cases in {len(left)} groups")
         return
     if args.out is None or args.tag is None:
         p.error("--out and --tag name what a run writes")

@@ -11,7 +11,7 @@ import test_latency as suite
 
 ROUTER = ["test_latency.py::test_decode[tiny-router-unmodified-cache1-b1]"]
 TRACE = ["test_latency.py::test_prefill[tiny-trace-unmodified-cache1-prompt32]"]
-UNKNOWN = {node: (("unmodified", node), 0.0, None) for node in ROUTER + TRACE}  # no run to estimate them from
+UNKNOWN = {node: (("unmodified", node), 0.0, parts.Copies(0.0)) for node in ROUTER + TRACE}  # no run to estimate them from
 
 
 def case(system, fraction, counted=False, size="b1"):
@@ -95,13 +95,15 @@ def test_a_part_takes_its_baselines_and_the_bundles_that_fit():
 
 
 def test_a_case_never_measured_runs_alone_beside_its_baselines(tmp_path, monkeypatch):
-    """`cost` counts a case with no estimate as none: taken with others, it would be the one the limit stops
-    (call 22 of 2026-11-30). It runs with its group's baselines only, where nothing else is taken before it; the
-    group's other bundles wait for the next call (a group is one process's), which estimates them by it."""
-    estimates = {"u": ("U", 5.0, 5.0), "g1": ("G", 30.0, 70.0), "x1": ("X", 30.0, None), "x2": ("X", 30.0, None),
-                 "o": ("O", 10.0, 10.0)}
+    """A case with nothing measured to go by is estimated by its copies (`copies_s`), a guess: taken with others,
+    it would be the one the limit stops (call 22 of 2026-11-30). It runs with its group's baselines only, where
+    nothing else is taken before it and its copies fit; the group's other bundles wait for the next call (a group
+    is one process's), which estimates them by it."""
+    estimates = {"u": ("U", 5.0, 5.0), "g1": ("G", 30.0, 70.0), "x1": ("X", 30.0, parts.Copies(100.0)),
+                 "x2": ("X", 30.0, parts.Copies(100.0)), "o": ("O", 10.0, 10.0)}
     assert parts.fitting([["u"], ["g1"], ["x1"], ["x2"]], estimates, 400) == ["u", "g1"]
     assert parts.fitting([["u"], ["x1"], ["g1"], ["x2"]], estimates, 400) == ["u", "x1"]
+    assert parts.fitting([["u"], ["x1"]], estimates, 139) == []  # its copies do not fit beside the baselines
     assert parts.fitting([[], ["x1"]], estimates, 400, chosen=["o"]) == []  # not beside another group's cases
     todo = {("olmoe-1b-7b", "router", "b8"): [["u"], ["x1"], ["x2"]], ("olmoe-1b-7b", "router", "b32"): [[], ["o"]],
             ("olmoe-1b-7b", "router", "b1"): [["u"], ["g1"]]}
@@ -109,6 +111,23 @@ def test_a_case_never_measured_runs_alone_beside_its_baselines(tmp_path, monkeyp
     monkeypatch.setattr(parts.subprocess, "run", lambda cmd, **kw: ran.append([a for a in cmd if a in estimates]))
     parts.run(todo, estimates, [None], 1000, tmp_path, "t", start_s=0)
     assert ran == [["u", "x1"], ["o", "u", "g1"]]  # x2 waits for a call that can estimate it by x1
+
+
+def test_a_case_never_measured_is_estimated_by_its_copies():
+    """Each MoE layer copies, at each step and at the prompt before each round, the experts its tokens reach
+    that its slots do not hold. Mixtral at batch 32: a uniform router reaches all 8 experts (1 - 0.75**32 of
+    them), 6 copied at 2/8, 4 at 4/8, none with every expert in a slot; accelerate copies all 8 at every call,
+    2 steps and the prompt in each of 2 rounds after a warm-up, at its own rate (its measured 9.7 s a step there)."""
+    expert_gb = 3 * 4096 * 14336 * 2 / 1e9
+    at = lambda system, fraction: parts.copies_s(("mixtral-8x7b-24l", "router", system, fraction, "b32"))
+    six = 6 * (32 + 1) * 6 * 24 * expert_gb / parts.H2D_GB_S * parts.COPY_BOUND  # rounds, calls, experts, layers
+    assert abs(at("asyncmoe-eager", 0.25) / six - 1) < 1e-3
+    assert abs(at("asyncmoe-graph", 0.5) / (six * 4 / 6) - 1) < 1e-3
+    assert at("asyncmoe-graph", 1.0) == 0.0 and at("unmodified", 1.0) == 0.0
+    accelerate = 3 * (2 + 1) * 8 * 24 * expert_gb / parts.ACCELERATE_GB_S
+    assert abs(at("accelerate", 0.25) / accelerate - 1) < 1e-3 and abs(accelerate / 3 / 3 - 9.7) < 0.1  # a call: 9.7 s
+    assert parts.copies_s(("mixtral-8x7b-24l", "router", "asyncmoe-eager", 0.25, "b1")) < at("asyncmoe-eager", 0.25) / 3
+    assert isinstance(at("asyncmoe-eager", 0.25), parts.Copies)
 
 
 def test_groups_of_a_shape_and_routing_share_a_process(tmp_path, monkeypatch):
@@ -138,7 +157,8 @@ def test_an_estimate_is_a_build_and_what_the_same_case_took():
     # a seed prompt 4x as long: 4x the calls, no warm-up round
     assert parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs)[1:] == (40.0, 4 * 2 * 30.0)
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b8"), runs)[2] == 12.0  # another cache's
-    assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b32"), runs)[2] is None  # no batch 32
+    no_b32 = ("olmoe-1b-7b", "trace", "asyncmoe-graph", 0.5, "b32")  # nothing at batch 32: its copies
+    assert parts.estimate(no_b32, runs)[2] == parts.copies_s(no_b32) and parts.unknown(["x"], {"x": parts.estimate(no_b32, runs)})
     # eager's rounds, and with no prefetch model built at this shape, the build of the one without
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph-prefetch", 0.5, "b1"), runs)[1:] == (5.0, 6.0)
 
@@ -187,7 +207,7 @@ def test_the_seeds_prompt_at_another_cache_is_scaled_by_its_calls():
     at = lambda fraction, runs: parts.estimate(("olmoe-1b-7b", "trace", "seed", fraction, "prompt512"), runs)[2]
     assert at(0.25, [{"benchmarks": [seed(32, 10.0)]}]) == 2 * 10.0  # 256 calls of 2 tokens against 128 of 4
     assert at(0.5, [{"benchmarks": [seed(16, 10.0)]}]) == 10.0 / 2
-    assert at(0.25, [{"benchmarks": [seed(64, 10.0)]}]) is None  # one call at 64/64, moving nothing: not comparable
+    assert isinstance(at(0.25, [{"benchmarks": [seed(64, 10.0)]}]), parts.Copies)  # one call at 64/64, moving nothing: not comparable
     shorter = dict(seed(32, 10.0), extra_info=dict(seed(32, 10.0)["extra_info"], prompt=128))
     assert at(0.25, [{"benchmarks": [shorter]}]) == 8 * 10.0  # 256 calls of 2 tokens against 32 of 4 for 128 tokens
 
@@ -211,7 +231,7 @@ def test_another_cache_is_a_smaller_one_first_never_one_with_every_expert_in_a_s
     without_graph = [{"benchmarks": runs[0]["benchmarks"][1:]}]
     assert at("asyncmoe-graph", 1.0, without_graph) == 0.25  # the resident model's, not eager's
     assert at("asyncmoe-eager", 0.125, [{"benchmarks": [row("asyncmoe-eager", 16, 4.0), row("asyncmoe-eager", 64, 9.0)]}]) == 4.0
-    assert at("asyncmoe-graph", 0.25, [{"benchmarks": [row("asyncmoe-graph", 64, 0.5)]}]) is None  # nothing to go by
+    assert isinstance(at("asyncmoe-graph", 0.25, [{"benchmarks": [row("asyncmoe-graph", 64, 0.5)]}]), parts.Copies)  # nothing to go by
 
 
 def test_an_estimate_is_the_newest_runs():
@@ -227,9 +247,9 @@ def test_an_estimate_is_the_newest_runs():
 
 
 def test_the_simulation_measures_what_it_plans_until_nothing_is_left():
-    """From nothing measured, every case at 30 s: one group's 15 cases in processes of at most a call each, then
-    all counted (`measured` writes what `profile_cases` reads)."""
-    calls, after = parts.simulate([], 540, 2, 30.0, grep="olmoe-1b-7b-router-b1$")
+    """From nothing measured, every case at its copies: one group's 15 cases in processes of at most a call each,
+    then all counted (`measured` writes what `profile_cases` reads)."""
+    calls, after = parts.simulate([], 540, 2, grep="olmoe-1b-7b-router-b1$")
     assert calls and all(0 < t <= 540 for took in calls for t in took)
     assert not parts.plan(after, parts.room(540), grep="olmoe-1b-7b-router-b1$")[0]
     left = [c for _, c, counted in report.profile_cases(after) if c[:2] + c[4:] == ("olmoe-1b-7b", "router", "b1") and not counted]
