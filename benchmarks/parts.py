@@ -148,6 +148,9 @@ def copies_s(case: tuple) -> Copies:
     reach E * (1 - (1 - k/E)**B) of E, a fraction cache/E of them held. That over-counts a trace's reuse
     (Mixtral's trace at batch 1, 2/8: 10.1 GB copied a token, 12.7 by this) and is what a random router does at
     batches 8 and 32, reaching every expert. Accelerate copies every expert at every call, at its own rate.
+    The decode rows measured with their wall time took, over this: asyncmoe's on the router at batches 8 and
+    32 0.80-1.07x on OLMoE and DeepSeek-V2-Lite, 0.24-0.97x on Qwen3 (0.58-0.80x on its trace); accelerate's
+    0.83-1.30x; at batch 1 and the seed's, whose steps are more than their copies, up to 3.2x.
     Before this a case never measured cost none and was started in whatever a process had left: call 38 of
     2026-11-30 gave Mixtral's eager row at 2/8, batch 32, its last ~136 s and stopped it (by this, 237 s). A
     prompt: 0 (every prompt case has another cache or a shorter prompt to go by)."""
