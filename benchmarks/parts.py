@@ -47,7 +47,7 @@ CALL_S = 575  # the longest --seconds a device call of 600 s holds with parts.py
 EXIT_S = 10  # a part killed at the limit takes seconds to exit (call 17 of 2026-11-30: 577 s for a 572 s limit)
 H2D_GB_S = 55.0  # pinned host -> GPU copies on the H200, measured in every run (55.3-55.5 GB/s)
 COPY_BOUND = 1.3  # Mixtral's asyncmoe rows at 2/8 took 1.19-1.30x their copies (batch 1 and prompts, 2026-11-30)
-ACCELERATE_GB_S = 7.0  # accelerate's step over the experts it copies from pageable memory: Mixtral 67.6 GB in 9.7 s, Qwen3 58 GB in ~8
+ACCELERATE_GB_S = 7.0  # accelerate's steps, every expert from pageable memory: Mixtral 67.6 GB in 9.7 s, Qwen3 58 in ~8
 # a graph row not yet measured takes about what the other graph row or the eager one took at its cache: the copies
 # set a step's time there, and eager is never faster (an upper bound); the same system at another cache moves other
 # bytes (call 18 of 2026-11-30: Qwen3's graph at 16/128, batch 8, estimated from it at 128/128: 14 s, took 82); with
@@ -71,7 +71,7 @@ def measured_runs(out: pathlib.Path) -> list[dict]:
     return sorted(runs, key=lambda run: run["datetime"])
 
 
-def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]:
+def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
     """What `case` will take on the GPU: (its model's `test_latency.model_key`, that model's build in seconds, its
     rounds in seconds), each from the newest of `runs` (oldest first) that has one, the longest there: the code
     changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session).
@@ -138,7 +138,7 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float | None]
 
 
 class Copies(float):
-    """The seconds of a case nothing like which was measured: its copies' time (`copies_s`), not a measurement."""
+    """Seconds estimated for a case with nothing like it measured: its copies' time (`copies_s`), a guess."""
 
 
 def copies_s(case: tuple) -> Copies:
@@ -159,7 +159,8 @@ def copies_s(case: tuple) -> Copies:
     if prefill:
         return Copies(0.0)
     config, (experts, k) = suite.SHAPES[shape][1], suite.routing_shape(shape)
-    expert_bytes = 3 * config["hidden_size"] * config.get("moe_intermediate_size", config["intermediate_size"]) * 2  # bf16
+    intermediate = config.get("moe_intermediate_size", config["intermediate_size"])
+    expert_bytes = 3 * config["hidden_size"] * intermediate * 2  # gate, up and down projections, bf16
     layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)
     held = suite.slots(shape, fraction) / experts
     misses = lambda tokens: experts * (1 - (1 - k / experts) ** tokens) * (1 - held)  # a layer's, one call of `tokens`
@@ -236,10 +237,10 @@ def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, 
     """The nodes of one group to run in `left` seconds besides `chosen` (other groups' in the same process, whose
     builds they share): the first bundle (the group's baselines), then, in order, each bundle that fits what
     those before it leave; none if no bundle past the first fits. A bundle with a case never measured (`cost`
-    counts its copies, `copies_s`: a guess) runs alone beside its baselines, with all the time the process has: taken with others,
-    it is the case the limit stops, and it stays unmeasured (call 22 of 2026-11-30: Mixtral's six asyncmoe rows
-    at batch 8 in one process, the first stopped after ~120 s). The group's other bundles wait for a later call,
-    which estimates them by it."""
+    counts its copies, `copies_s`: a guess) runs alone beside its baselines, where they and its copies fit, with
+    all the time the process has: taken with others, it is the case the limit stops, and it stays unmeasured
+    (call 22 of 2026-11-30: Mixtral's six asyncmoe rows at batch 8 in one process, the first stopped after
+    ~120 s). The group's other bundles wait for a later call, which estimates them by it."""
     first, *rest = bundles
     picked, added = [*chosen, *first], False
     for nodes in rest:
@@ -341,9 +342,9 @@ def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, 
 def simulate(runs: list[dict], seconds: float, gpus: int, grep: str = "") -> tuple[list[list[float]], list[dict]]:
     """The seconds of each process parts.py would start, call after call, until nothing is left, and the runs
     then: the processes `take` gives, each its start-up and its cases' estimates (a case never measured, which
-    `take` runs alone beside its baselines: its copies, `copies_s`), each case then measured as estimated. For the device
-    time the rest of the profile needs (docs/results/coverage.md); what it counts is what `plan` plans, so the
-    cases too long for a call are not in it."""
+    `take` runs alone beside its baselines: its copies, `copies_s`), each case then measured as estimated. For
+    the device time the rest of the profile needs (docs/results/coverage.md); what it counts is what `plan`
+    plans, so the cases too long for a call are not in it, nor those left for a longer call (`main` names them)."""
     runs, calls = list(runs), []
     while True:
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
@@ -393,8 +394,8 @@ def main():
         with contextlib.redirect_stdout(io.StringIO()):
             left = plan(after, room(args.seconds), args.grep)[0]
         if left:  # planned for the longest call (`plan`), too long for these
-            print(f"left for calls longer than {args.seconds:.0f} s (up to {CALL_S} s): "
-                  f"{len({n for bundles in left.values() for nodes in bundles[1:] for n in nodes})} cases in {len(left)} groups")
+            cases = {n for bundles in left.values() for nodes in bundles[1:] for n in nodes}
+            print(f"left for calls longer than {args.seconds:.0f} s (up to {CALL_S} s): {len(cases)} cases in {len(left)} groups")
         return
     if args.out is None or args.tag is None:
         p.error("--out and --tag name what a run writes")
