@@ -164,11 +164,12 @@ def copies_s(case: tuple) -> Copies:
     layers = config["num_hidden_layers"] - config.get("first_k_dense_replace", 0)
     held = suite.slots(shape, fraction) / experts
     misses = lambda tokens: experts * (1 - (1 - k / experts) ** tokens) * (1 - held)  # a layer's, one call of `tokens`
-    steps, rounds, seconds_per_GB = suite.FULL["steps"], suite.FULL["rounds"], COPY_BOUND / H2D_GB_S
-    if system == "accelerate":  # every expert every call, fewer steps (`test_latency.test_decode`), its step's time
-        misses, steps, rounds, seconds_per_GB = lambda tokens: experts, min(steps, 2), 2, 1 / ACCELERATE_GB_S
-    per_round = steps * misses(batch) + misses(batch * suite.PROMPT)
-    rounds += suite.warmup_rounds(system, False)
+    seconds_per_GB = COPY_BOUND / H2D_GB_S
+    if system == "accelerate":  # every expert every call, at its step's rate
+        misses, seconds_per_GB = lambda tokens: experts, 1 / ACCELERATE_GB_S
+    p = suite.decode_profile(system, suite.FULL)
+    per_round = p["steps"] * misses(batch) + misses(batch * suite.PROMPT)
+    rounds = p["rounds"] + suite.warmup_rounds(system, False)
     return Copies(rounds * per_round * layers * expert_bytes / 1e9 * seconds_per_GB)
 
 
@@ -339,12 +340,13 @@ def plan(runs: list[dict], seconds: float, grep: str = "") -> tuple[dict[tuple, 
     return todo, estimates
 
 
-def simulate(runs: list[dict], seconds: float, gpus: int, grep: str = "") -> tuple[list[list[float]], list[dict]]:
+def simulate(runs: list[dict], seconds: float, gpus: int, grep: str = "") -> tuple[list[list[float]], list[dict], dict]:
     """The seconds of each process parts.py would start, call after call, until nothing is left, and the runs
     then: the processes `take` gives, each its start-up and its cases' estimates (a case never measured, which
     `take` runs alone beside its baselines: its copies, `copies_s`), each case then measured as estimated. For
     the device time the rest of the profile needs (docs/results/coverage.md); what it counts is what `plan`
-    plans, so the cases too long for a call are not in it, nor those left for a longer call (`main` names them)."""
+    plans, so the cases too long for a call are not in it, nor those left for a longer call: the third value,
+    what the last plan held that no call of `seconds` took (`plan` plans for the longest call)."""
     runs, calls = list(runs), []
     while True:
         with contextlib.redirect_stdout(io.StringIO()):  # plan names what is too long, call after call
@@ -360,7 +362,7 @@ def simulate(runs: list[dict], seconds: float, gpus: int, grep: str = "") -> tup
             clock[gpu] += took[-1]
             runs.append({"benchmarks": [measured(case_by_node[n], *estimates[n][1:]) for n in nodes]})
         if not took:
-            return calls, runs
+            return calls, runs, dict(todo)
         calls.append(took)
 
 
@@ -387,13 +389,11 @@ def main():
                    help="run nothing: print the calls of --seconds on GPUS GPUs the rest would take (`simulate`)")
     args = p.parse_args()
     if args.simulate:
-        calls, after = simulate(measured_runs(pathlib.Path("/nonexistent")), args.seconds, args.simulate, args.grep)
+        calls, _, left = simulate(measured_runs(pathlib.Path("/nonexistent")), args.seconds, args.simulate, args.grep)
         busy = sum(map(sum, calls))
         print(f"{len(calls)} calls of {args.seconds:.0f} s on {args.simulate} GPUs, {sum(map(len, calls))} processes, "
               f"{busy / 3600:.1f} GPU-hours busy, {len(calls) * args.seconds * args.simulate / 3600:.1f} held")
-        with contextlib.redirect_stdout(io.StringIO()):
-            left = plan(after, room(args.seconds), args.grep)[0]
-        if left:  # planned for the longest call (`plan`), too long for these
+        if left:
             cases = {n for bundles in left.values() for nodes in bundles[1:] for n in nodes}
             print(f"left for calls longer than {args.seconds:.0f} s (up to {CALL_S} s): {len(cases)} cases in {len(left)} groups")
         return

@@ -319,18 +319,23 @@ def warmup_rounds(system: str, prefill: bool) -> int:
     return 0 if prefill and system == "seed" else 1
 
 
+def decode_profile(system: str, p: dict) -> dict:
+    """The profile `p` as `system` decodes it: accelerate moves every expert over PCIe from pageable memory at
+    every step, seconds per token, each step the same copies, so 2 steps and 2 rounds (4 steps a round until
+    the ninth session)."""
+    return dict(p, steps=min(p["steps"], 2), rounds=2) if system == "accelerate" else p
+
+
 def test_decode(benchmark, case, request):
     shape, routing, system, fraction, batch = case
     if system in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
-    p = profile(request.config)
+    p = decode_profile(system, profile(request.config))
     experts, k = routing_shape(shape)
     cache = slots(shape, fraction)
     if system == "seed" and seed_raises(shape, batch, cache):
         pytest.skip(f"the seed raises when a call routes to more distinct experts than its {cache} slots "
                     f"({min(experts, batch * k)} possible)")
-    if system == "accelerate":  # every step moves every expert over PCIe from pageable memory: seconds per token,
-        p = dict(p, steps=min(p["steps"], 2), rounds=2)  # each the same copies (4 steps a round until the ninth session)
     want = reference(request, shape, routing)[0][batch][:, : PROMPT + p["steps"] + 1]
     start = time.perf_counter()
     model = make(*model_key(case))

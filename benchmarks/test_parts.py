@@ -252,9 +252,9 @@ def test_an_estimate_is_the_newest_runs():
 def test_the_simulation_measures_what_it_plans_until_nothing_is_left():
     """From nothing measured, every case at its copies: one group's 15 cases in processes of at most a call each,
     then all counted (`measured` writes what `profile_cases` reads)."""
-    calls, after = parts.simulate([], 540, 2, grep="olmoe-1b-7b-router-b1$")
+    calls, after, left_over = parts.simulate([], 540, 2, grep="olmoe-1b-7b-router-b1$")
     assert calls and all(0 < t <= 540 for took in calls for t in took)
-    assert not parts.plan(after, parts.room(540), grep="olmoe-1b-7b-router-b1$")[0]
+    assert not parts.plan(after, parts.room(540), grep="olmoe-1b-7b-router-b1$")[0] and left_over == {}
     left = [c for _, c, counted in report.profile_cases(after) if c[:2] + c[4:] == ("olmoe-1b-7b", "router", "b1") and not counted]
     assert left == []
 
