@@ -80,8 +80,8 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
     rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
     warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
     seed's calls, n / chunk, are most of its time); for asyncmoe's graph systems, `GRAPH_FROM` at the same
-    cache; else the system's at another cache (`elsewhere`: a smaller one first; the seed's prompt scaled by
-    its calls, `calls`), or for the graph systems the eager one's there (the graph's step is the eager step's
+    cache; else the system's at another cache (`elsewhere`: a smaller one first, else a larger one scaled by its
+    copies; the seed's prompt scaled by its calls, `calls`), or for the graph systems the eager one's there (the graph's step is the eager step's
     copies and kernels, captured); each from the case's own routing first, then the
     other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
     step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
@@ -115,12 +115,15 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
 
     def elsewhere(y: str, seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:
         """What y took at other caches: smaller ones first, which move at least as many bytes (an upper bound),
-        then larger ones that still move experts; at a cache that moves experts, never one with every expert in a
-        slot, where nothing moves (Mixtral's graph at 2/8 and 4/8, router, batch 1, estimated from 8/8: 2.6 s).
-        The seed's prompt there, scaled by `calls`, also from a shorter prompt (it goes by calls either way)."""
-        at = lambda keep: newest([(i, t * calls(c, m) if chunked else t) for (z, c, m), ts in seen.items()
-                                  if z == y and (m == n or chunked and m < n) and keep(c) for i, t in ts])
-        return at(lambda c: c < cache) or at(lambda c: cache < c < experts)
+        then larger ones that still move experts, scaled up by the experts a layer does not hold, here over there
+        (`copies_s`' uniform routing misses in proportion; a lower bound unscaled: call 40 of 2026-11-30 gave
+        Mixtral's rows at 2/8, router, batch 1, their time at 4/8, took 1.50-1.57x it, and stopped one); never
+        one with every expert in a slot, where nothing moves (Mixtral's graph at 2/8 and 4/8 estimated from 8/8:
+        2.6 s). The seed's prompt there, scaled by `calls`, also from a shorter prompt (it goes by calls either way)."""
+        at = lambda keep, scale: newest([(i, t * (calls(c, m) if chunked else scale(c))) for (z, c, m), ts in seen.items()
+                                         if z == y and (m == n or chunked and m < n) and keep(c) for i, t in ts])
+        return (at(lambda c: c < cache, lambda c: 1.0)
+                or at(lambda c: cache < c < experts, lambda c: (experts - cache) / (experts - c)))
 
     def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]
         return (newest(seen.get((system, cache, n), []))
