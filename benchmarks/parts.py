@@ -81,8 +81,8 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
     warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
     seed's calls, n / chunk, are most of its time); for asyncmoe's graph systems, `GRAPH_FROM` at the same
     cache; else the system's at another cache (`elsewhere`: a smaller one first, else a larger one scaled by its
-    copies; the seed's prompt scaled by its calls, `calls`), or for the graph systems the eager one's there (the graph's step is the eager step's
-    copies and kernels, captured); each from the case's own routing first, then the
+    copies; the seed's prompt scaled by its calls, `calls`), or for the graph systems the eager one's there (the
+    graph's step is the eager step's copies and kernels, captured); each from the case's own routing first, then the
     other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
     step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
     eleventh session); with nothing to go by, its copies' time (`copies_s`), as `Copies`."""
