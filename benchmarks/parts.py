@@ -120,10 +120,10 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
         Mixtral's rows at 2/8, router, batch 1, their time at 4/8, took 1.50-1.57x it, and stopped one); never
         one with every expert in a slot, where nothing moves (Mixtral's graph at 2/8 and 4/8 estimated from 8/8:
         2.6 s). The seed's prompt there, scaled by `calls`, also from a shorter prompt (it goes by calls either way)."""
-        at = lambda keep, scale: newest([(i, t * (calls(c, m) if chunked else scale(c))) for (z, c, m), ts in seen.items()
-                                         if z == y and (m == n or chunked and m < n) and keep(c) for i, t in ts])
-        return (at(lambda c: c < cache, lambda c: 1.0)
-                or at(lambda c: cache < c < experts, lambda c: (experts - cache) / (experts - c)))
+        scale = lambda c, m: calls(c, m) if chunked else max(1.0, (experts - cache) / (experts - c))  # 1 if smaller
+        at = lambda keep: newest([(i, t * scale(c, m)) for (z, c, m), ts in seen.items()
+                                  if z == y and (m == n or chunked and m < n) and keep(c) for i, t in ts])
+        return at(lambda c: c < cache) or at(lambda c: cache < c < experts)
 
     def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]
         return (newest(seen.get((system, cache, n), []))
