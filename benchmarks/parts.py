@@ -74,18 +74,18 @@ def measured_runs(out: pathlib.Path) -> list[dict]:
 def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
     """What `case` will take on the GPU: (its model's `test_latency.model_key`, that model's build in seconds, its
     rounds in seconds), each from the newest of `runs` (oldest first) that has one, the longest there: the code
-    changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session).
-    The build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it), else
-    for asyncmoe with prefetch, without it, and the other way (one `asyncmoe.compile`: 0.6-1.2x in one run). The
-    rest of the case (`wall_s` less the build; before the tenth session's runs, its rounds, timed and
-    warm-up): the same case's; a prompt of n tokens not measured, n / m times the same case's prompt of m (the
-    seed's calls, n / chunk, are most of its time); for asyncmoe's graph systems, `GRAPH_FROM` at the same
-    cache; else the system's at another cache (`elsewhere`: a smaller one first, else a larger one scaled by its
-    copies; the seed's prompt scaled by its calls, `calls`), or for the graph systems the eager one's there (the
-    graph's step is the eager step's copies and kernels, captured); each from the case's own routing first, then the
-    other's (they copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a
-    step over more experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite,
-    eleventh session); with nothing to go by, its copies' time (`copies_s`), as `Copies`."""
+    changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session). The
+    build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it), else for asyncmoe
+    with prefetch, without it, and the other way (one `asyncmoe.compile`: 0.6-1.2x in one run). The rest of the case
+    (`wall_s` less the build; before the tenth session's runs, its rounds, timed and warm-up): the same case's; the
+    seed's prompt fed in calls, the slowest call measured near it (`per_call`); a prompt of n tokens not measured,
+    the same case's prompt of m tokens times n/m; for asyncmoe's graph systems, `GRAPH_FROM` at the same cache; else
+    the system's at another cache (`elsewhere`: a smaller one first, else a larger one scaled by its copies; the
+    seed's prompt scaled by its calls, `calls`), or for the graph systems the eager one's there (the graph's step is
+    the eager step's copies and kernels, captured); each from the case's own routing first, then the other's (they
+    copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a step over more
+    experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite, eleventh session); with
+    nothing to go by, its copies' time (`copies_s`), as `Copies`."""
     shape, routing, system, fraction, size = case
     (prefill, n), cache, experts = report.parse_size(size), suite.slots(shape, fraction), suite.routing_shape(shape)[0]
     build, other, took = (-1, 0.0), (-1, 0.0), {}  # builds: (run, seconds); took: (routing, system, cache, size) -> [...]
@@ -125,8 +125,22 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
                                   if z == y and (m == n or chunked and m < n) and keep(c) for i, t in ts])
         return at(lambda c: c < cache) or at(lambda c: cache < c < experts)
 
+    def per_call(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:
+        """The seed's prompt fed in calls (`chunked`): its shorter prompt at this cache and this prompt at the other
+        caches that move experts (each cache's newest run), scaled by the calls here over its calls there (`calls`),
+        the longest (`estimate` takes the max). A call costs more in a longer prompt on some routings (Qwen3's router
+        at 64/128: 96 ms a call for 512 tokens, 160 ms for 2048; call 45 of 2026-12-01 took 1.66x its estimate from
+        512 tokens, 0.86-1.17x on the other shapes' pairs), and more where it holds more tokens on others
+        (DeepSeek-V2-Lite's router at 512 tokens: 118 ms a call of 1 token at 8/64, 222 ms a call of 5 at 32/64), so
+        neither alone bounds it."""
+        shorter = newest([(i, t * calls(c, m)) for (y, c, m), ts in seen.items()
+                          if (y, c) == (system, cache) and m < n for i, t in ts])
+        return shorter + [t * calls(c, m) for (y, c, m), ts in seen.items()
+                          if y == system and c not in (cache, experts) and m == n for t in newest(ts)]
+
     def guess(seen: dict[tuple, list[tuple[int, float]]]) -> list[float]:  # seen: (system, cache, size) -> [(run, seconds)]
         return (newest(seen.get((system, cache, n), []))
+                or (per_call(seen) if chunked else [])
                 or newest([(i, t * n / m) for (y, c, m), ts in seen.items() if (y, c) == (system, cache) and prefill and m < n
                            for i, t in ts])
                 or next(filter(None, (newest(seen.get((y, cache, n), [])) for y in GRAPH_FROM.get(system, ()))), [])

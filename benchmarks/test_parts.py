@@ -214,6 +214,24 @@ def test_the_seeds_prompt_at_another_cache_is_scaled_by_its_calls():
     assert at(0.25, [{"benchmarks": [shorter]}]) == 8 * 10.0  # 256 calls of 2 tokens against 32 of 4 for 128 tokens
 
 
+def test_the_seeds_longer_prompt_is_the_slower_of_its_shorter_prompt_and_its_length_at_other_caches():
+    """A seed call costs more in a longer prompt on some routings (call 45 of 2026-12-01: Qwen3's router, 2048
+    tokens at 64/128, estimated from 512 tokens, took 1.66x), and more where it holds more tokens on others: each
+    scaled by its calls, the slower."""
+    def seed(cache, prompt, wall_s):
+        extra = dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=cache, prompt=prompt, setup_s=1.0,
+                     wall_s=1.0 + wall_s)
+        return dict(extra_info=extra, stats={})
+
+    at = lambda runs: parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs)[2]
+    short = seed(16, 512, 10.0)  # 256 calls of 2 tokens; 1024 for 2048
+    assert at([{"benchmarks": [short]}]) == 4 * 10.0
+    assert at([{"benchmarks": [short, seed(32, 2048, 30.0)]}]) == 2 * 30.0  # 512 calls of 4: 58.6 ms a call
+    assert at([{"benchmarks": [short, seed(32, 2048, 15.0)]}]) == 4 * 10.0
+    # each other cache's newest run, not only the newest of them all
+    assert at([{"benchmarks": [short, seed(32, 2048, 30.0)]}, {"benchmarks": [seed(64, 2048, 5.0)]}]) == 2 * 30.0
+
+
 def test_another_cache_is_a_smaller_one_first_then_a_larger_one_scaled_never_every_expert_in_a_slot():
     """A smaller cache moves at least as many bytes: an upper bound. A larger one moves fewer: its time scaled by
     the experts not held, here over there (call 40 of 2026-11-30: Mixtral's rows at 2/8 estimated unscaled from
