@@ -75,17 +75,18 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
     """What `case` will take on the GPU: (its model's `test_latency.model_key`, that model's build in seconds, its
     rounds in seconds), each from the newest of `runs` (oldest first) that has one, the longest there: the code
     changes what a case takes (the seed's build halved at 61d7a2d, accelerate's rounds too, tenth session). The
-    build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it), else for asyncmoe
-    with prefetch, without it, and the other way (one `asyncmoe.compile`: 0.6-1.2x in one run). The rest of the case
-    (`wall_s` less the build; before the tenth session's runs, its rounds, timed and warm-up): the same case's; the
-    seed's prompt fed in calls, the slowest call measured near it (`per_call`); a prompt of n tokens not measured,
-    the same case's prompt of m tokens times n/m; for asyncmoe's graph systems, `GRAPH_FROM` at the same cache; else
-    the system's at another cache (`elsewhere`: a smaller one first, else a larger one scaled by its copies; the
-    seed's prompt scaled by its calls, `calls`), or for the graph systems the eager one's there (the graph's step is
-    the eager step's copies and kernels, captured); each from the case's own routing first, then the other's (they
-    copy about as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a step over more
-    experts: asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite, eleventh session); with
-    nothing to go by, its copies' time (`copies_s`), as `Copies`."""
+    build: recorded for that kind of model at that shape (`setup_s`; cases of one key share it; asyncmoe's from a
+    cache that, like this one, moves experts or holds them all), else for asyncmoe with prefetch, without it, and
+    the other way (one `asyncmoe.compile`: 0.6-1.2x in one run). The rest of the case (`wall_s` less the build;
+    before the tenth session's runs, its rounds, timed and warm-up): the same case's; the seed's prompt fed in
+    calls, the slowest call measured near it (`per_call`); a prompt of n tokens not measured, the same case's prompt
+    of m tokens times n/m; for asyncmoe's graph systems, `GRAPH_FROM` at the same cache; else the system's at
+    another cache (`elsewhere`: a smaller one first, else a larger one scaled by its copies; the seed's prompt
+    scaled by its calls, `calls`), or for the graph systems the eager one's there (the graph's step is the eager
+    step's copies and kernels, captured); each from the case's own routing first, then the other's (they copy about
+    as much at batch 1, 0.7-1.3x, but at batches 8 and 32 the random router spreads a step over more experts:
+    asyncmoe's rows 1.0-2.6x the trace's, median 1.5, OLMoE and DeepSeek-V2-Lite, eleventh session); with nothing to
+    go by, its copies' time (`copies_s`), as `Copies`."""
     shape, routing, system, fraction, size = case
     (prefill, n), cache, experts = report.parse_size(size), suite.slots(shape, fraction), suite.routing_shape(shape)[0]
     build, other, took = (-1, 0.0), (-1, 0.0), {}  # builds: (run, seconds); took: (routing, system, cache, size) -> [...]
@@ -93,6 +94,8 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
         if not e or e["shape"] != shape:
             continue
         kind, setup = suite.model_kind(e["system"]), e.get("setup_s")  # None: not recorded (the first runs), not 0 s
+        if kind.startswith("asyncmoe") and (e["cache"] < experts) != (cache < experts):
+            setup = None  # with every expert in a slot asyncmoe copies none to host memory: 2.4 s on Qwen3, 21-31 below
         if setup is not None and kind == suite.model_kind(system):
             build = max(build, (i, setup))  # the newest run, the longest there
         elif setup is not None and kind.startswith("asyncmoe") and system.startswith("asyncmoe"):

@@ -164,6 +164,20 @@ def test_an_estimate_is_a_build_and_what_the_same_case_took():
     assert parts.estimate(("olmoe-1b-7b", "trace", "asyncmoe-graph-prefetch", 0.5, "b1"), runs)[1:] == (5.0, 6.0)
 
 
+def test_asyncmoes_build_is_one_that_moves_experts_as_this_cache_does():
+    """With every expert in a slot asyncmoe copies none to host memory: its build says nothing of a cache that
+    moves experts (call 43 of 2026-12-01: Mixtral's eager at 2/8 estimated from the graph's build at 8/8, 8 s,
+    took 30 s), nor the other way."""
+    def row(system, cache, setup_s):
+        extra = dict(shape="olmoe-1b-7b", routing="router", system=system, cache=cache, batch=1, setup_s=setup_s,
+                     wall_s=setup_s + 1.0)
+        return dict(extra_info=extra, stats={})
+
+    runs = [{"benchmarks": [row("asyncmoe-eager", 16, 20.0)]}, {"benchmarks": [row("asyncmoe-graph", 64, 2.0)]}]
+    build = lambda fraction: parts.estimate(("olmoe-1b-7b", "router", "asyncmoe-graph", fraction, "b1"), runs)[1]
+    assert (build(0.5), build(1.0)) == (20.0, 2.0)  # not the newest run's, 2 s, at 32/64
+
+
 def test_an_estimate_takes_the_cases_own_routing_first():
     """At batch 8 the random router spreads a step over more experts than the trace: the other routing's time
     only where the case's own routing has nothing to go by."""
