@@ -95,7 +95,7 @@ def estimate(case: tuple, runs: list[dict]) -> tuple[tuple, float, float]:
             continue
         kind, setup = suite.model_kind(e["system"]), e.get("setup_s")  # None: not recorded (the first runs), not 0 s
         if kind.startswith("asyncmoe") and (e["cache"] < experts) != (cache < experts):
-            setup = None  # with every expert in a slot asyncmoe copies none to host memory: 2.4 s on Qwen3, 21-31 below
+            setup = None  # with every expert in a slot asyncmoe copies none to host memory: 2.4 s on Qwen3, 21-43 below
         if setup is not None and kind == suite.model_kind(system):
             build = max(build, (i, setup))  # the newest run, the longest there
         elif setup is not None and kind.startswith("asyncmoe") and system.startswith("asyncmoe"):
