@@ -256,15 +256,19 @@ def unknown(nodes: list[str], estimates: dict[str, tuple]) -> bool:
 
 def fitting(bundles: list[list[str]], estimates: dict[str, tuple], left: float, chosen: list[str] = ()) -> list[str]:
     """The nodes of one group to run in `left` seconds besides `chosen` (other groups' in the same process, whose
-    builds they share): the first bundle (the group's baselines), then, in order, each bundle that fits what
-    those before it leave; none if no bundle past the first fits. A bundle with a case never measured (`cost`
+    builds they share): the first bundle (the group's baselines), then, cheapest first, each bundle that fits
+    what those before it leave; none if no bundle past the first fits. Cheapest first: most of a call is a group's
+    baselines, and the cheap rows beside them leave room for more (call 48 of 2026-12-01 took Mixtral's graph row
+    at 2/8, batch 8, estimated 219 s, alone with its baselines; cheapest first, the prefetch row at 4/8, 154 s,
+    and two prompt rows of that routing, 30 and 10 s, fit with theirs; replayed over the committed runs, 27
+    calls of 555 s are left instead of 28). A bundle with a case never measured (`cost`
     counts its copies, `copies_s`: a guess) runs alone beside its baselines, where they and its copies fit, with
     all the time the process has: taken with others, it is the case the limit stops, and it stays unmeasured
     (call 22 of 2026-11-30: Mixtral's six asyncmoe rows at batch 8 in one process, the first stopped after
     ~120 s). The group's other bundles wait for a later call, which estimates them by it."""
     first, *rest = bundles
     picked, added = [*chosen, *first], False
-    for nodes in rest:
+    for nodes in sorted(rest, key=lambda nodes: cost(picked + nodes, estimates)):
         alone = unknown(nodes, estimates)
         if alone and (added or chosen):
             continue

@@ -88,7 +88,9 @@ def test_a_part_takes_its_baselines_and_the_bundles_that_fit():
                  "g2": ("G2", 0.0, 300.0), "g3": ("G", 30.0, 50.0)}  # g1 and g3 share a model: one build
     bundles = [["u", "a"], ["g1", "s1"], ["g2"], ["g3"]]
     assert parts.cost(["g1", "g3"], estimates) == 30.0 + 70.0 + 50.0
-    assert parts.fitting(bundles, estimates, 250) == ["u", "a", "g1", "s1", "g3"]  # g2 would be stopped: it waits
+    assert parts.fitting(bundles, estimates, 250) == ["u", "a", "g3", "g1", "s1"]  # g2 would be stopped: it waits
+    dear_first = {"u": ("U", 0.0, 10.0), "d": ("D", 0.0, 100.0), "c1": ("C1", 0.0, 60.0), "c2": ("C2", 0.0, 60.0)}
+    assert parts.fitting([["u"], ["d"], ["c1"], ["c2"]], dear_first, 135) == ["u", "c1", "c2"]  # two rows, not one
     assert parts.fitting(bundles, estimates, 49) == []  # nothing but the baselines fits
     assert parts.fitting([[], ["g3"]], estimates, 60, chosen=["g1"]) == []  # beside g1: 150 s
     assert parts.fitting([[], ["g3"]], estimates, 150, chosen=["g1"]) == ["g3"]
@@ -102,7 +104,8 @@ def test_a_case_never_measured_runs_alone_beside_its_baselines(tmp_path, monkeyp
     estimates = {"u": ("U", 5.0, 5.0), "g1": ("G", 30.0, 70.0), "x1": ("X", 30.0, parts.Copies(100.0)),
                  "x2": ("X", 30.0, parts.Copies(100.0)), "o": ("O", 10.0, 10.0)}
     assert parts.fitting([["u"], ["g1"], ["x1"], ["x2"]], estimates, 400) == ["u", "g1"]
-    assert parts.fitting([["u"], ["x1"], ["g1"], ["x2"]], estimates, 400) == ["u", "x1"]
+    assert parts.fitting([["u"], ["x1"], ["g1"], ["x2"]], estimates, 400) == ["u", "g1"]  # cheapest first
+    assert parts.fitting([["u"], ["x1"], ["x2"]], estimates, 400) == ["u", "x1"]
     assert parts.fitting([["u"], ["x1"]], estimates, 139) == []  # its copies do not fit beside the baselines
     assert parts.fitting([[], ["x1"]], estimates, 400, chosen=["o"]) == []  # not beside another group's cases
     todo = {("olmoe-1b-7b", "router", "b8"): [["u"], ["x1"], ["x2"]], ("olmoe-1b-7b", "router", "b32"): [[], ["o"]],
