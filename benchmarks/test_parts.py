@@ -171,12 +171,8 @@ def test_asyncmoes_build_is_one_that_moves_experts_as_this_cache_does():
     """With every expert in a slot asyncmoe copies none to host memory: its build says nothing of a cache that
     moves experts (call 43 of 2026-12-01: Mixtral's eager at 2/8 estimated from the graph's build at 8/8, 8 s,
     took 30 s), nor the other way."""
-    def row(system, cache, setup_s):
-        extra = dict(shape="olmoe-1b-7b", routing="router", system=system, cache=cache, batch=1, setup_s=setup_s,
-                     wall_s=setup_s + 1.0)
-        return dict(extra_info=extra, stats={})
-
-    runs = [{"benchmarks": [row("asyncmoe-eager", 16, 20.0)]}, {"benchmarks": [row("asyncmoe-graph", 64, 2.0)]}]
+    row = lambda system, fraction, setup_s: parts.measured(("olmoe-1b-7b", "router", system, fraction, "b1"), setup_s, 1.0)
+    runs = [{"benchmarks": [row("asyncmoe-eager", 0.25, 20.0)]}, {"benchmarks": [row("asyncmoe-graph", 1.0, 2.0)]}]
     build = lambda fraction: parts.estimate(("olmoe-1b-7b", "router", "asyncmoe-graph", fraction, "b1"), runs)[1]
     assert (build(0.5), build(1.0)) == (20.0, 2.0)  # not the newest run's 2 s, at 64/64
 
@@ -235,18 +231,14 @@ def test_the_seeds_longer_prompt_is_the_slower_of_its_shorter_prompt_and_its_len
     """A seed call costs more in a longer prompt on some routings (call 45 of 2026-12-01: Qwen3's router, 2048
     tokens at 64/128, estimated from 512 tokens, took 1.66x), and more where it holds more tokens on others: each
     scaled by its calls, the slower."""
-    def seed(cache, prompt, wall_s):
-        extra = dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=cache, prompt=prompt, setup_s=1.0,
-                     wall_s=1.0 + wall_s)
-        return dict(extra_info=extra, stats={})
-
+    seed = lambda fraction, prompt, took: parts.measured(("olmoe-1b-7b", "trace", "seed", fraction, f"prompt{prompt}"), 1.0, took)
     at = lambda runs: parts.estimate(("olmoe-1b-7b", "trace", "seed", 0.25, "prompt2048"), runs)[2]
-    short = seed(16, 512, 10.0)  # 256 calls of 2 tokens; 1024 for 2048
+    short = seed(0.25, 512, 10.0)  # 16 slots: 256 calls of 2 tokens; 1024 for 2048
     assert at([{"benchmarks": [short]}]) == 4 * 10.0
-    assert at([{"benchmarks": [short, seed(32, 2048, 30.0)]}]) == 2 * 30.0  # 512 calls of 4: 58.6 ms a call
-    assert at([{"benchmarks": [short, seed(32, 2048, 15.0)]}]) == 4 * 10.0
+    assert at([{"benchmarks": [short, seed(0.5, 2048, 30.0)]}]) == 2 * 30.0  # 512 calls of 4: 58.6 ms a call
+    assert at([{"benchmarks": [short, seed(0.5, 2048, 15.0)]}]) == 4 * 10.0
     # each other cache's newest run, not only the newest of them all
-    assert at([{"benchmarks": [short, seed(32, 2048, 30.0)]}, {"benchmarks": [seed(8, 2048, 5.0)]}]) == 2 * 30.0
+    assert at([{"benchmarks": [short, seed(0.5, 2048, 30.0)]}, {"benchmarks": [seed(0.125, 2048, 5.0)]}]) == 2 * 30.0
 
 
 def test_another_cache_is_a_smaller_one_first_then_a_larger_one_scaled_never_every_expert_in_a_slot():
