@@ -172,6 +172,39 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
         assert 0 < sum(late) <= steps // 2 // EXPLORE_EVERY + 1  # only the exploring calls
 
 
+@pytest.mark.parametrize("victim_needed", [False, True])
+def test_prefetch_gate_counts_the_hits_a_prefetch_evicts(victim_needed):
+    """Before every call one expert that is not resident is prefetched, and the call uses it. When the
+    call routes to every expert (more than the slots: two waves), the expert the prefetch evicted is
+    needed too: the prefetch saved no miss, only traded a hit, and the gate closes although every
+    prefetch was used by its call. When the call routes to the prefetched expert alone, it stays open."""
+    from asyncmoe import ops
+    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, ExpertCache
+
+    E, C, steps = 8, 4, 4 * EXPLORE_EVERY
+    cache = ExpertCache({"w": torch.randn(E, 3)}, C, "lru")
+    count = lambda name: cache.counters[COUNTERS.index(name)].item()  # noqa: E731
+    ops.ensure(cache, torch.arange(C).view(1, C), 0)  # fill the slots
+    admitted = []
+    for _ in range(steps):
+        guess = int((cache.expert_to_slot[:E] < 0).nonzero()[0])
+        cache.gate.copy_(torch.nn.functional.one_hot(torch.tensor(guess), E))
+        prefetched = count("prefetched")
+        ops.prefetch(cache, 1, gate=True)
+        admitted.append(count("prefetched") - prefetched)
+        ids = torch.arange(E).view(2, E // 2) if victim_needed else torch.tensor([[guess]])
+        for wave in range(2 if victim_needed else 1):
+            ops.ensure(cache, ids, wave)
+    assert count("prefetch_timely") == sum(admitted)  # every admitted prefetch was used by its call
+    assert count("prefetch_victims") == (sum(admitted) if victim_needed else 0)
+    late = admitted[steps // 2 :]
+    assert admitted[0] == 1  # no evidence yet: the gate is open
+    if victim_needed:
+        assert sum(late) <= len(late) // EXPLORE_EVERY + 1  # at most the exploring calls
+    else:
+        assert all(late)
+
+
 def test_exploring_backs_off_until_a_prefetch_is_timely():
     """Prefetches that are never used close the gate; the layer then explores at calls 32, 64, 128, ...
     (each interval doubled, up to EXPLORE_EVERY << MAX_BACKOFF), and once an exploring prefetch is used

@@ -39,8 +39,9 @@ COUNTERS = (
     "prefetched", "wasted",  # experts a prefetch admitted; prefetched experts evicted before any use
     "prefetch_hits", "hits_gate", "hits_temporal", "hits_transition",  # routed experts found prefetched, by nominator
     "prefetch_timely",  # ... first used by the very call they were fetched for
+    "prefetch_victims",  # experts a prefetch evicted that the very next call needed: a hit the prefetch cost
 )
-PREFETCHED, TIMELY = COUNTERS.index("prefetched"), COUNTERS.index("prefetch_timely")  # what the prefetch gate reads
+PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("prefetched", "prefetch_timely", "prefetch_victims"))  # the gate's
 
 # The prefetch gate (see `gate_prefetch`). A wasted copy costs about what a used one saves when one
 # expert's copy takes as long as a layer's compute (OLMoE-1B-7B shape on the H200: 0.27 vs 0.25 ms),
@@ -52,7 +53,7 @@ EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 
 # decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
 MAX_BACKOFF = 4
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
-    PREFETCHED=PREFETCHED, TIMELY=TIMELY, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
+    PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
     OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY, MAX_BACKOFF=MAX_BACKOFF,
 )
 
@@ -88,6 +89,8 @@ class ExpertCache(nn.Module):
         self.register_buffer("source", torch.zeros(C, dtype=torch.int8, device=device), persistent=False)
         self.register_buffer("routed", torch.zeros(E, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("counters", torch.zeros(len(COUNTERS), **i64), persistent=False)
+        # the clock of the prefetch that last evicted each expert (-1: none; row E absorbs masked writes)
+        self.register_buffer("evicted_at", torch.full((E + 1,), -1, **i64), persistent=False)
         self.register_buffer("wave_of", torch.full((E,), -1, **i64), persistent=False)  # this call's wave of each expert
         self.register_buffer("scratch", torch.zeros(E, dtype=torch.int32, device=device), persistent=False)  # fused kernel
         # the gate predictor's scores for this layer: written on the compute stream by the layer before, read by
@@ -97,7 +100,7 @@ class ExpertCache(nn.Module):
         # the side stream's combined prediction and its sources
         self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
-        # prefetch outcomes: decayed (untimely, timely) counts, the counters they were last read from, and how
+        # prefetch outcomes: decayed (wasted, paid) counts, the counters they were last read from, and how
         # many times exploring has doubled its interval (see `gate_prefetch`)
         self.register_buffer("outcomes", torch.zeros(5, dtype=torch.float32, device=device), persistent=False)
         # stall timing (kernels.clock): two GPU-clock stamps, then the summed ns of waiting for the prefetch
@@ -120,8 +123,9 @@ class ExpertCache(nn.Module):
 
     @property
     def state(self) -> list[torch.Tensor]:
-        """What the ops mutate besides tables, counters and slots: the slot state, the call's waves and the kernel's scratch."""
-        return [*self.slot_state, self.wave_of, self.scratch]
+        """What the ops mutate besides tables, counters and slots: the slot state, the prefetches' victims, the call's
+        waves and the kernel's scratch."""
+        return [*self.slot_state, self.evicted_at, self.wave_of, self.scratch]
 
     def clear(self) -> None:
         """Back to the cache as built: no expert resident, no policy, predictor or counter history. In place,
@@ -130,7 +134,7 @@ class ExpertCache(nn.Module):
         weights = {f"{kind}_{n}" for n in self.names for kind in ("host", "slot")}
         for name, buf in self.named_buffers(recurse=False):
             if name not in weights:
-                buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "wave_of") else 0)
+                buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of") else 0)
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self, f"slot_{n}") for n in self.names}
@@ -191,7 +195,7 @@ def admit(
     """Plan and book the admission of the wanted experts not yet resident; the caller copies the data.
 
     Returns src [M] expert ids, dst [M] slots, valid [M], count [] (pairs i < count are real),
-    evictions [] and wasted [] (evicted prefetches that were never used).
+    gone [M] (the expert each pair evicted, E: none) and wasted [] (evicted prefetches that were never used).
     Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted), then by the
     policy's score, so a wanted expert is never evicted: at most C are wanted, and every missing
     wanted expert leaves a slot not holding a wanted one.
@@ -220,7 +224,7 @@ def admit(
     _put(st.freq, dst, valid, torch.zeros_like(st.freq[dst]))
     _put(st.used, dst, valid, torch.zeros_like(st.used[dst]))
     _put(st.source, dst, valid, torch.zeros_like(st.source[dst]))
-    return src, dst, valid, count, evicted.sum(), wasted.sum()
+    return src, dst, valid, count, torch.where(evicted, old, E), wasted.sum()
 
 
 def touch(want: torch.Tensor, slot_to_expert: torch.Tensor, st: SlotState) -> torch.Tensor:
@@ -260,28 +264,31 @@ def ensure(
     """
     ids = top_k_index.long()
     E, C = expert_to_slot.numel() - 1, slot_to_expert.numel()
-    *fields, wave_of, scratch = state
+    *fields, evicted_at, wave_of, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         out, src, dst, count = cache_step(
             ids.reshape(-1), None, None, wave, POLICY_IDS[policy], min(C, E, ids.numel()), expert_to_slot,
-            slot_to_expert, fields, wave_of, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
+            slot_to_expert, fields, evicted_at, wave_of, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):
             gather_copy(host, slot, src, dst, count)
         return out.view(ids.shape)
     st = SlotState(*fields)
     st.clock.add_(1)
-    need, now, later = wave_plan(ids, wave, C, expert_to_slot[:E] >= 0, wave_of)
+    resident = expert_to_slot[:E] >= 0
+    need, now, later = wave_plan(ids, wave, C, resident, wave_of)
     st.routed.copy_(need)
-    src, dst, _, count, evicted, wasted = admit(now, later, min(C, E, ids.numel()), policy, expert_to_slot, slot_to_expert, st)
+    # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
+    victims = (need & ~resident & (evicted_at[:E] == st.clock - 1)).sum() * (wave == 0)
+    src, dst, _, count, gone, wasted = admit(now, later, min(C, E, ids.numel()), policy, expert_to_slot, slot_to_expert, st)
     for host, slot in zip(hosts, slots):
         gather_copy(host, slot, src, dst, count)
     prefetch_hits = touch(now, slot_to_expert, st)
 
     calls = torch.ones_like(count) if wave == 0 else torch.zeros_like(count)
     zero = torch.zeros_like(count)
-    add = [calls, now.sum() - count, count, evicted, count * _expert_bytes(slots), zero, wasted]
-    counters.add_(torch.cat([torch.stack(add), prefetch_hits]))
+    add = [calls, now.sum() - count, count, (gone < E).sum(), count * _expert_bytes(slots), zero, wasted]
+    counters.add_(torch.cat([torch.stack(add), prefetch_hits, victims.view(1)]))
     return torch.where(now[ids], expert_to_slot[ids], -1)
 
 
@@ -302,11 +309,11 @@ def prefetch(
     """Admit the `budget` likeliest experts (score > 0) that are not resident, as prefetched-unused slots.
 
     `copy_programs` caps the copy kernel's grid (see gather_copy)."""
-    *fields, wave_of, scratch = state
+    *fields, evicted_at, wave_of, scratch = state
     if _use_kernel(expert_to_slot, use_kernel):
         _, src, dst, count = cache_step(
             None, predicted, nominated, 0, POLICY_IDS[policy], budget, expert_to_slot, slot_to_expert,
-            fields, wave_of, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
+            fields, evicted_at, wave_of, counters, scratch, _expert_bytes(slots), FREQ_UNIT, FREQ_DECAY_SHIFT,
         )
         for host, slot in zip(hosts, slots):
             gather_copy(host, slot, src, dst, count, copy_programs)
@@ -317,12 +324,14 @@ def prefetch(
     top = torch.argsort(-fresh, stable=True)[:budget]  # ties: lower expert id first, as the kernel does
     want = torch.zeros_like(st.routed).index_fill_(0, top, True) & (fresh > 0)
     keep = resident & (predicted > 0)  # ... but do not evict it for a likelier one's sake
-    src, dst, valid, count, evicted, wasted = admit(want, keep, budget, policy, expert_to_slot, slot_to_expert, st)
+    E = expert_to_slot.numel() - 1
+    src, dst, valid, count, gone, wasted = admit(want, keep, budget, policy, expert_to_slot, slot_to_expert, st)
     _put(st.source, dst, valid, nominated[src])
+    evicted_at.index_put_((gone,), st.clock.expand_as(gone))  # gone: distinct experts, or E (the trash row)
     for host, slot in zip(hosts, slots):
         gather_copy(host, slot, src, dst, count, copy_programs)
     zero = torch.zeros_like(count)
-    add = [zero, zero, zero, evicted, count * _expert_bytes(slots), count, wasted] + [zero] * (2 + len(SOURCES))
+    add = [zero, zero, zero, (gone < E).sum(), count * _expert_bytes(slots), count, wasted] + [zero] * (3 + len(SOURCES))
     counters.add_(torch.stack(add))
 
 
@@ -350,7 +359,7 @@ def predict_and_prefetch(
 
     On CUDA the scoring, combining and gating are one Triton launch (kernels.predict.prefetch_scores),
     the decision another (kernels.cache_step), then the copy; the torch code below is their reference."""
-    st = SlotState(*state[:-2])
+    st = SlotState(*state[:-3])
     if _use_kernel(expert_to_slot, use_kernel):
         predict_kernels.prefetch_scores(
             gate, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
@@ -387,6 +396,14 @@ def gate_prefetch(
     (OLMoE shape, random routing, cache 32: 1.14 experts prefetched per token for 0.19 prefetch hits,
     docs/results/2026-11-30).
 
+    Used, less the victims: a prefetch that is used but evicted an expert the same call needs saved no
+    miss; it traded one hit for another and added a copy. Where a call routes to more experts than the
+    slots hold, nearly every prefetch is such a trade: Mixtral-8x7B shape, its router, 4 of 8 slots,
+    batch 32: 0.96 of 0.96 prefetched experts a layer used by their call, 0.00 misses saved, 1.18x slower
+    than no prefetch (batch 8: 0.95 used, 0.25 saved, 1.14x; docs/results/2026-11-30, twenty-third
+    session). So a prefetch pays here only by the misses it saved: its expert used by its call, each
+    expert it evicted that the call needed counted against it.
+
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
     EXPLORE_EVERY calls (one copy is enough to learn from, where the whole budget on every layer at
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
@@ -396,15 +413,16 @@ def gate_prefetch(
     4.4% slower (225.1 vs 215.6 ms/token, cache 2 of 8); with the backoff 1.1% (218.5 vs 216.2;
     docs/results/2026-11-30).
     """
-    seen = torch.stack([counters[PREFETCHED] - counters[TIMELY], counters[TIMELY]]).float()  # (untimely, timely) so far
+    saved = counters[TIMELY] - counters[VICTIMS]  # misses the prefetches saved: used by their call, less the hits they cost
+    seen = torch.stack([counters[PREFETCHED] - saved, saved]).float()  # (wasted, paid) so far
     fresh_outcomes = (seen - outcomes[2:4]).clamp(min=0)
     outcomes[:2].mul_(OUTCOME_DECAY).add_(fresh_outcomes)
     outcomes[2:4].copy_(seen)
-    wasted, used = outcomes[0], outcomes[1]  # untimely, timely
+    wasted, used = outcomes[0], outcomes[1]  # decayed (wasted, paid)
     on = (used + 1) >= MIN_PRECISION * (used + wasted + 2)  # with no evidence yet: on
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
-    backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a timely prefetch: explore at the base rate again
+    backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
     explore = ~on & (clock % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
     outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))

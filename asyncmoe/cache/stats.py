@@ -27,6 +27,7 @@ class LayerStats:
     hits_temporal: int
     hits_transition: int
     prefetch_timely: int  # prefetch hits in the very call the prefetch was for
+    prefetch_victims: int  # experts a prefetch evicted that the very next call needed (hits it cost)
     expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
@@ -68,7 +69,7 @@ class Stats:
     def __post_init__(self):
         keys = (
             "calls", "hits", "misses", "evictions", "bytes_h2d", "prefetched", "wasted", "prefetch_hits",
-            "hits_gate", "hits_temporal", "hits_transition", "prefetch_timely", "prefetch_bytes", "wasted_bytes",
+            "hits_gate", "hits_temporal", "hits_transition", "prefetch_timely", "prefetch_victims", "prefetch_bytes", "wasted_bytes",
             "gpu_bytes", "host_bytes",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}

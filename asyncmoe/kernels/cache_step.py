@@ -36,10 +36,10 @@ if triton is not None:
     def _cache_step(
         ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
         pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
-        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr, wave_of_ptr,
-        counters_ptr, scratch_ptr, src_ptr, dst_ptr, count_ptr,  # scratch [E] i32: per-expert flags
+        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr, evicted_at_ptr,
+        wave_of_ptr, counters_ptr, scratch_ptr, src_ptr, dst_ptr, count_ptr,  # scratch [E] i32: per-expert flags
         wave, E, C, M, expert_bytes,
-        POLICY: tl.constexpr, PREFETCH: tl.constexpr, FREQ_UNIT: tl.constexpr, FREQ_SHIFT: tl.constexpr,
+        POLICY: tl.constexpr, PREFETCH: tl.constexpr, N_COUNTERS: tl.constexpr, FREQ_UNIT: tl.constexpr, FREQ_SHIFT: tl.constexpr,
         BE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
     ):
         e = tl.arange(0, BE)
@@ -77,6 +77,9 @@ if triton is not None:
             now = (wave_of == wave).to(tl.int32)
             later = (wave_of > wave).to(tl.int32)
             tl.store(routed_ptr + e, need != 0, mask=emask)
+            # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
+            evicted_at = tl.load(evicted_at_ptr + e, mask=emask, other=-1)
+            victims = tl.where(wave == 0, tl.sum(((need != 0) & (e2s < 0) & (evicted_at == clock - 1)).to(tl.int64), axis=0), 0)
         tl.store(scratch_ptr + e, now * 2 + later, mask=emask)
 
         # --- misses first, in expert-id order, then the other experts (src is defined for all M, as in the reference) ---
@@ -124,6 +127,7 @@ if triton is not None:
         if PREFETCH:
             nominated = tl.load(nominated_ptr + new, mask=valid, other=0)
             tl.store(source_ptr + victim, nominated, mask=valid)
+            tl.store(evicted_at_ptr + old, clock + tl.zeros([BC], dtype=tl.int64), mask=evicted)
         else:
             tl.store(source_ptr + victim, tl.zeros([BC], dtype=tl.int8), mask=valid)
         tl.store(dst_ptr + i, victim.to(tl.int64), mask=i < M)  # distinct slots, all M defined
@@ -158,7 +162,7 @@ if triton is not None:
             for b in tl.static_range(3):
                 hits_b = tl.sum((first_use & ((source & (1 << b)) != 0)).to(tl.int64), axis=0)
                 add += tl.where(k == 8 + b, hits_b, 0)
-            add += tl.where(k == 11, tl.sum(timely.to(tl.int64), axis=0), 0)
+            add += tl.where(k == 11, tl.sum(timely.to(tl.int64), axis=0), 0) + tl.where(k == 12, victims, 0)
             # slot of each routed pair in this wave, -1 for other waves'
             for p0 in range(0, n_pairs, BP):
                 p = p0 + tl.arange(0, BP)
@@ -167,8 +171,8 @@ if triton is not None:
                 in_wave = tl.load(scratch_ptr + ids, mask=pm, other=0) == 2
                 slot = tl.load(e2s_ptr + ids, mask=pm, other=-1)
                 tl.store(out_ptr + p, tl.where(in_wave, slot, -1), mask=pm)
-        counters = tl.load(counters_ptr + k, mask=k < 12, other=0)  # len(COUNTERS)
-        tl.store(counters_ptr + k, counters + add, mask=k < 12)
+        counters = tl.load(counters_ptr + k, mask=k < N_COUNTERS, other=0)
+        tl.store(counters_ptr + k, counters + add, mask=k < N_COUNTERS)
 
 
 def cache_step(
@@ -178,7 +182,7 @@ def cache_step(
     wave: int,
     policy_id: int,
     max_new: int,
-    expert_to_slot, slot_to_expert, state: list[torch.Tensor], wave_of, counters, scratch,
+    expert_to_slot, slot_to_expert, state: list[torch.Tensor], evicted_at, wave_of, counters, scratch,
     expert_bytes: int, freq_unit: int, freq_shift: int,
 ):
     """Launch one decision; returns (slot per pair [P] or None, src [M], dst [M], count [1]) for the copy."""
@@ -196,8 +200,8 @@ def cache_step(
     n_pairs = ids.numel()
     _cache_step[(1,)](
         ids, n_pairs, out, pred, nominated, expert_to_slot, slot_to_expert, last_use, born, freq, used, clock,
-        source, routed, wave_of, counters, scratch, src, dst, count, wave, E, C, max_new, expert_bytes,
-        POLICY=policy_id, PREFETCH=prefetch, FREQ_UNIT=freq_unit, FREQ_SHIFT=freq_shift,
+        source, routed, evicted_at, wave_of, counters, scratch, src, dst, count, wave, E, C, max_new, expert_bytes,
+        POLICY=policy_id, PREFETCH=prefetch, N_COUNTERS=counters.numel(), FREQ_UNIT=freq_unit, FREQ_SHIFT=freq_shift,
         BE=triton.next_power_of_2(E), BC=triton.next_power_of_2(C),
         BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024), num_warps=4,
     )

@@ -75,7 +75,7 @@ if triton is not None:
     @triton.jit
     def _prefetch_scores(
         gate_ptr, pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
-        E, E_before, keep, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
+        E, E_before, keep, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, VICTIMS: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
         OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr, MAX_BACKOFF: tl.constexpr,
         GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     ):
@@ -119,8 +119,8 @@ if triton is not None:
             sources += tl.where(gate > 0, 1, 0).to(tl.int32)  # predictors.GATE
         # the prefetch gate: off while most recent prefetches were wasted, but for an explorer with a backoff
         k = tl.arange(0, 2)
-        timely = tl.load(counters_ptr + TIMELY)
-        seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - timely, timely).to(tl.float32)  # (untimely, timely)
+        saved = tl.load(counters_ptr + TIMELY) - tl.load(counters_ptr + VICTIMS)  # used by their call, less the hits they cost
+        seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - saved, saved).to(tl.float32)  # (wasted, paid)
         fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + 2 + k), 0.0)
         estimate = tl.load(outcomes_ptr + k) * OUTCOME_DECAY + fresh_outcomes
         tl.store(outcomes_ptr + k, estimate)
