@@ -205,6 +205,41 @@ def test_prefetch_gate_counts_the_hits_a_prefetch_evicts(victim_needed):
         assert all(late)
 
 
+def test_a_batch_wider_than_the_cache_copies_no_more_with_prefetch():
+    """The Mixtral-8x7B shape's router at 4 of 8 slots, batch 8: there the old gate (use alone) copied 1.18x what
+    no prefetch copies (1.01x now), as on the H200 (36.5 against 30.4 GB a token, 1.14x slower; docs/results/
+    2026-11-30, twenty-third session). Routing uniform over 8 experts, top-2; the gate predictor sees the next
+    layer's routing with 30% of its picks replaced at random, and nearly all it prefetches is used."""
+    from asyncmoe.cache import expert_cache
+    from asyncmoe.cache.expert_cache import COUNTERS, ExpertCache, num_waves
+    from asyncmoe.predict.predictors import top_scores
+
+    L, E, C, k, batch, calls = 6, 8, 4, 2, 8, 150
+    g = torch.Generator().manual_seed(0)
+    routing = [[torch.rand(batch, E, generator=g).topk(k, dim=-1).indices for _ in range(L)] for _ in range(calls)]
+    guesses = [[torch.where(torch.rand(batch, k, generator=g) < 0.3, torch.randint(0, E, (batch, k), generator=g), ids)
+                for ids in step] for step in routing]
+
+    def copies(prefetch: bool) -> tuple[float, float]:
+        caches = [ExpertCache({"w": torch.zeros(E, 0)}, C, "lfru") for _ in range(L)]
+        for step, guess in zip(routing, guesses):
+            for l, c in enumerate(caches):
+                for wave in range(num_waves(batch * k, C, E)):
+                    expert_cache.ensure(step[l], wave, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, [], [])
+                if prefetch and l + 1 < L:
+                    t = caches[l + 1]
+                    gate = top_scores(guess[l + 1], torch.full((batch, k), 0.5), E).mean(0)
+                    expert_cache.predict_and_prefetch(gate, False, None, None, 1, t.policy, t.predicted, t.nominated,
+                                                      t.expert_to_slot, t.slot_to_expert, t.state, t.counters, [], [], t.outcomes)
+        n = lambda name: sum(c.counters[COUNTERS.index(name)].item() for c in caches)  # noqa: E731
+        return n("misses") + n("prefetched"), n("prefetch_victims")
+
+    alone, _ = copies(False)
+    with_prefetch, victims = copies(True)
+    assert victims > 0  # the gate had evidence: prefetches whose victims the call needed
+    assert with_prefetch <= 1.03 * alone
+
+
 def test_exploring_backs_off_until_a_prefetch_is_timely():
     """Prefetches that are never used close the gate; the layer then explores at calls 32, 64, 128, ...
     (each interval doubled, up to EXPLORE_EVERY << MAX_BACKOFF), and once an exploring prefetch is used
