@@ -240,19 +240,25 @@ def test_a_batch_wider_than_the_cache_copies_no_more_with_prefetch():
     assert with_prefetch <= 1.03 * alone
 
 
-def test_exploring_backs_off_until_a_prefetch_is_timely():
+@pytest.mark.parametrize("waves", [1, 2])
+def test_exploring_backs_off_until_a_prefetch_is_timely(waves):
     """Prefetches that are never used close the gate; the layer then explores at calls 32, 64, 128, ...
     (each interval doubled, up to EXPLORE_EVERY << MAX_BACKOFF), and once an exploring prefetch is used
-    by its call, the gate opens and exploring starts over at the base rate."""
+    by its call, the gate opens and exploring starts over at the base rate. Counted in calls, whatever a
+    call's waves: with two a call, counting `ensure`s (the clock) explored at calls 16, 32, 48, ..."""
     from asyncmoe import ops
-    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, MAX_BACKOFF, ExpertCache
+    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, MAX_BACKOFF, ExpertCache, num_waves
 
-    E = 16
-    cache = ExpertCache({"w": torch.randn(E, 3)}, 4, "lru")
+    E, C = 16, 4
+    cache = ExpertCache({"w": torch.randn(E, 3)}, C, "lru")
+    routed = torch.arange(E - 1, E - 2 - C * (waves - 1), -1).view(1, -1)  # E-1 alone, or C+1 experts: two waves
+    assert num_waves(routed.numel(), C, E) == waves
     admitted, guess, use_at = [], 0, 2 * (EXPLORE_EVERY << MAX_BACKOFF) + 1
     for call in range(1, use_at + 64):
-        ops.ensure(cache, torch.tensor([[guess if call == use_at else E - 1]]), 0)  # the call's clock is `call`
-        guess = int((cache.expert_to_slot[: E - 1] < 0).nonzero()[0])  # not resident: a prediction copies it
+        ids = torch.tensor([[guess]]) if call == use_at else routed
+        for wave in range(num_waves(ids.numel(), C, E)):
+            ops.ensure(cache, ids, wave)
+        guess = int((cache.expert_to_slot[: E - routed.numel()] < 0).nonzero()[0])  # not resident: a prediction copies it
         cache.gate.copy_(torch.nn.functional.one_hot(torch.tensor(guess), E))
         prefetched = cache.counters[COUNTERS.index("prefetched")].item()
         ops.prefetch(cache, 1, gate=True)

@@ -41,7 +41,7 @@ COUNTERS = (
     "prefetch_timely",  # ... first used by the very call they were fetched for
     "prefetch_victims",  # experts a prefetch evicted that the very next call needed: a hit the prefetch cost
 )
-PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("prefetched", "prefetch_timely", "prefetch_victims"))  # the gate's
+CALLS, PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("calls", "prefetched", "prefetch_timely", "prefetch_victims"))  # the gate's
 
 # The prefetch gate (see `gate_prefetch`). A wasted copy costs about what a used one saves when one
 # expert's copy takes as long as a layer's compute (OLMoE-1B-7B shape on the H200: 0.27 vs 0.25 ms),
@@ -53,7 +53,7 @@ EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 
 # decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
 MAX_BACKOFF = 4
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
-    PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
+    CALLS=CALLS, PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
     OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY, MAX_BACKOFF=MAX_BACKOFF,
 )
 
@@ -363,7 +363,7 @@ def predict_and_prefetch(
     if _use_kernel(expert_to_slot, use_kernel):
         predict_kernels.prefetch_scores(
             gate, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
-            expert_to_slot, counters, outcomes, st.clock, PREFETCH_CONSTANTS,
+            expert_to_slot, counters, outcomes, PREFETCH_CONSTANTS,
         )
         prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
                  use_kernel=True, copy_programs=copy_programs)
@@ -376,13 +376,13 @@ def predict_and_prefetch(
     score, sources = combine(parts)
     predicted.copy_(score)
     nominated.copy_(sources)
-    gate_prefetch(predicted, expert_to_slot, counters, outcomes, st.clock)
+    gate_prefetch(predicted, expert_to_slot, counters, outcomes)
     prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
              use_kernel=False, copy_programs=copy_programs)
 
 
 def gate_prefetch(
-    predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, clock: torch.Tensor
+    predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor
 ) -> None:
     """Zero the predictions (so nothing is admitted) while this layer's prefetches are mostly wasted.
 
@@ -405,7 +405,8 @@ def gate_prefetch(
     expert it evicted that the call needed counted against it.
 
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
-    EXPLORE_EVERY calls (one copy is enough to learn from, where the whole budget on every layer at
+    EXPLORE_EVERY calls, counted by the `calls` counter: `clock` counts waves, and with two waves a call it
+    kept one parity, so a period of 32 explored every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
     after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
     where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
@@ -423,7 +424,7 @@ def gate_prefetch(
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
-    explore = ~on & (clock % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
+    explore = ~on & (counters[CALLS] % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
     outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 
