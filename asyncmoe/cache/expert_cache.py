@@ -135,7 +135,7 @@ class ExpertCache(nn.Module):
         """Back to the cache as built: no expert resident, no policy, predictor or counter history. In place,
         so a captured graph's addresses stay valid. Slot weights are left as they are: no table points at them.
         A benchmark that reuses one model for several cases clears it so each starts as a fresh build would."""
-        kept = {f"{kind}_{n}" for n in self.names for kind in ("host", "slot")} | {"pace"}  # pace: the hardware's
+        kept = {f"{kind}_{n}" for n in self.names for kind in ("host", "slot")} | {"pace"}  # pace measures the GPU, not this history
         for name, buf in self.named_buffers(recurse=False):
             if name not in kept:
                 buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of") else 0)
