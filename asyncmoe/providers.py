@@ -18,6 +18,7 @@ from . import ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .experts import combine, routed_outputs
 from .kernels.gather_copy import gather_copy
+from .kernels.predict import use_kernels
 from .predict.predictors import Prefetch
 
 
@@ -94,9 +95,8 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
     forward, the compute a prefetch hides behind (the first layer's prefetch op stamps the GPU clock, the
     second's `ensure` reads it: two one-thread launches a forward, not two a layer), and one expert's copy is
     timed here, once. The gate weighs a wasted copy against the compute a used one hides (gate_prefetch)."""
-    if plan is not None and len(providers) > 1:
-        if providers[0].cache.pace.is_cuda:
-            providers[0].cache.pace[2] = copy_ns(providers[0].cache)
+    if plan is not None and len(providers) > 1 and use_kernels(providers[0].cache.pace):  # the GPU clock is a Triton kernel
+        providers[0].cache.pace[2] = copy_ns(providers[0].cache)
         providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         object.__setattr__(p, "previous", providers[i - 1] if i > 0 else None)
