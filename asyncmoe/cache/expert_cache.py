@@ -416,7 +416,9 @@ def gate_prefetch(
     takes no longer than the window, a wasted copy costs about what a used one saves). On the Mixtral-8x7B
     shape a copy takes ~13x a layer's compute at batch 1: 0.93, where 82% of prefetches used made decode
     1.15x slower than none (docs/results/2026-11-30, twenty-third session). Unmeasured (the CPU, before a
-    forward): MIN_PRECISION.
+    forward): MIN_PRECISION. Where a call runs in waves, the window also holds the stamped layer's later
+    waves and their copies, which share the link rather than hide a copy: it overstates the compute, and
+    there the victims decide (above).
 
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
     EXPLORE_EVERY calls, counted by the `calls` counter: `clock` counts waves, and with two waves a call it
