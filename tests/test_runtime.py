@@ -170,7 +170,8 @@ def test_prefetch_pace_is_measured_in_the_graph():
     ref = tiny("olmoe", device="cuda")
     ids = prompts("random", 1).cuda()
     steps = 64
-    dec = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + steps + 1)
+    # the prompt, prefill's token, the capture step, the timed steps
+    dec = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + 2 + steps)
     caches = [m.asyncmoe.cache for _, m in find_experts(dec.model)]
     assert len(caches) > 1 and len({c.pace.data_ptr() for c in caches}) == 1
     dec.prefill(ids)
