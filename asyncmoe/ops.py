@@ -41,18 +41,20 @@ def _event(key: int) -> torch.cuda.Event:
 
 @torch.library.custom_op(
     "asyncmoe::ensure",
-    mutates_args=("expert_to_slot", "slot_to_expert", "state", "counters", "timer", "slots"),
+    mutates_args=("expert_to_slot", "slot_to_expert", "state", "counters", "timer", "pace", "slots"),
 )
 def _ensure(
     top_k_index: Tensor,
     wave: int,
     wait: bool,
+    lap: bool,
     policy: str,
     expert_to_slot: Tensor,
     slot_to_expert: Tensor,
     state: list[Tensor],
     counters: Tensor,
     timer: Tensor,
+    pace: Tensor,
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> Tensor:
@@ -61,8 +63,11 @@ def _ensure(
     Decided on the device with fixed-shape ops (see `cache.expert_cache`); misses are copied
     host -> slot by the gather-copy kernel, whose count stays in device memory. `wait`: first wait
     for the prefetch into this layer issued earlier in the forward. A non-empty `timer` (CUDA) times
-    the wait and the rest on the GPU clock (kernels.clock).
+    the wait and the rest on the GPU clock (kernels.clock). `lap`: first fold the time since the prefetch
+    op stamped `pace` into its window (the compute that prefetch had to hide behind; see `providers.link`).
     """
+    if lap and expert_to_slot.is_cuda:
+        clock.window(pace)
     timed = timer.numel() > 0
     if timed:
         clock.stamp(timer, 0)
@@ -77,7 +82,7 @@ def _ensure(
 
 
 @_ensure.register_fake
-def _(top_k_index, wave, wait, policy, expert_to_slot, slot_to_expert, state, counters, timer, hosts, slots):
+def _(top_k_index, wave, wait, lap, policy, expert_to_slot, slot_to_expert, state, counters, timer, pace, hosts, slots):
     C = slot_to_expert.shape[0]
     torch._check(top_k_index.dim() == 2, lambda: f"top_k_index must be [tokens, top_k], got {top_k_index.dim()}D")
     torch._check(
@@ -87,21 +92,22 @@ def _(top_k_index, wave, wait, policy, expert_to_slot, slot_to_expert, state, co
     )
     torch._check(len(hosts) == len(slots), lambda: "hosts and slots must pair up")
     torch._check(timer.numel() in (0, 4), lambda: f"timer must be empty (not timed) or [4], got {tuple(timer.shape)}")
+    torch._check(pace.shape == (3,), lambda: f"pace must be [3], got {tuple(pace.shape)}")
     torch._check(expert_to_slot.dtype == torch.int64, lambda: "expert_to_slot must be int64")
     return torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
 
 
-def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = False) -> Tensor:
+def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = False, lap: bool = False) -> Tensor:
     """`asyncmoe::ensure` on one layer's cache buffers; slot ids [T, k], -1 for pairs of other waves."""
     return torch.ops.asyncmoe.ensure(
-        top_k_index, wave, wait, cache.policy, cache.expert_to_slot, cache.slot_to_expert, cache.state,
-        cache.counters, cache.timer, cache.hosts, cache.slots,
+        top_k_index, wave, wait, lap, cache.policy, cache.expert_to_slot, cache.slot_to_expert, cache.state,
+        cache.counters, cache.timer, cache.pace, cache.hosts, cache.slots,
     )
 
 
 @torch.library.custom_op(
     "asyncmoe::prefetch",
-    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "slots"),
+    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "pace", "slots"),
 )
 def _prefetch(
     gate: Tensor | None,
@@ -110,6 +116,7 @@ def _prefetch(
     transitions: Tensor | None,
     budget: int,
     copy_programs: int,
+    stamp: bool,
     policy: str,
     predicted: Tensor,
     nominated: Tensor,
@@ -118,6 +125,7 @@ def _prefetch(
     state: list[Tensor],
     counters: Tensor,
     outcomes: Tensor,
+    pace: Tensor,
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> None:
@@ -129,18 +137,21 @@ def _prefetch(
     `transitions` for the transition predictor. On CUDA the side stream runs one kernel for the
     scores and the prefetch gate, one for the decision, then the copy (in torch ops it was ~40 kernels per layer
     beside the compute). The copy runs on at most `copy_programs` Triton programs (0: one per block),
-    so the compute stream keeps most SMs.
+    so the compute stream keeps most SMs. `stamp`: first stamp `pace` on the compute stream, which the
+    target's `ensure(lap=True)` measures the compute this prefetch hides behind from.
     """
 
     def run():
         expert_cache.predict_and_prefetch(
             gate, temporal, routed_before, transitions, budget, policy, predicted,
-            nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots, outcomes, copy_programs or None,
+            nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots, outcomes, pace, copy_programs or None,
         )
 
     if not expert_to_slot.is_cuda:
         run()
         return
+    if stamp:
+        clock.stamp(pace, 0)
     compute = torch.cuda.current_stream()
     side = _side_stream(expert_to_slot.device)
     side.wait_stream(compute)
@@ -150,8 +161,8 @@ def _prefetch(
 
 
 @_prefetch.register_fake
-def _(gate, temporal, routed_before, transitions, budget, copy_programs, policy, predicted, nominated, expert_to_slot,
-      slot_to_expert, state, counters, outcomes, hosts, slots):
+def _(gate, temporal, routed_before, transitions, budget, copy_programs, stamp, policy, predicted, nominated, expert_to_slot,
+      slot_to_expert, state, counters, outcomes, pace, hosts, slots):
     E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
     torch._check(gate is not None or temporal or routed_before is not None, lambda: "prefetch needs a predictor")
     torch._check(gate is None or gate.shape == (E,), lambda: f"gate scores must be [num_experts={E}], got {tuple(gate.shape)}")
@@ -172,14 +183,15 @@ def prefetch(
     temporal: bool = False,
     routed_before: Tensor | None = None,
     copy_programs: int | None = None,
+    stamp: bool = False,
 ) -> None:
     """`asyncmoe::prefetch` into `cache`. `gate`: use the scores `gate_scores` left in `cache.gate`;
     `routed_before` (the previous layer's routing) turns on the transition predictor."""
     transitions = cache.transitions if routed_before is not None else None
     torch.ops.asyncmoe.prefetch(
-        cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0,
+        cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0, stamp,
         cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
-        cache.hosts, cache.slots,
+        cache.pace, cache.hosts, cache.slots,
     )
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from . import ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .experts import combine, routed_outputs
+from .kernels.gather_copy import gather_copy
+from .kernels.predict import use_kernels
 from .predict.predictors import Prefetch
 
 
@@ -45,6 +47,7 @@ class CachedProvider(ExpertWeightProvider):
         self.router = router  # this layer's router (weight [E, H], bias): the gate predictor of the layer before uses it
         self.plan: Prefetch | None = None
         self.wait = False  # a prefetch into this layer is issued earlier in each forward
+        self.stamps = self.laps = False  # the one layer pair that measures the prefetch's window (see `link`)
         # routing replayed from a trace with its gate recorded: (tokens, per_token, out) -> the recorded gate scores
         object.__setattr__(self, "replayed_gate", None)
         # neighbours, as plain attributes (not submodules): the previous cached layer, the layers to prefetch for
@@ -62,7 +65,7 @@ class CachedProvider(ExpertWeightProvider):
         weights = self.cache.slot_weights()
         out = None
         for wave in range(num_waves(T * k, C, E)):
-            slots = ops.ensure(self.cache, top_k_index, wave, wait=self.wait and wave == 0)  # [T, k]
+            slots = ops.ensure(self.cache, top_k_index, wave, wait=self.wait and wave == 0, lap=self.laps and wave == 0)  # [T, k]
             if wave == 0 and self.plan is not None:
                 self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
             part = routed_outputs(experts, hidden_states, slots, weights)  # [T*k, H]
@@ -81,16 +84,26 @@ class CachedProvider(ExpertWeightProvider):
                     target.replayed_gate(hidden_states.shape[0], target.per_token, target.cache.gate)
             before = target.previous.cache.routed if "transition" in plan.sources and target.previous is not None else None
             if gate or "temporal" in plan.sources or before is not None:
-                ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs)
+                ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs,
+                             stamp=self.stamps and depth == 1)
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:
-    """Wire consecutive cached layers for prefetch: each predicts for the next `plan.depth` layers."""
+    """Wire consecutive cached layers for prefetch: each predicts for the next `plan.depth` layers.
+
+    Every linked cache shares one `pace` (ExpertCache): on CUDA the first pair of layers measures, in every
+    forward, the compute a prefetch hides behind (the first layer's prefetch op stamps the GPU clock, the
+    second's `ensure` reads it: two one-thread launches a forward, not two a layer), and one expert's copy is
+    timed here, once. The gate weighs a wasted copy against the compute a used one hides (gate_prefetch)."""
+    if plan is not None and len(providers) > 1 and use_kernels(providers[0].cache.pace):  # the GPU clock is a Triton kernel
+        providers[0].cache.pace[2] = copy_ns(providers[0].cache)
+        providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         object.__setattr__(p, "previous", providers[i - 1] if i > 0 else None)
         p.plan = plan
         if plan is None:
             continue
+        p.cache.pace = providers[0].cache.pace
         object.__setattr__(p, "targets", tuple(providers[i + 1 : i + 1 + plan.depth]))
         p.wait = i > 0
         p.per_token = plan.per_token or top_k
@@ -102,3 +115,21 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
                 torch.zeros(prev.num_experts, p.cache.num_experts, device=p.cache.expert_to_slot.device),
                 persistent=False,
             )
+
+
+def copy_ns(cache: ExpertCache, repeats: int = 5) -> int:
+    """One expert's host -> slot copy on this GPU, in ns (the median of `repeats`, after one to warm up): what a
+    wasted prefetch holds the link for. CUDA events and a sync, at compile only. Slot 0 is written: at compile
+    no table points at it."""
+    one = torch.ones(1, dtype=torch.int64, device=cache.expert_to_slot.device)
+    src, dst = one - 1, one - 1
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for host, slot in zip(cache.hosts, cache.slots):
+            gather_copy(host, slot, src, dst, one)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))  # ms
+    return int(sorted(times[1:])[repeats // 2] * 1e6)

@@ -377,7 +377,8 @@ def test_decode(benchmark, case, request):
         s = asyncmoe.stats(model)
         info.update(hit_rate=s.totals["hit_rate"], prefetch_recall=s.totals["prefetch_recall"],
                     bytes_per_token=s.totals["bytes_h2d"] / p["steps"],
-                    hit_rate_per_layer=[layer.hit_rate for layer in s.layers])
+                    hit_rate_per_layer=[layer.hit_rate for layer in s.layers],
+                    prefetch_copy_ns=s.copy_ns, prefetch_window_ns=s.window_ns)
         assert s.totals["misses"] > 0 or cache >= batch * k  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)

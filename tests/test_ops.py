@@ -19,8 +19,8 @@ def warm_cache(policy: str) -> ExpertCache:
 
 def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
     return (
-        ids, wave, False, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
-        cache.counters.clone(), cache.timer.clone(), cache.hosts, clone(cache.slots),
+        ids, wave, False, False, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
+        cache.counters.clone(), cache.timer.clone(), cache.pace.clone(), cache.hosts, clone(cache.slots),
     )
 
 
@@ -38,9 +38,9 @@ def test_prefetch_opcheck(predictors):
     gate = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0]) if "gate" in predictors else None
     before, transitions = (torch.arange(10) % 3 == 0, torch.rand(10, 10)) if "transition" in predictors else (None, None)
     args = (
-        gate, "temporal" in predictors, before, transitions, 2, 0, "lru", cache.predicted.clone(), cache.nominated.clone(),
+        gate, "temporal" in predictors, before, transitions, 2, 0, False, "lru", cache.predicted.clone(), cache.nominated.clone(),
         cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(),
-        cache.outcomes.clone(), cache.hosts, clone(cache.slots),
+        cache.outcomes.clone(), cache.pace.clone(), cache.hosts, clone(cache.slots),
     )
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
 

@@ -66,7 +66,8 @@ def _prefetch_pair(E_before, E, C, device, seed):
 def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
     calls that route, prefetch, waste prefetches (so the gate closes) and reach two exploring calls (the
-    32nd, then the 64th: the interval doubled)."""
+    32nd, then the 64th: the interval doubled), with the prefetch's pace measured (a copy 2x or 4x the
+    compute) or not."""
     (kernel, reference), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
     scored = 0
     for step in range(steps):
@@ -74,8 +75,10 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
         before = (torch.rand(E_before, generator=g) < 3 / E_before).to(device)  # few: shares big enough to pass MIN_SUPPORT
         gate = torch.rand(E, generator=g) * (torch.rand(E, generator=g) < 0.15)
         gate[step % E] = 0.25  # a tie with another nomination now and then
+        pace = torch.tensor([0, 1000 * (step % 3), 4000])  # every third call unmeasured: MIN_PRECISION
         for cache, use_kernel in ((kernel, True), (reference, False)):
             c = cache
+            c.pace.copy_(pace)
             expert_cache.ensure(ids, 0, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, c.hosts, c.slots,
                                 use_kernel=use_kernel)
             c.gate.copy_(gate)
@@ -83,7 +86,7 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
                 c.gate if "gate" in sources else None, "temporal" in sources,
                 before if "transition" in sources else None, c.transitions if "transition" in sources else None,
                 k, c.policy, c.predicted, c.nominated, c.expert_to_slot, c.slot_to_expert, c.state, c.counters,
-                c.hosts, c.slots, c.outcomes, use_kernel=use_kernel,
+                c.hosts, c.slots, c.outcomes, c.pace, use_kernel=use_kernel,
             )
         torch.testing.assert_close(kernel.predicted, reference.predicted, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(kernel.outcomes, reference.outcomes, atol=0, rtol=1e-6)  # a fused multiply-add

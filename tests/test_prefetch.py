@@ -205,54 +205,76 @@ def test_prefetch_gate_counts_the_hits_a_prefetch_evicts(victim_needed):
         assert all(late)
 
 
-def test_a_batch_wider_than_the_cache_copies_no_more_with_prefetch():
-    """The Mixtral-8x7B shape's router at 4 of 8 slots, batch 8: there the old gate (use alone) copied 1.18x what
-    no prefetch copies (1.01x now), as on the H200 (36.5 against 30.4 GB a token, 1.14x slower; docs/results/
-    2026-11-30, twenty-third session). Routing uniform over 8 experts, top-2; the gate predictor sees the next
-    layer's routing with 30% of its picks replaced at random, and nearly all it prefetches is used."""
+def mixtral_router_replay(batch: int, prefetch: bool, pace=(0, 0, 0), calls: int = 150) -> tuple[int, int]:
+    """Copies (misses + prefetches) and prefetch victims over a replay shaped as the Mixtral-8x7B shape's router
+    at 4 of 8 slots: 6 layers, routing uniform over 8 experts, top-2; the gate predictor sees the next layer's
+    routing with 30% of its picks replaced at random. `pace`: (stamp, window, copy) for every layer's gate."""
     from asyncmoe.cache import expert_cache
     from asyncmoe.cache.expert_cache import COUNTERS, ExpertCache, num_waves
     from asyncmoe.predict.predictors import top_scores
 
-    L, E, C, k, batch, calls = 6, 8, 4, 2, 8, 150
+    L, E, C, k = 6, 8, 4, 2
     g = torch.Generator().manual_seed(0)
     routing = [[torch.rand(batch, E, generator=g).topk(k, dim=-1).indices for _ in range(L)] for _ in range(calls)]
     guesses = [[torch.where(torch.rand(batch, k, generator=g) < 0.3, torch.randint(0, E, (batch, k), generator=g), ids)
                 for ids in step] for step in routing]
+    caches = [ExpertCache({"w": torch.zeros(E, 0)}, C, "lfru") for _ in range(L)]
+    for c in caches:
+        c.pace.copy_(torch.tensor(pace))
+    for step, guess in zip(routing, guesses):
+        for l, c in enumerate(caches):
+            for wave in range(num_waves(batch * k, C, E)):
+                expert_cache.ensure(step[l], wave, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, [], [])
+            if prefetch and l + 1 < L:
+                t = caches[l + 1]
+                gate = top_scores(guess[l + 1], torch.full((batch, k), 0.5), E).mean(0)
+                expert_cache.predict_and_prefetch(gate, False, None, None, 1, t.policy, t.predicted, t.nominated,
+                                                  t.expert_to_slot, t.slot_to_expert, t.state, t.counters, [], [], t.outcomes,
+                                                  t.pace)
+    n = lambda name: sum(c.counters[COUNTERS.index(name)].item() for c in caches)  # noqa: E731
+    return n("misses") + n("prefetched"), n("prefetch_victims")
 
-    def copies(prefetch: bool) -> tuple[float, float]:
-        caches = [ExpertCache({"w": torch.zeros(E, 0)}, C, "lfru") for _ in range(L)]
-        for step, guess in zip(routing, guesses):
-            for l, c in enumerate(caches):
-                for wave in range(num_waves(batch * k, C, E)):
-                    expert_cache.ensure(step[l], wave, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, [], [])
-                if prefetch and l + 1 < L:
-                    t = caches[l + 1]
-                    gate = top_scores(guess[l + 1], torch.full((batch, k), 0.5), E).mean(0)
-                    expert_cache.predict_and_prefetch(gate, False, None, None, 1, t.policy, t.predicted, t.nominated,
-                                                      t.expert_to_slot, t.slot_to_expert, t.state, t.counters, [], [], t.outcomes)
-        n = lambda name: sum(c.counters[COUNTERS.index(name)].item() for c in caches)  # noqa: E731
-        return n("misses") + n("prefetched"), n("prefetch_victims")
 
-    alone, _ = copies(False)
-    with_prefetch, victims = copies(True)
+def test_a_batch_wider_than_the_cache_copies_no_more_with_prefetch():
+    """Mixtral's router at 4 of 8 slots, batch 8, where nearly all a prefetch fetches is used: the old gate (use
+    alone) copied 1.18x what no prefetch copies (1.01x now), as on the H200 (36.5 against 30.4 GB a token, 1.14x
+    slower; docs/results/2026-11-30, twenty-third session)."""
+    alone, _ = mixtral_router_replay(8, False)
+    with_prefetch, victims = mixtral_router_replay(8, True)
     assert victims > 0  # the gate had evidence: prefetches whose victims the call needed
     assert with_prefetch <= 1.03 * alone
 
 
-def test_exploring_backs_off_until_a_prefetch_is_timely():
+def test_a_copy_that_outlasts_the_compute_needs_more_prefetches_to_save_a_miss():
+    """Mixtral's router at 4 of 8 slots, batch 1: ~78% of prefetches are used, and with the gate's break-even
+    at half they copy 1.16x what no prefetch copies (on the H200 82%, 1.15x slower: twenty-third session). With
+    a copy 13x the compute it hides behind (6.4 against ~0.5 ms there) the gate wants 93%, and closes."""
+    alone, _ = mixtral_router_replay(1, False, calls=200)
+    unmeasured, _ = mixtral_router_replay(1, True, calls=200)
+    paced, _ = mixtral_router_replay(1, True, (0, 1000, 13000), calls=200)
+    assert unmeasured >= 1.1 * alone
+    assert paced <= 1.03 * alone
+
+
+@pytest.mark.parametrize("waves", [1, 2])
+def test_exploring_backs_off_until_a_prefetch_is_timely(waves):
     """Prefetches that are never used close the gate; the layer then explores at calls 32, 64, 128, ...
     (each interval doubled, up to EXPLORE_EVERY << MAX_BACKOFF), and once an exploring prefetch is used
-    by its call, the gate opens and exploring starts over at the base rate."""
+    by its call, the gate opens and exploring starts over at the base rate. Counted in calls, whatever a
+    call's waves: with two a call, counting `ensure`s (the clock) explored at calls 16, 32, 48, ..."""
     from asyncmoe import ops
-    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, MAX_BACKOFF, ExpertCache
+    from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, MAX_BACKOFF, ExpertCache, num_waves
 
-    E = 16
-    cache = ExpertCache({"w": torch.randn(E, 3)}, 4, "lru")
+    E, C = 16, 4
+    cache = ExpertCache({"w": torch.randn(E, 3)}, C, "lru")
+    routed = torch.arange(E - 1, E - 2 - C * (waves - 1), -1).view(1, -1)  # E-1 alone, or C+1 experts: two waves
+    assert num_waves(routed.numel(), C, E) == waves
     admitted, guess, use_at = [], 0, 2 * (EXPLORE_EVERY << MAX_BACKOFF) + 1
     for call in range(1, use_at + 64):
-        ops.ensure(cache, torch.tensor([[guess if call == use_at else E - 1]]), 0)  # the call's clock is `call`
-        guess = int((cache.expert_to_slot[: E - 1] < 0).nonzero()[0])  # not resident: a prediction copies it
+        ids = torch.tensor([[guess]]) if call == use_at else routed
+        for wave in range(num_waves(ids.numel(), C, E)):
+            ops.ensure(cache, ids, wave)
+        guess = int((cache.expert_to_slot[: E - routed.numel()] < 0).nonzero()[0])  # not resident: a prediction copies it
         cache.gate.copy_(torch.nn.functional.one_hot(torch.tensor(guess), E))
         prefetched = cache.counters[COUNTERS.index("prefetched")].item()
         ops.prefetch(cache, 1, gate=True)
@@ -260,3 +282,34 @@ def test_exploring_backs_off_until_a_prefetch_is_timely():
             admitted.append(call)
     backing_off = [EXPLORE_EVERY << i for i in range(MAX_BACKOFF + 1)]  # 32, 64, ..., 512, then every 512
     assert admitted == [1, *backing_off, use_at - 1, use_at, use_at - 1 + EXPLORE_EVERY, use_at - 1 + 2 * EXPLORE_EVERY]
+
+
+@pytest.mark.parametrize("copy, window, open_", [(0, 0, True), (1000, 1000, True), (3000, 1000, True), (13000, 1000, False)])
+def test_prefetch_gate_wants_more_saved_where_a_copy_outlasts_the_compute(copy, window, open_):
+    """82 of 100 prefetches saved a miss. Where a copy takes no longer than the compute it hides behind (or
+    nothing was measured: the CPU) half is enough; at 3x, 75%; at 13x (the Mixtral-8x7B shape at batch 1,
+    where 82% made decode 1.15x slower than no prefetch) 93%, and the gate closes."""
+    from asyncmoe.cache.expert_cache import CALLS, COUNTERS, ExpertCache, gate_prefetch
+
+    E = 8
+    cache = ExpertCache({"w": torch.randn(E, 3)}, 4, "lru")
+    cache.counters[COUNTERS.index("prefetched")] = 100
+    cache.counters[COUNTERS.index("prefetch_timely")] = 82
+    cache.counters[CALLS] = 1  # not an exploring call
+    cache.pace.copy_(torch.tensor([0, window, copy]))
+    predicted = torch.rand(E) + 0.1
+    gate_prefetch(predicted, cache.expert_to_slot, cache.counters, cache.outcomes, cache.pace)
+    assert bool((predicted > 0).all()) == open_ and bool((predicted == 0).all()) != open_
+
+
+@torch.no_grad()
+def test_linked_layers_share_one_unmeasured_pace_on_the_cpu():
+    """Every prefetching layer's gate reads one pace; on the CPU nothing measures it (no GPU clock, no streams),
+    so the gate keeps MIN_PRECISION and `stats` prints no pace line."""
+    model = asyncmoe.compile(tiny("qwen3_moe", num_hidden_layers=4), cache=4)
+    caches = [m.asyncmoe.cache for _, m in find_experts(model)]
+    assert len({c.pace.data_ptr() for c in caches}) == 1
+    model(torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0)))
+    s = asyncmoe.stats(model)
+    assert caches[0].pace.tolist() == [0, 0, 0] and s.min_precision == 0.5
+    assert s.totals["prefetched"] > 0 and "prefetch gate:" not in str(s)

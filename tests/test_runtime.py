@@ -7,6 +7,7 @@ import torch
 
 import asyncmoe
 
+from asyncmoe.integrations.transformers import find_experts
 from models import NUM_EXPERTS, TOP_K, tiny
 
 pytestmark = pytest.mark.cuda
@@ -160,3 +161,32 @@ def test_stall_timing_in_the_graph(prefetch):
     if not prefetch:  # nothing to wait for: the two stamps are one kernel boundary apart
         assert per_call["wait_ns"] < 20
     assert "wait us" in str(s)
+
+
+@torch.no_grad()
+def test_prefetch_pace_is_measured_in_the_graph():
+    """The gate's pace: one expert's copy timed at compile, the compute a prefetch hides behind measured on the
+    GPU clock in every captured step; one tensor for every layer, kept by a cache clear."""
+    ref = tiny("olmoe", device="cuda")
+    ids = prompts("random", 1).cuda()
+    steps = 64
+    # the prompt, prefill's token, the capture step, the timed steps
+    dec = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + 2 + steps)
+    caches = [m.asyncmoe.cache for _, m in find_experts(dec.model)]
+    assert len(caches) > 1 and len({c.pace.data_ptr() for c in caches}) == 1
+    dec.prefill(ids)
+    dec.decode(1)  # capture
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dec.decode(steps)
+    end.record()
+    end.synchronize()
+    s = asyncmoe.stats(dec.model)
+    step_ns = start.elapsed_time(end) * 1e6 / steps
+    print(f"\ncopy {s.copy_ns / 1e3:.1f} us, window {s.window_ns / 1e3:.1f} us, step {step_ns / 1e3:.1f} us: "
+          f"min precision {s.min_precision:.2f}")
+    assert 0 < s.copy_ns < 10**7
+    assert 0 < s.window_ns < step_ns  # one layer's compute, within the step
+    assert "prefetch gate:" in str(s)
+    caches[0].clear()
+    assert caches[0].pace[2] == s.copy_ns

@@ -41,11 +41,12 @@ COUNTERS = (
     "prefetch_timely",  # ... first used by the very call they were fetched for
     "prefetch_victims",  # experts a prefetch evicted that the very next call needed: a hit the prefetch cost
 )
-PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("prefetched", "prefetch_timely", "prefetch_victims"))  # the gate's
+CALLS, PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("calls", "prefetched", "prefetch_timely", "prefetch_victims"))  # the gate's
 
 # The prefetch gate (see `gate_prefetch`). A wasted copy costs about what a used one saves when one
 # expert's copy takes as long as a layer's compute (OLMoE-1B-7B shape on the H200: 0.27 vs 0.25 ms),
-# so a layer prefetches while at least half of its recent prefetches were used by the call they were for.
+# so a layer prefetches while at least half of its recent prefetches saved a miss; more where a copy
+# outlasts the compute it hides behind (`pace`).
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
 EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change,
@@ -53,7 +54,7 @@ EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 
 # decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
 MAX_BACKOFF = 4
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
-    PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
+    CALLS=CALLS, PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
     OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY, MAX_BACKOFF=MAX_BACKOFF,
 )
 
@@ -106,6 +107,9 @@ class ExpertCache(nn.Module):
         # stall timing (kernels.clock): two GPU-clock stamps, then the summed ns of waiting for the prefetch
         # and of `ensure`'s own decision and copy; empty when not timed (an op cannot take an optional mutated tensor)
         self.register_buffer("timer", torch.zeros(4 if time_stalls else 0, **i64), persistent=False)
+        # the prefetch's pace, one tensor for every linked layer (`providers.link`): a GPU-clock stamp, the compute
+        # a prefetch hid behind in the last call (ns) and one expert's copy (ns); zeros: not measured (the CPU)
+        self.register_buffer("pace", torch.zeros(3, **i64), persistent=False)
         # `transitions` [E_prev, E], decayed counts of (expert routed at the previous MoE layer -> here),
         # is registered by the integration when a transition predictor feeds this layer.
 
@@ -131,9 +135,9 @@ class ExpertCache(nn.Module):
         """Back to the cache as built: no expert resident, no policy, predictor or counter history. In place,
         so a captured graph's addresses stay valid. Slot weights are left as they are: no table points at them.
         A benchmark that reuses one model for several cases clears it so each starts as a fresh build would."""
-        weights = {f"{kind}_{n}" for n in self.names for kind in ("host", "slot")}
+        kept = {f"{kind}_{n}" for n in self.names for kind in ("host", "slot")} | {"pace"}  # pace measures the GPU, not this history
         for name, buf in self.named_buffers(recurse=False):
-            if name not in weights:
+            if name not in kept:
                 buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of") else 0)
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
@@ -351,6 +355,7 @@ def predict_and_prefetch(
     hosts: list[torch.Tensor],
     slots: list[torch.Tensor],
     outcomes: torch.Tensor,
+    pace: torch.Tensor,  # [3] int64 (ExpertCache.pace)
     copy_programs: int | None = None,
     use_kernel: bool | None = None,
 ) -> None:
@@ -363,7 +368,7 @@ def predict_and_prefetch(
     if _use_kernel(expert_to_slot, use_kernel):
         predict_kernels.prefetch_scores(
             gate, st.routed if temporal else None, routed_before, transitions, budget, predicted, nominated,
-            expert_to_slot, counters, outcomes, st.clock, PREFETCH_CONSTANTS,
+            expert_to_slot, counters, outcomes, pace, PREFETCH_CONSTANTS,
         )
         prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
                  use_kernel=True, copy_programs=copy_programs)
@@ -376,13 +381,13 @@ def predict_and_prefetch(
     score, sources = combine(parts)
     predicted.copy_(score)
     nominated.copy_(sources)
-    gate_prefetch(predicted, expert_to_slot, counters, outcomes, st.clock)
+    gate_prefetch(predicted, expert_to_slot, counters, outcomes, pace)
     prefetch(predicted, nominated, budget, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots,
              use_kernel=False, copy_programs=copy_programs)
 
 
 def gate_prefetch(
-    predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, clock: torch.Tensor
+    predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, pace: torch.Tensor
 ) -> None:
     """Zero the predictions (so nothing is admitted) while this layer's prefetches are mostly wasted.
 
@@ -404,8 +409,20 @@ def gate_prefetch(
     session). So a prefetch pays here only by the misses it saved: its expert used by its call, each
     expert it evicted that the call needed counted against it.
 
+    What share must be used: a used prefetch hides at most the compute it runs beside (`pace`'s window:
+    from the prefetch's issue to the target layer's `ensure`), a wasted one holds the link for a whole
+    copy, and where the link sets the step every copy adds its time. So the gate opens while used x window
+    >= wasted x copy, at a precision of copy / (copy + window), never below MIN_PRECISION (where a copy
+    takes no longer than the window, a wasted copy costs about what a used one saves). On the Mixtral-8x7B
+    shape a copy takes ~13x a layer's compute at batch 1: 0.93, where 82% of prefetches used made decode
+    1.15x slower than none (docs/results/2026-11-30, twenty-third session). Unmeasured (the CPU, before a
+    forward): MIN_PRECISION. Where a call runs in waves, the window also holds the stamped layer's later
+    waves and their copies, which share the link rather than hide a copy: it overstates the compute, and
+    there the victims decide (above).
+
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
-    EXPLORE_EVERY calls (one copy is enough to learn from, where the whole budget on every layer at
+    EXPLORE_EVERY calls, counted by the `calls` counter: `clock` counts waves, and with two waves a call it
+    kept one parity, so a period of 32 explored every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
     after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
     where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
@@ -419,11 +436,13 @@ def gate_prefetch(
     outcomes[:2].mul_(OUTCOME_DECAY).add_(fresh_outcomes)
     outcomes[2:4].copy_(seen)
     wasted, used = outcomes[0], outcomes[1]  # decayed (wasted, paid)
-    on = (used + 1) >= MIN_PRECISION * (used + wasted + 2)  # with no evidence yet: on
+    copy, window = pace[2].float(), pace[1].float()
+    precision = torch.where((copy > 0) & (window > 0), (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
+    on = (used + 1) >= precision * (used + wasted + 2)  # with no evidence yet: on
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
-    explore = ~on & (clock % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
+    explore = ~on & (counters[CALLS] % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
     outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 

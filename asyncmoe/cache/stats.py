@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .expert_cache import COUNTERS, ExpertCache
+from .expert_cache import COUNTERS, MIN_PRECISION, ExpertCache
 
 
 @dataclass
@@ -65,6 +65,17 @@ class Stats:
     layers: list[LayerStats]
     resident_layers: int = 0  # MoE layers with cache >= num_experts: nothing to count
     totals: dict = field(default_factory=dict)
+    # what the prefetch gate weighs (ExpertCache.pace; 0: not measured): one expert's copy, and the compute
+    # a prefetch hid behind in the last call, in ns
+    copy_ns: int = 0
+    window_ns: int = 0
+
+    @property
+    def min_precision(self) -> float:
+        """The share of prefetches that must save a miss for the gate to stay open (gate_prefetch)."""
+        if not (self.copy_ns and self.window_ns):
+            return MIN_PRECISION
+        return max(MIN_PRECISION, self.copy_ns / (self.copy_ns + self.window_ns))
 
     def __post_init__(self):
         keys = (
@@ -114,6 +125,11 @@ class Stats:
                 + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched for"
             )
         rows.append(f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
+        if self.copy_ns and self.window_ns:
+            rows.append(
+                f"prefetch gate: an expert's copy {self.copy_ns / 1e3:.1f} us, the compute a prefetch hid behind "
+                f"{self.window_ns / 1e3:.1f} us: open while {100 * self.min_precision:.0f}% of prefetches save a miss"
+            )
         if timed:
             rows.append("wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; deciding and copying misses")
         if self.resident_layers:
@@ -146,4 +162,5 @@ def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, 
                 gpu_bytes=gpu, host_bytes=_nbytes(c.hosts), wait_ns=wait, ensure_ns=ensure,
             )
         )
-    return Stats(layers, resident_layers)
+    _, window, copy = caches[0][1].pace.tolist()  # on request, as above
+    return Stats(layers, resident_layers, copy_ns=copy, window_ns=window)

@@ -38,6 +38,12 @@ if triton is not None:
         tl.store(times_ptr + 3, tl.load(times_ptr + 3) + (now - mid))
 
 
+    @triton.jit
+    def _window(pace_ptr):
+        start = tl.load(pace_ptr)
+        tl.store(pace_ptr + 1, tl.where(start > 0, _now() - start, 0))  # no stamp yet: nothing measured
+
+
 def stamp(times: torch.Tensor, at: int) -> None:
     """times[at] = the GPU clock (ns) when the stream gets here. `times` [4] int64 on CUDA: two stamps, two sums."""
     _stamp[(1,)](times, AT=at, num_warps=1)
@@ -46,3 +52,10 @@ def stamp(times: torch.Tensor, at: int) -> None:
 def lap(times: torch.Tensor) -> None:
     """times[2] += times[1] - times[0]; times[3] += now - times[1] (ns)."""
     _lap[(1,)](times, num_warps=1)
+
+
+def window(pace: torch.Tensor) -> None:
+    """pace[1] = now - pace[0] (ns): the compute a prefetch issued at the stamp pace[0] had to hide behind, this
+    call's (the last call's shape is the next one's: a decode step's, not the prompt's). `pace` [3] int64 on CUDA
+    (see `providers.link`)."""
+    _window[(1,)](pace, num_warps=1)

@@ -74,8 +74,8 @@ if triton is not None:
 
     @triton.jit
     def _prefetch_scores(
-        gate_ptr, pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, clock_ptr,
-        E, E_before, keep, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, VICTIMS: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
+        gate_ptr, pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, pace_ptr,
+        E, E_before, keep, CALLS: tl.constexpr, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, VICTIMS: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
         OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr, MAX_BACKOFF: tl.constexpr,
         GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     ):
@@ -127,14 +127,16 @@ if triton is not None:
         tl.store(outcomes_ptr + 2 + k, seen)
         wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
         used = tl.sum(tl.where(k == 1, estimate, 0.0), axis=0)
-        on = (used + 1) >= MIN_PRECISION * (used + wasted + 2)
+        copy, window = tl.load(pace_ptr + 2).to(tl.float32), tl.load(pace_ptr + 1).to(tl.float32)
+        precision = tl.where((copy > 0) & (window > 0), tl.maximum(copy / (copy + window), MIN_PRECISION), MIN_PRECISION)
+        on = (used + 1) >= precision * (used + wasted + 2)
         fresh = tl.where(tl.load(e2s_ptr + e, mask=emask, other=0) >= 0, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
         backoff = tl.load(outcomes_ptr + 4)
         backoff = tl.where(tl.sum(tl.where(k == 1, fresh_outcomes, 0.0), axis=0) > 0, 0.0, backoff)
         period = tl.full([], EXPLORE_EVERY, tl.int64) << backoff.to(tl.int64)
-        explore = (1 - on.to(tl.int32)) * (tl.load(clock_ptr) % period == 0).to(tl.int32)
+        explore = (1 - on.to(tl.int32)) * (tl.load(counters_ptr + CALLS) % period == 0).to(tl.int32)
         tl.store(outcomes_ptr + 4, tl.where(explore > 0, tl.minimum(backoff + 1, MAX_BACKOFF), backoff))
         score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
@@ -165,7 +167,7 @@ def prefetch_scores(
     gate: torch.Tensor | None, routed: torch.Tensor | None, routed_before: torch.Tensor | None,
     transitions: torch.Tensor | None, keep: int,
     predicted: torch.Tensor, nominated: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor,
-    outcomes: torch.Tensor, clock: torch.Tensor, constants: dict,
+    outcomes: torch.Tensor, pace: torch.Tensor, constants: dict,
 ) -> None:
     """Write the target layer's combined and gated scores into `predicted` [E] and the nominating sources
     into `nominated` [E]; `gate` [E] holds the gate predictor's scores, `routed` [E] turns on the
@@ -176,7 +178,7 @@ def prefetch_scores(
     _prefetch_scores[(1,)](
         gate if gate is not None else predicted, predicted, nominated, routed if temporal else nominated,
         routed_before if transition else nominated,
-        transitions if transition else predicted, expert_to_slot, counters, outcomes, clock,
+        transitions if transition else predicted, expert_to_slot, counters, outcomes, pace,
         E, routed_before.shape[0] if transition else 0, keep, **constants,
         GATE=gate is not None, TEMPORAL=temporal, TRANSITION=transition, BE=triton.next_power_of_2(E), BR=16, num_warps=4,
     )

@@ -99,7 +99,7 @@ def _step(ids_t, gate_t, caches, transitions, prefetch: tuple[str, ...], budget:
             expert_cache.predict_and_prefetch(
                 gate_t[l + 1] if "gate" in prefetch else None, "temporal" in prefetch, before, transitions[l + 1] if before is not None else None, budget,
                 t.policy, t.predicted, t.nominated, t.expert_to_slot, t.slot_to_expert, t.state, t.counters, [], [],
-                t.outcomes,
+                t.outcomes, t.pace,
             )
 
 
