@@ -386,6 +386,14 @@ def predict_and_prefetch(
              use_kernel=False, copy_programs=copy_programs)
 
 
+def gate_precision(pace: torch.Tensor) -> torch.Tensor:
+    """The share of prefetches that must save a miss for the gate to stay open (see `gate_prefetch`):
+    copy / (copy + window) from `pace` [3], never below MIN_PRECISION, which is also the answer while the pace
+    is not measured (the CPU, before a forward)."""
+    copy, window = pace[2].float(), pace[1].float()
+    return torch.where((copy > 0) & (window > 0), (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
+
+
 def gate_prefetch(
     predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, pace: torch.Tensor
 ) -> None:
@@ -436,9 +444,7 @@ def gate_prefetch(
     outcomes[:2].mul_(OUTCOME_DECAY).add_(fresh_outcomes)
     outcomes[2:4].copy_(seen)
     wasted, used = outcomes[0], outcomes[1]  # decayed (wasted, paid)
-    copy, window = pace[2].float(), pace[1].float()
-    precision = torch.where((copy > 0) & (window > 0), (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
-    on = (used + 1) >= precision * (used + wasted + 2)  # with no evidence yet: on
+    on = (used + 1) >= gate_precision(pace) * (used + wasted + 2)  # with no evidence yet: on
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again

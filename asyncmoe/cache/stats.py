@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .expert_cache import COUNTERS, MIN_PRECISION, ExpertCache
+from .expert_cache import COUNTERS, MIN_PRECISION, ExpertCache, gate_precision
 
 
 @dataclass
@@ -69,13 +69,7 @@ class Stats:
     # a prefetch hid behind in the last call, in ns
     copy_ns: int = 0
     window_ns: int = 0
-
-    @property
-    def min_precision(self) -> float:
-        """The share of prefetches that must save a miss for the gate to stay open (gate_prefetch)."""
-        if not (self.copy_ns and self.window_ns):
-            return MIN_PRECISION
-        return max(MIN_PRECISION, self.copy_ns / (self.copy_ns + self.window_ns))
+    min_precision: float = MIN_PRECISION  # the share of prefetches that must save a miss (gate_precision)
 
     def __post_init__(self):
         keys = (
@@ -162,5 +156,6 @@ def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, 
                 gpu_bytes=gpu, host_bytes=_nbytes(c.hosts), wait_ns=wait, ensure_ns=ensure,
             )
         )
-    _, window, copy = caches[0][1].pace.tolist()  # on request, as above
-    return Stats(layers, resident_layers, copy_ns=copy, window_ns=window)
+    pace = caches[0][1].pace.cpu()  # on request, as above
+    _, window, copy = pace.tolist()
+    return Stats(layers, resident_layers, copy_ns=copy, window_ns=window, min_precision=gate_precision(pace).item())
