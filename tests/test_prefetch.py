@@ -256,21 +256,26 @@ def test_a_copy_that_outlasts_the_compute_needs_more_prefetches_to_save_a_miss()
     assert paced <= 1.03 * alone
 
 
-@pytest.mark.parametrize("waves", [1, 2])
-def test_exploring_backs_off_until_a_prefetch_is_timely(waves):
+@pytest.mark.parametrize("waves, stride", [(1, 1), (2, 1), (1, 3)])
+def test_exploring_backs_off_until_a_prefetch_is_timely(waves, stride):
     """Prefetches that are never used close the gate; the layer then explores at calls 32, 64, 128, ...
     (each interval doubled, up to EXPLORE_EVERY << MAX_BACKOFF), and once an exploring prefetch is used
-    by its call, the gate opens and exploring starts over at the base rate. Counted in calls, whatever a
-    call's waves: with two a call, counting `ensure`s (the clock) explored at calls 16, 32, 48, ..."""
+    by its call, exploring starts over at the base rate (and the gate opens, where half is enough). Counted
+    in calls, whatever a call's waves: with two a call, counting `ensure`s (the clock) explored at calls 16,
+    32, 48, ... Where a copy takes 3x the compute it hides behind, every interval is 3x as long, and one
+    prefetch that saved a miss is not enough for the 75% the gate then wants."""
     from asyncmoe import ops
     from asyncmoe.cache.expert_cache import COUNTERS, EXPLORE_EVERY, MAX_BACKOFF, ExpertCache, num_waves
 
     E, C = 16, 4
     cache = ExpertCache({"w": torch.randn(E, 3)}, C, "lru")
+    if stride > 1:
+        cache.pace.copy_(torch.tensor([0, 1000, 1000 * stride + 500]))  # copy // window: the stride
     routed = torch.arange(E - 1, E - 2 - C * (waves - 1), -1).view(1, -1)  # E-1 alone, or C+1 experts: two waves
     assert num_waves(routed.numel(), C, E) == waves
-    admitted, guess, use_at = [], 0, 2 * (EXPLORE_EVERY << MAX_BACKOFF) + 1
-    for call in range(1, use_at + 64):
+    base = EXPLORE_EVERY * stride
+    admitted, guess, use_at = [], 0, 2 * (base << MAX_BACKOFF) + 1
+    for call in range(1, use_at + 2 * base):
         ids = torch.tensor([[guess]]) if call == use_at else routed
         for wave in range(num_waves(ids.numel(), C, E)):
             ops.ensure(cache, ids, wave)
@@ -280,8 +285,9 @@ def test_exploring_backs_off_until_a_prefetch_is_timely(waves):
         ops.prefetch(cache, 1, gate=True)
         if cache.counters[COUNTERS.index("prefetched")].item() > prefetched:
             admitted.append(call)
-    backing_off = [EXPLORE_EVERY << i for i in range(MAX_BACKOFF + 1)]  # 32, 64, ..., 512, then every 512
-    assert admitted == [1, *backing_off, use_at - 1, use_at, use_at - 1 + EXPLORE_EVERY, use_at - 1 + 2 * EXPLORE_EVERY]
+    backing_off = [base << i for i in range(MAX_BACKOFF + 1)]  # 32, 64, ..., 512, then every 512 (x stride)
+    opens = [1, use_at] if stride == 1 else []  # no evidence yet, and one saved miss: open only where half is enough
+    assert admitted == sorted([*opens, *backing_off, use_at - 1, use_at - 1 + base, use_at - 1 + 2 * base])
 
 
 @pytest.mark.parametrize("copy, window, open_", [(0, 0, True), (1000, 1000, True), (3000, 1000, True), (13000, 1000, False)])

@@ -49,7 +49,8 @@ CALLS, PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("calls", "pref
 # outlasts the compute it hides behind (`pace`).
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
-EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change,
+EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
+# (every 32 x copy // window calls where a copy outlasts the compute it hides behind: `explore_period`), ...
 # ... and doubles that interval after each exploring call, up to 32 << 4 = 512 calls: often enough that the
 # decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
 MAX_BACKOFF = 4
@@ -394,6 +395,19 @@ def gate_precision(pace: torch.Tensor) -> torch.Tensor:
     return torch.where((copy > 0) & (window > 0), (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
 
 
+def explore_period(pace: torch.Tensor, backoff: torch.Tensor) -> torch.Tensor:
+    """Every how many calls a gated layer explores (see `gate_prefetch`): EXPLORE_EVERY, times copy // window
+    where a copy outlasts the compute it hides behind, doubled `backoff` times. Why the stride: an exploring
+    copy that is wasted adds a whole copy to the step, so exploring every EXPLORE_EVERY windows of compute
+    costs at most about 1/EXPLORE_EVERY of it, however long a copy. At a fixed 32 calls, on the Mixtral-8x7B
+    shape (a copy ~15x the window) exploring made decode 2.4% slower than no prefetch, with 2.7% more bytes
+    (trace, batch 1, 4/8; docs/results/2026-11-30, twenty-sixth session). Unmeasured (the CPU, before a
+    forward): a stride of 1."""
+    copy, window = pace[2], pace[1]
+    stride = torch.where((copy > 0) & (window > 0), (copy // window.clamp(min=1)).clamp(min=1), 1)
+    return EXPLORE_EVERY * stride * 2 ** backoff.long()
+
+
 def gate_prefetch(
     predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, pace: torch.Tensor
 ) -> None:
@@ -429,7 +443,7 @@ def gate_prefetch(
     there the victims decide (above).
 
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
-    EXPLORE_EVERY calls, counted by the `calls` counter: `clock` counts waves, and with two waves a call it
+    EXPLORE_EVERY calls (more where a copy outlasts the window: `explore_period`), counted by the `calls` counter: `clock` counts waves, and with two waves a call it
     kept one parity, so a period of 32 explored every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
     after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
@@ -448,7 +462,7 @@ def gate_prefetch(
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
-    explore = ~on & (counters[CALLS] % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
+    explore = ~on & (counters[CALLS] % explore_period(pace, backoff) == 0)
     outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 
