@@ -462,7 +462,8 @@ def gate_prefetch(
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
-    explore = ~on & (counters[CALLS] % explore_period(pace, backoff) == 0)
+    calls = counters[CALLS]  # none yet: the first call after a stats reset (the suite's every round) does not explore
+    explore = ~on & (calls > 0) & (calls % explore_period(pace, backoff) == 0)
     outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 

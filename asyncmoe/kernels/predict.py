@@ -138,7 +138,8 @@ if triton is not None:
         backoff = tl.where(tl.sum(tl.where(k == 1, fresh_outcomes, 0.0), axis=0) > 0, 0.0, backoff)
         stride = tl.where((copy_ns > 0) & (window_ns > 0), tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
         period = (EXPLORE_EVERY * stride) << backoff.to(tl.int64)
-        explore = (1 - on.to(tl.int32)) * (tl.load(counters_ptr + CALLS) % period == 0).to(tl.int32)
+        calls = tl.load(counters_ptr + CALLS)
+        explore = (1 - on.to(tl.int32)) * ((calls > 0) & (calls % period == 0)).to(tl.int32)
         tl.store(outcomes_ptr + 4, tl.where(explore > 0, tl.minimum(backoff + 1, MAX_BACKOFF), backoff))
         score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
