@@ -399,10 +399,12 @@ def explore_period(pace: torch.Tensor, backoff: torch.Tensor) -> torch.Tensor:
     """Every how many calls a gated layer explores (see `gate_prefetch`): EXPLORE_EVERY, times copy // window
     where a copy outlasts the compute it hides behind, doubled `backoff` times. Why the stride: an exploring
     copy that is wasted adds a whole copy to the step, so exploring every EXPLORE_EVERY windows of compute
-    costs at most about 1/EXPLORE_EVERY of it, however long a copy. At a fixed 32 calls, on the Mixtral-8x7B
-    shape (a copy ~15x the window) exploring made decode 2.4% slower than no prefetch, with 2.7% more bytes
-    (trace, batch 1, 4/8; docs/results/2026-11-30, twenty-sixth session). Unmeasured (the CPU, before a
-    forward): a stride of 1."""
+    costs at most about 1/EXPLORE_EVERY of it, however long a copy. On a replay shaped as the Mixtral-8x7B
+    shape at 4 of 8 slots (a copy 14x the window, as measured on the H200), a fixed 32 calls copied 1.004x what
+    no prefetch copies, the stride 1.0005x (docs/results/2026-11-30/explore_replay.txt). Nor does it cost a
+    layer its way back: where a copy outlasts ~3 windows, the decayed estimate forgets one exploring call's
+    evidence before the next even at 32 calls, so exploring alone cannot reopen the gate either way.
+    Unmeasured (the CPU, before a forward): a stride of 1."""
     copy, window = pace[2], pace[1]
     stride = torch.where((copy > 0) & (window > 0), (copy // window.clamp(min=1)).clamp(min=1), 1)
     return EXPLORE_EVERY * stride * 2 ** backoff.long()
