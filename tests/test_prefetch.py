@@ -302,6 +302,7 @@ def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
 
     E, C = 16, 4
     c = ExpertCache({"w": torch.randn(E, 3)}, C, "lru")
+    c.pace.copy_(torch.tensor([0, 1000, 1000]))  # a copy as long as the window: half is enough, explore every 32nd call
     prefetched = lambda: c.counters[COUNTERS.index("prefetched")].item()  # noqa: E731
 
     def prefetch(expert):  # the gate predicts `expert`, as the prefetch op does before the layer's own ensure
