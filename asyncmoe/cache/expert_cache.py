@@ -52,7 +52,8 @@ OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
 EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
 # (every 32 x copy // window calls where a copy outlasts the compute it hides behind: `explore_period`), ...
 # ... and doubles that interval after each exploring call, up to 32 << 4 = 512 calls: often enough that the
-# decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
+# decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open;
+# a longer stride comes with a gate that wants more than half, for which no evidence reads as closed)
 MAX_BACKOFF = 4
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
     CALLS=CALLS, PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
@@ -445,8 +446,9 @@ def gate_prefetch(
     there the victims decide (above).
 
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
-    EXPLORE_EVERY calls (more where a copy outlasts the window: `explore_period`), counted by the `calls` counter: `clock` counts waves, and with two waves a call it
-    kept one parity, so a period of 32 explored every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
+    EXPLORE_EVERY calls (more where a copy outlasts the window: `explore_period`), counted by the `calls`
+    counter: `clock` counts waves, and with two waves a call it kept one parity, so a period of 32 explored
+    every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
     after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
     where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
