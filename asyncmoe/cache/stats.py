@@ -156,6 +156,6 @@ def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, 
                 gpu_bytes=gpu, host_bytes=_nbytes(c.hosts), wait_ns=wait, ensure_ns=ensure,
             )
         )
-    pace = caches[0][1].pace.cpu()  # on request, as above
-    _, window, copy = pace.tolist()
+    pace = caches[0][1].pace.cpu()  # a host sync on request (stats read-out), never inside a forward
+    _, window, copy = pace.tolist()  # a host tensor from here: no further sync
     return Stats(layers, resident_layers, copy_ns=copy, window_ns=window, min_precision=gate_precision(pace).item())
