@@ -290,7 +290,7 @@ def test_exploring_backs_off_until_a_prefetch_is_timely(waves, stride):
     assert admitted == sorted([*opens, *backing_off, use_at - 1, use_at - 1 + base, use_at - 1 + 2 * base])
 
 
-@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel: under TRITON_INTERPRET=1 on the CPU (conftest)
+@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
 def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
     """The latency suite resets the counters after each round's prompt. A layer's prefetch runs before its own
     `ensure`, so the next one saw `calls` at 0, which every exploring period divides: every gated layer explored
@@ -301,19 +301,21 @@ def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
     from asyncmoe.cache.stats import read_stats
 
     E, C = 16, 4
-    c = ExpertCache({"w": torch.randn(E, 3)}, C, "lru")
+    device = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
+    c = ExpertCache({"w": torch.randn(E, 3, device=device)}, C, "lru")
     c.pace.copy_(torch.tensor([0, 1000, 1000]))  # a copy as long as the window: half is enough, explore every 32nd call
     prefetched = lambda: c.counters[COUNTERS.index("prefetched")].item()  # noqa: E731
 
     def prefetch(expert):  # the gate predicts `expert`, as the prefetch op does before the layer's own ensure
-        expert_cache.predict_and_prefetch(torch.nn.functional.one_hot(torch.tensor(expert), E).float(), False, None, None, 1,
-                                          c.policy, c.predicted, c.nominated, c.expert_to_slot, c.slot_to_expert, c.state,
-                                          c.counters, c.hosts, c.slots, c.outcomes, c.pace, use_kernel=use_kernel)
+        scores = torch.nn.functional.one_hot(torch.tensor(expert, device=device), E).float()
+        expert_cache.predict_and_prefetch(scores, False, None, None, 1, c.policy, c.predicted, c.nominated,
+                                          c.expert_to_slot, c.slot_to_expert, c.state, c.counters, c.hosts, c.slots,
+                                          c.outcomes, c.pace, use_kernel=use_kernel)
 
     for call in range(4):  # experts 0 and 1 predicted, E-1 routed: the prefetches are wasted and the gate closes
         prefetch(call % 2)
-        expert_cache.ensure(torch.tensor([[E - 1]]), 0, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters,
-                            c.hosts, c.slots, use_kernel=use_kernel)
+        expert_cache.ensure(torch.tensor([[E - 1]], device=device), 0, c.policy, c.expert_to_slot, c.slot_to_expert,
+                            c.state, c.counters, c.hosts, c.slots, use_kernel=use_kernel)
     assert prefetched() == 1  # the first, with no evidence yet
     read_stats([("layer", c)], reset=True)
     assert c.counters[CALLS] == 0
