@@ -65,9 +65,9 @@ def _prefetch_pair(E_before, E, C, device, seed):
 @pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 70), (64, 64, 16, 8, 8)])
 def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
-    calls that route, prefetch, waste prefetches (so the gate closes) and reach two exploring calls (the
-    32nd, then the 64th: the interval doubled), with the prefetch's pace measured (a copy 2x or 4x the
-    compute) or not."""
+    calls that route, prefetch, waste prefetches (so the gate closes) and reach the exploring calls, with the
+    prefetch's pace measured (a copy 2x or 4x the compute) or not: the 32nd does not explore (a copy 4x the
+    window explores every 128th call), the 64th does (unmeasured: every 32nd)."""
     (kernel, reference), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
     scored = 0
     for step in range(steps):

@@ -49,9 +49,11 @@ CALLS, PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("calls", "pref
 # outlasts the compute it hides behind (`pace`).
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
-EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change,
+EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
+# (every 32 x copy // window calls where a copy outlasts the compute it hides behind: `explore_period`), ...
 # ... and doubles that interval after each exploring call, up to 32 << 4 = 512 calls: often enough that the
-# decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open)
+# decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open;
+# a longer stride comes with a gate that wants more than half, for which no evidence reads as closed)
 MAX_BACKOFF = 4
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
     CALLS=CALLS, PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
@@ -394,6 +396,21 @@ def gate_precision(pace: torch.Tensor) -> torch.Tensor:
     return torch.where((copy > 0) & (window > 0), (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
 
 
+def explore_period(pace: torch.Tensor, backoff: torch.Tensor) -> torch.Tensor:
+    """Every how many calls a gated layer explores (see `gate_prefetch`): EXPLORE_EVERY, times copy // window
+    where a copy outlasts the compute it hides behind, doubled `backoff` times. Why the stride: an exploring
+    copy that is wasted adds a whole copy to the step, so exploring every EXPLORE_EVERY windows of compute
+    costs at most about 1/EXPLORE_EVERY of it, however long a copy. On a replay shaped as the Mixtral-8x7B
+    shape at 4 of 8 slots (a copy 14x the window, as measured on the H200), a fixed 32 calls copied 1.004x what
+    no prefetch copies, the stride 1.0005x (docs/results/2026-11-30/explore_replay.txt). Nor does it cost a
+    layer its way back: where a copy outlasts ~3 windows, the decayed estimate forgets one exploring call's
+    evidence before the next even at 32 calls, so exploring alone cannot reopen the gate either way.
+    Unmeasured (the CPU, before a forward): a stride of 1."""
+    copy, window = pace[2], pace[1]
+    stride = torch.where((copy > 0) & (window > 0), (copy // window.clamp(min=1)).clamp(min=1), 1)
+    return EXPLORE_EVERY * stride * 2 ** backoff.long()
+
+
 def gate_prefetch(
     predicted: torch.Tensor, expert_to_slot: torch.Tensor, counters: torch.Tensor, outcomes: torch.Tensor, pace: torch.Tensor
 ) -> None:
@@ -429,8 +446,9 @@ def gate_prefetch(
     there the victims decide (above).
 
     A gated layer explores: it keeps one prediction, the likeliest expert not resident, every
-    EXPLORE_EVERY calls, counted by the `calls` counter: `clock` counts waves, and with two waves a call it
-    kept one parity, so a period of 32 explored every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
+    EXPLORE_EVERY calls (more where a copy outlasts the window: `explore_period`), counted by the `calls`
+    counter: `clock` counts waves, and with two waves a call it kept one parity, so a period of 32 explored
+    every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
     after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
     where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
@@ -448,7 +466,8 @@ def gate_prefetch(
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
-    explore = ~on & (counters[CALLS] % (EXPLORE_EVERY * 2 ** backoff.long()) == 0)
+    calls = counters[CALLS]  # none yet: the first call after a stats reset (the suite's every round) does not explore
+    explore = ~on & (calls > 0) & (calls % explore_period(pace, backoff) == 0)
     outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 

@@ -127,7 +127,8 @@ if triton is not None:
         tl.store(outcomes_ptr + 2 + k, seen)
         wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
         used = tl.sum(tl.where(k == 1, estimate, 0.0), axis=0)
-        copy, window = tl.load(pace_ptr + 2).to(tl.float32), tl.load(pace_ptr + 1).to(tl.float32)
+        copy_ns, window_ns = tl.load(pace_ptr + 2), tl.load(pace_ptr + 1)  # int64
+        copy, window = copy_ns.to(tl.float32), window_ns.to(tl.float32)
         precision = tl.where((copy > 0) & (window > 0), tl.maximum(copy / (copy + window), MIN_PRECISION), MIN_PRECISION)
         on = (used + 1) >= precision * (used + wasted + 2)
         fresh = tl.where(tl.load(e2s_ptr + e, mask=emask, other=0) >= 0, 0.0, score)
@@ -135,8 +136,10 @@ if triton is not None:
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
         backoff = tl.load(outcomes_ptr + 4)
         backoff = tl.where(tl.sum(tl.where(k == 1, fresh_outcomes, 0.0), axis=0) > 0, 0.0, backoff)
-        period = tl.full([], EXPLORE_EVERY, tl.int64) << backoff.to(tl.int64)
-        explore = (1 - on.to(tl.int32)) * (tl.load(counters_ptr + CALLS) % period == 0).to(tl.int32)
+        stride = tl.where((copy_ns > 0) & (window_ns > 0), tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
+        period = (EXPLORE_EVERY * stride) << backoff.to(tl.int64)
+        calls = tl.load(counters_ptr + CALLS)
+        explore = (1 - on.to(tl.int32)) * ((calls > 0) & (calls % period == 0)).to(tl.int32)
         tl.store(outcomes_ptr + 4, tl.where(explore > 0, tl.minimum(backoff + 1, MAX_BACKOFF), backoff))
         score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
