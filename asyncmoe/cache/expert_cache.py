@@ -50,14 +50,10 @@ CALLS, PREFETCHED, TIMELY, VICTIMS = (COUNTERS.index(n) for n in ("calls", "pref
 MIN_PRECISION = 0.5
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls
 EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, to notice a change
-# (every 32 x copy // window calls where a copy outlasts the compute it hides behind: `explore_period`), ...
-# ... and doubles that interval after each exploring call, up to 32 << 4 = 512 calls: often enough that the
-# decayed estimate (0.98 per call) never forgets the failures (after ~800 calls it reads as no evidence: gate open;
-# a longer stride comes with a gate that wants more than half, for which no evidence reads as closed)
-MAX_BACKOFF = 4
+# (every 32 x copy // window calls where a copy outlasts the compute it hides behind: `explore_period`)
 PREFETCH_CONSTANTS = dict(  # what the fused kernel (kernels.predict.prefetch_scores) shares with `combine` and `gate_prefetch`
     CALLS=CALLS, PREFETCHED=PREFETCHED, TIMELY=TIMELY, VICTIMS=VICTIMS, MIN_SUPPORT=MIN_SUPPORT, MIN_PRECISION=MIN_PRECISION,
-    OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY, MAX_BACKOFF=MAX_BACKOFF,
+    OUTCOME_DECAY=OUTCOME_DECAY, EXPLORE_EVERY=EXPLORE_EVERY,
 )
 
 
@@ -103,9 +99,8 @@ class ExpertCache(nn.Module):
         # the side stream's combined prediction and its sources
         self.register_buffer("predicted", torch.zeros(E, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("nominated", torch.zeros(E, dtype=torch.int8, device=device), persistent=False)
-        # prefetch outcomes: decayed (wasted, paid) counts, the counters they were last read from, and how
-        # many times exploring has doubled its interval (see `gate_prefetch`)
-        self.register_buffer("outcomes", torch.zeros(5, dtype=torch.float32, device=device), persistent=False)
+        # prefetch outcomes: decayed (wasted, paid) counts and the counters they were last read from (see `gate_prefetch`)
+        self.register_buffer("outcomes", torch.zeros(4, dtype=torch.float32, device=device), persistent=False)
         # stall timing (kernels.clock): two GPU-clock stamps, then the summed ns of waiting for the prefetch
         # and of `ensure`'s own decision and copy; empty when not timed (an op cannot take an optional mutated tensor)
         self.register_buffer("timer", torch.zeros(4 if time_stalls else 0, **i64), persistent=False)
@@ -396,11 +391,11 @@ def gate_precision(pace: torch.Tensor) -> torch.Tensor:
     return torch.where((copy > 0) & (window > 0), (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
 
 
-def explore_period(pace: torch.Tensor, backoff: torch.Tensor) -> torch.Tensor:
+def explore_period(pace: torch.Tensor) -> torch.Tensor:
     """Every how many calls a gated layer explores (see `gate_prefetch`): EXPLORE_EVERY, times copy // window
-    where a copy outlasts the compute it hides behind, doubled `backoff` times. Why the stride: an exploring
-    copy that is wasted adds a whole copy to the step, so exploring every EXPLORE_EVERY windows of compute
-    costs at most about 1/EXPLORE_EVERY of it, however long a copy. On a replay shaped as the Mixtral-8x7B
+    where a copy outlasts the compute it hides behind. Why the stride: an exploring copy that is wasted adds
+    a whole copy to the step, so exploring every EXPLORE_EVERY windows of compute costs at most about
+    1/EXPLORE_EVERY of it, however long a copy. On a replay shaped as the Mixtral-8x7B
     shape at 4 of 8 slots (a copy 14x the window, as measured on the H200), a fixed 32 calls copied 1.004x what
     no prefetch copies, the stride 1.0005x (docs/results/2026-11-30/explore_replay.txt). Nor does it cost a
     layer its way back: where a copy outlasts ~3 windows, the decayed estimate forgets one exploring call's
@@ -408,7 +403,7 @@ def explore_period(pace: torch.Tensor, backoff: torch.Tensor) -> torch.Tensor:
     Unmeasured (the CPU, before a forward): a stride of 1."""
     copy, window = pace[2], pace[1]
     stride = torch.where((copy > 0) & (window > 0), (copy // window.clamp(min=1)).clamp(min=1), 1)
-    return EXPLORE_EVERY * stride * 2 ** backoff.long()
+    return EXPLORE_EVERY * stride
 
 
 def gate_prefetch(
@@ -449,12 +444,14 @@ def gate_prefetch(
     EXPLORE_EVERY calls (more where a copy outlasts the window: `explore_period`), counted by the `calls`
     counter: `clock` counts waves, and with two waves a call it kept one parity, so a period of 32 explored
     every 16 calls or never (one copy is enough to learn from, where the whole budget on every layer at
-    once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape), and doubles that interval
-    after each exploring call, up to MAX_BACKOFF times, until a prefetch is timely again. Why back off:
-    where nothing predicts, every exploring copy is wasted, and its price is the expert's size: on the
-    Mixtral-8x7B shape one copy (352 MB, 6.4 ms) outlasts 13 layers' compute, and prefetch made decode
-    4.4% slower (225.1 vs 215.6 ms/token, cache 2 of 8); with the backoff 1.1% (218.5 vs 216.2;
-    docs/results/2026-11-30).
+    once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape). Not less often as it goes on: paid
+    explores are how a closed gate reopens (two in a row where half is enough), and on the OLMoE shape with
+    its trace, 16 of 64 slots, the gate closes where prefetches pay (its break-even charges a wasted copy a
+    whole copy, but the link idles ~30% of that step): exploring every 32 calls made decode 0.917x graph
+    without prefetch, where doubling the interval after each explore, up to 512 calls, gave 0.955x (its
+    random router: 9.08 against 9.09 ms/token, nothing predicts there). The doubling was for the
+    Mixtral-8x7B shape (4.4% slower without it, cache 2 of 8), whose stride now spaces exploring ~13x as far
+    (docs/results/2026-11-30, twenty-seventh session).
     """
     saved = counters[TIMELY] - counters[VICTIMS]  # misses the prefetches saved: used by their call, less the hits they cost
     seen = torch.stack([counters[PREFETCHED] - saved, saved]).float()  # (wasted, paid) so far
@@ -465,10 +462,8 @@ def gate_prefetch(
     on = (used + 1) >= gate_precision(pace) * (used + wasted + 2)  # with no evidence yet: on
     fresh = predicted.masked_fill(expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
-    backoff = torch.where(fresh_outcomes[1] > 0, 0.0, outcomes[4])  # a prefetch that paid: explore at the base rate again
     calls = counters[CALLS]  # none yet: the first call after a stats reset (the suite's every round) does not explore
-    explore = ~on & (calls > 0) & (calls % explore_period(pace, backoff) == 0)
-    outcomes[4:].copy_(torch.where(explore, (backoff + 1).clamp(max=MAX_BACKOFF), backoff))
+    explore = ~on & (calls > 0) & (calls % explore_period(pace) == 0)
     predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
 
 

@@ -76,7 +76,7 @@ if triton is not None:
     def _prefetch_scores(
         gate_ptr, pred_ptr, nominated_ptr, routed_ptr, before_ptr, transitions_ptr, e2s_ptr, counters_ptr, outcomes_ptr, pace_ptr,
         E, E_before, keep, CALLS: tl.constexpr, PREFETCHED: tl.constexpr, TIMELY: tl.constexpr, VICTIMS: tl.constexpr, MIN_SUPPORT: tl.constexpr, MIN_PRECISION: tl.constexpr,
-        OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr, MAX_BACKOFF: tl.constexpr,
+        OUTCOME_DECAY: tl.constexpr, EXPLORE_EVERY: tl.constexpr,
         GATE: tl.constexpr, TEMPORAL: tl.constexpr, TRANSITION: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
     ):
         e = tl.arange(0, BE)
@@ -117,7 +117,7 @@ if triton is not None:
             gate = tl.load(gate_ptr + e, mask=emask, other=0.0)
             score = tl.where(gate > 0, 1 + gate, score)
             sources += tl.where(gate > 0, 1, 0).to(tl.int32)  # predictors.GATE
-        # the prefetch gate: off while most recent prefetches were wasted, but for an explorer with a backoff
+        # the prefetch gate: off while most recent prefetches were wasted, but for an explorer
         k = tl.arange(0, 2)
         saved = tl.load(counters_ptr + TIMELY) - tl.load(counters_ptr + VICTIMS)  # used by their call, less the hits they cost
         seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - saved, saved).to(tl.float32)  # (wasted, paid)
@@ -134,13 +134,10 @@ if triton is not None:
         fresh = tl.where(tl.load(e2s_ptr + e, mask=emask, other=0) >= 0, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
-        backoff = tl.load(outcomes_ptr + 4)
-        backoff = tl.where(tl.sum(tl.where(k == 1, fresh_outcomes, 0.0), axis=0) > 0, 0.0, backoff)
         stride = tl.where((copy_ns > 0) & (window_ns > 0), tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
-        period = (EXPLORE_EVERY * stride) << backoff.to(tl.int64)
+        period = EXPLORE_EVERY * stride
         calls = tl.load(counters_ptr + CALLS)
         explore = (1 - on.to(tl.int32)) * ((calls > 0) & (calls % period == 0)).to(tl.int32)
-        tl.store(outcomes_ptr + 4, tl.where(explore > 0, tl.minimum(backoff + 1, MAX_BACKOFF), backoff))
         score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
