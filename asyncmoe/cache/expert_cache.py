@@ -447,11 +447,12 @@ def gate_prefetch(
     once cost ~0.5 ms/token, measured at EXPLORE_EVERY=16, OLMoE shape). Not less often as it goes on: paid
     explores are how a closed gate reopens (two in a row where half is enough), and on the OLMoE shape with
     its trace, 16 of 64 slots, the gate closes where prefetches pay (its break-even charges a wasted copy a
-    whole copy, but the link idles ~30% of that step): exploring every 32 calls made decode 0.917x graph
+    whole copy, but the link idles ~30% of that step): exploring every 32 calls made decode 0.923x graph
     without prefetch, where doubling the interval after each explore, up to 512 calls, gave 0.955x (its
-    random router: 9.08 against 9.09 ms/token, nothing predicts there). The doubling was for the
-    Mixtral-8x7B shape (4.4% slower without it, cache 2 of 8), whose stride now spaces exploring ~13x as far
-    (docs/results/2026-11-30, twenty-seventh session).
+    random router: 9.10 against 9.09 ms/token, nothing predicts there). The doubling was for the
+    Mixtral-8x7B shape (4.4% slower without it, cache 2 of 8), whose stride now spaces exploring ~13x as far:
+    there, at 4 of 8, 0.979x graph without prefetch (docs/results/2026-11-30, twenty-seventh and
+    twenty-eighth sessions).
     """
     saved = counters[TIMELY] - counters[VICTIMS]  # misses the prefetches saved: used by their call, less the hits they cost
     seen = torch.stack([counters[PREFETCHED] - saved, saved]).float()  # (wasted, paid) so far
