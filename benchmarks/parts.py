@@ -2,6 +2,7 @@
 
     python benchmarks/parts.py --out docs/results/2026-12-01 --tag c1 --seconds 540 [--grep 'qwen3.*trace']
     python benchmarks/parts.py --seconds 540 --simulate 2     # CPU: the calls of 2 GPUs the rest would take
+    python benchmarks/parts.py --digest d0941ac               # the source_sha256 a run of that commit records
 
 The full profile takes hours (docs/results/coverage.md); a machine lends minutes at a time. Issue 5 asks for
 the systems "in the same run", and the report takes a row's ratios (limit ratio, speedups over accelerate and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.metadata
 import io
 import json
@@ -32,6 +34,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 
@@ -57,6 +60,33 @@ ACCELERATE_GB_S = 7.0  # accelerate's steps, every expert from pageable memory: 
 # batch 32, estimated from 64/128: 109 s, took 7)
 GRAPH_FROM = {"asyncmoe-graph": ("asyncmoe-graph-prefetch", "unmodified", "asyncmoe-eager"),
               "asyncmoe-graph-prefetch": ("asyncmoe-graph", "unmodified", "asyncmoe-eager")}
+
+
+def source_digest(files: dict[str, bytes]) -> str:
+    """sha256 of the code a run measures, asyncmoe/ and benchmarks/ (`tree_files`). The device's copy of .git can
+    name a stale commit (pytest-benchmark's `commit_info`, and its `git log`, twenty-eighth session), and a tag is
+    typed by hand (three wrong in the twenty-ninth), so each run records what it ran and `--digest REV` says
+    whether that was commit REV (`commit_files`)."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    return digest.hexdigest()
+
+
+def tree_files(root: pathlib.Path) -> dict[str, bytes]:
+    """asyncmoe/ and benchmarks/ under `root` as they are on disk, untracked files too (the device runs them),
+    less what runs leave there (__pycache__, .pytest_cache, .hypothesis, .benchmarks)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for d in ("asyncmoe", "benchmarks")
+            for p in (root / d).rglob("*")
+            if p.is_file() and not any(s == "__pycache__" or s.startswith(".") for s in p.relative_to(root).parts)}
+
+
+def commit_files(rev: str) -> dict[str, bytes]:
+    """asyncmoe/ and benchmarks/ at commit `rev` of the repository holding this file."""
+    archive = subprocess.run(["git", "archive", rev, "asyncmoe", "benchmarks"], cwd=HERE.parent, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
 
 def room(seconds: float, start_s: float = START_S) -> float:
@@ -408,12 +438,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=pathlib.Path, help="where the parts' JSON, ids and output go")
     p.add_argument("--tag", help="names this run's files, e.g. the call and commit: c1-d81205b")
-    p.add_argument("--seconds", type=float, required=True,
+    p.add_argument("--seconds", type=float,
                    help="stop every part this long after parts.py starts (its imports not counted)")
     p.add_argument("--grep", default="", help="only the parts whose name this regex matches, e.g. 'qwen3.*-b8'")
+    p.add_argument("--digest", metavar="REV",
+                   help="run nothing: print commit REV's `source_digest`, to match a run's env-<tag>.json")
     p.add_argument("--simulate", type=int, metavar="GPUS",
                    help="run nothing: print the calls of --seconds on GPUS GPUs the rest would take (`simulate`)")
     args = p.parse_args()
+    if args.digest:
+        print(source_digest(commit_files(args.digest)))
+        return
+    if args.seconds is None:
+        p.error("--seconds: how long the call may run (or --digest REV)")
     if args.simulate:
         calls, _, left = simulate(measured_runs(pathlib.Path("/nonexistent")), args.seconds, args.simulate, args.grep)
         busy = sum(map(sum, calls))
@@ -433,6 +470,7 @@ def main():
     env = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
            if d.metadata["Name"] in ("torch", "transformers", "triton", "accelerate", "pytest-benchmark")}
     env["gpus"] = [torch.cuda.get_device_name(int(g)) for g in gpus]
+    env["source_sha256"] = source_digest(tree_files(HERE.parent))
     (args.out / f"env-{args.tag}.json").write_text(json.dumps(env))
     if len(gpus) > 1:
         from h2d_side_by_side import side_by_side

@@ -337,3 +337,23 @@ def test_the_plan_for_the_committed_runs_keeps_every_comparison_in_one_process(c
                 for base in report.bases(case, profile):
                     assert node_of[base] in first + nodes or node_of[base] in named
     assert parts.plan(runs, 490, grep="qwen3.*-b8")[0].keys() <= {("qwen3-30b-a3b", r, "b8") for r in ("router", "trace")}
+
+
+def test_a_runs_source_digest_names_the_commit_whose_files_it_ran(tmp_path):
+    """What a run records (`tree_files` on disk) and what `--digest REV` prints (`commit_files`) agree on the same
+    files, in any order, less what runs leave behind; one byte changed, or a file added, and they do not."""
+    head = parts.commit_files("HEAD")
+    for name, data in head.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "benchmarks" / "__pycache__").mkdir(exist_ok=True)
+    (tmp_path / "benchmarks" / "__pycache__" / "parts.cpython-312.pyc").write_bytes(b"built")
+    (tmp_path / "benchmarks" / ".hypothesis").mkdir()
+    (tmp_path / "benchmarks" / ".hypothesis" / "db").write_bytes(b"left by a run")
+    assert "asyncmoe/__init__.py" in head and "benchmarks/parts.py" in head
+    assert parts.source_digest(parts.tree_files(tmp_path)) == parts.source_digest(head)
+    (tmp_path / "asyncmoe" / "__init__.py").write_bytes(head["asyncmoe/__init__.py"] + b" ")
+    assert parts.source_digest(parts.tree_files(tmp_path)) != parts.source_digest(head)
+    (tmp_path / "asyncmoe" / "__init__.py").write_bytes(head["asyncmoe/__init__.py"])
+    (tmp_path / "benchmarks" / "untracked.py").write_bytes(b"")
+    assert parts.source_digest(parts.tree_files(tmp_path)) != parts.source_digest(head)
