@@ -1,15 +1,22 @@
-"""GPU time per kernel of asyncmoe's decode steps, from the profiler: what each launch of the cache and the
-prefetch costs beside the model's own kernels (a CUDA graph replays the same kernels; the profiler
-times them in eager steps, where it can name them).
+"""GPU time per kernel of asyncmoe's decode steps, or of one long prompt, from the profiler: what each launch
+of the cache and the prefetch costs beside the model's own kernels (a CUDA graph replays the same kernels;
+the profiler times them in eager steps, where it can name them).
 
     python benchmarks/profile_step.py --shape olmoe-1b-7b --cache 32 --steps 16
+    python benchmarks/profile_step.py --shape qwen3-30b-a3b --cache 32 --prompt 2048 --no-prefetch
 
-Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the last.
+Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the last. With
+`--prompt N` the unit is the prompt: each row is per prompt, after the prompt's wall time (median of 5, CUDA
+events) and the time its layers waited for their own misses (`time_stalls`, the GPU clock): what a prompt
+spends beyond its copies and its compute, which run one after the other in each wave (the model's own
+router, widened, as the latency suite's `router` cases; `--cache` at or above the experts runs the
+unmodified model, for the compute alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,9 +32,13 @@ def main():
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps")
     args = p.parse_args()
 
-    model = asyncmoe.compile(random_model(args.shape, torch.bfloat16, "cuda"), cache=args.cache, prefetch=not args.no_prefetch)
+    model = asyncmoe.compile(random_model(args.shape, torch.bfloat16, "cuda"), cache=args.cache,
+                             prefetch=not args.no_prefetch, time_stalls=bool(args.prompt))
+    if args.prompt:
+        return profile_prompt(model, args)
     prompt = torch.randint(1, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=16 + 2 * args.steps + 1, graph=False)
     dec.prefill(prompt)
@@ -36,14 +47,48 @@ def main():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         dec.decode(args.steps)
         torch.cuda.synchronize()
+    print(f"{args.shape}, cache {args.cache}, prefetch {'off' if args.no_prefetch else 'on'}, {args.steps} eager steps, "
+          f"{torch.cuda.get_device_name()}:")
+    print_kernels(prof, args.steps, "token", args.top)
+
+
+def profile_prompt(model, args) -> None:
+    """One prompt of `args.prompt` random tokens, timed five times, then profiled once."""
+    ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=args.prompt + 1, graph=False)
+    cached = asyncmoe.stats(model).layers  # [] where every layer is resident
+
+    def prompt_ms() -> float:
+        if cached:
+            asyncmoe.stats(model, reset=True)  # stall times of this prompt only
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dec.prefill(ids)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    prompt_ms()  # warm: Triton compiles
+    ms = statistics.median(prompt_ms() for _ in range(5))
+    line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
+    if cached:  # the last prompt's counters
+        totals = asyncmoe.stats(model).totals
+        line += (f", {totals['bytes_h2d'] / 1e9:.2f} GB copied, its layers waited {totals['ensure_ns'] / 1e6:.1f} ms "
+                 f"for their own misses and {totals['wait_ns'] / 1e6:.1f} ms for prefetches")
+    print(line)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.prefill(ids)
+        torch.cuda.synchronize()
+    print_kernels(prof, 1, "prompt", args.top)
+
+
+def print_kernels(prof, units: int, unit: str, top: int) -> None:
     rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0]
     rows.sort(key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
-    print(f"{args.shape}, cache {args.cache}, prefetch {'off' if args.no_prefetch else 'on'}, {args.steps} eager steps, "
-          f"{torch.cuda.get_device_name()}: {total / args.steps:.1f} µs of kernels per token")
-    print(f"{'kernel':<90} {'per token':>9} {'µs each':>8} {'µs/token':>9}")
-    for name, count, us in rows[: args.top]:
-        print(f"{name[:90]:<90} {count / args.steps:>9.1f} {us / count:>8.2f} {us / args.steps:>9.1f}")
+    print(f"{sum(r[2] for r in rows) / units:.1f} µs of kernels per {unit}")
+    print(f"{'kernel':<90} {'per ' + unit:>10} {'µs each':>8} {'µs/' + unit:>10}")
+    for name, count, us in rows[:top]:
+        print(f"{name[:90]:<90} {count / units:>10.1f} {us / count:>8.2f} {us / units:>10.1f}")
 
 
 if __name__ == "__main__":
