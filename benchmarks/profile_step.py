@@ -6,11 +6,11 @@ the profiler times them in eager steps, where it can name them).
     python benchmarks/profile_step.py --shape qwen3-30b-a3b --cache 32 --prompt 2048 --no-prefetch
 
 Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the last. With
-`--prompt N` the unit is the prompt: each row is per prompt, after the prompt's wall time (median of 5, CUDA
-events) and the time its layers waited for their own misses (`time_stalls`, the GPU clock): what a prompt
-spends beyond its copies and its compute, which run one after the other in each wave (the model's own
-router, widened, as the latency suite's `router` cases; `--cache` at or above the experts runs the
-unmodified model, for the compute alone).
+`--prompt N` the unit is one prompt, and a line before the table gives its wall time (median of 5, CUDA
+events), the bytes it copied and how long its layers waited for their own misses (`time_stalls`, the GPU
+clock). That splits a prompt's time into its copies, its compute and what the waves add around both. The
+model routes by its own router, widened, as the latency suite's `router` cases; `--cache` at or above the
+experts runs the unmodified model, for the compute alone.
 """
 
 from __future__ import annotations
