@@ -16,12 +16,12 @@ experts runs the unmodified model, for the compute alone.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
+from copy_bandwidth import timed
 from shapes import SHAPES, random_model
 
 
@@ -53,25 +53,17 @@ def main():
 
 
 def profile_prompt(model, args) -> None:
-    """One prompt of `args.prompt` random tokens, timed five times, then profiled once."""
+    """One prompt of `args.prompt` random tokens, timed five times (`copy_bandwidth.timed`), then profiled once."""
     ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=args.prompt + 1, graph=False)
     cached = asyncmoe.stats(model).layers  # [] where every layer is resident
 
-    def prompt_ms() -> float:
-        if cached:
-            asyncmoe.stats(model, reset=True)  # stall times of this prompt only
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dec.prefill(ids)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    prompt_ms()  # warm: Triton compiles
-    ms = statistics.median(prompt_ms() for _ in range(5))
+    dec.prefill(ids)  # warm: Triton compiles
+    ms = timed(lambda _: dec.prefill(ids), 5)
     line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
-    if cached:  # the last prompt's counters
+    if cached:  # one more prompt, untimed, for its own counters
+        asyncmoe.stats(model, reset=True)
+        dec.prefill(ids)
         totals = asyncmoe.stats(model).totals
         line += (f", {totals['bytes_h2d'] / 1e9:.2f} GB copied, its layers waited {totals['ensure_ns'] / 1e6:.1f} ms "
                  f"for their own misses and {totals['wait_ns'] / 1e6:.1f} ms for prefetches")
