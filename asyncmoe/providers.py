@@ -63,13 +63,16 @@ class CachedProvider(ExpertWeightProvider):
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
-        out = None
-        for wave in range(num_waves(T * k, C, E)):
+        out, wave, waves = None, 0, num_waves(T * k, C, E)
+        while wave < waves:
             slots = ops.ensure(self.cache, top_k_index, wave, wait=self.wait and wave == 0, lap=self.laps and wave == 0)  # [T, k]
             if wave == 0 and self.plan is not None:
                 self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
             part = routed_outputs(experts, hidden_states, slots, weights)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
+            if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
+                waves = int(self.cache.wave_of.max()) + 1  # the waves this call's experts fill: see _fixed_shapes
+            wave += 1
         return combine(out, top_k_weights, hidden_states.dtype)
 
     def _prefetch(self, hidden_states: torch.Tensor) -> None:
@@ -86,6 +89,16 @@ class CachedProvider(ExpertWeightProvider):
             if gate or "temporal" in plan.sources or before is not None:
                 ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs,
                              stamp=self.stamps and depth == 1)
+
+
+def _fixed_shapes(x: torch.Tensor) -> bool:
+    """Whether this forward must run the worst case's waves, which shapes alone fix (`num_waves`): a CUDA graph
+    capture or torch.compile trace. Eager, a call stops after the waves its experts fill, read on the host
+    once wave 0 has ranked them (`wave_plan`): the rest would sort, gather and decide over every pair for
+    nothing. A 2048-token prompt on Qwen3-30B-A3B's router at 32 of 128 slots fills 2 of its 4 waves, and the
+    two empty ones took ~10-20% of its 407 ms (docs/results/2026-11-30, thirtieth session). The read waits for
+    wave 0's compute, queued before it, so the GPU idles only while the next wave's first kernels launch."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:
