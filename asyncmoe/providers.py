@@ -71,7 +71,7 @@ class CachedProvider(ExpertWeightProvider):
             part = routed_outputs(experts, hidden_states, slots, weights)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
             if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
-                waves = int(self.cache.wave_of.max()) + 1  # the waves this call's experts fill: see _fixed_shapes
+                waves = int(self.cache.wave_of.max()) + 1  # a host sync, eager only (never captured or traced): _fixed_shapes
             wave += 1
         return combine(out, top_k_weights, hidden_states.dtype)
 
