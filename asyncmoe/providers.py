@@ -63,14 +63,40 @@ class CachedProvider(ExpertWeightProvider):
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
-        out = None
-        for wave in range(num_waves(T * k, C, E)):
+        out, wave, waves, filled = None, 0, num_waves(T * k, C, E), None
+        while wave < waves:
             slots = ops.ensure(self.cache, top_k_index, wave, wait=self.wait and wave == 0, lap=self.laps and wave == 0)  # [T, k]
+            if filled is not None:  # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
+                waves, filled = filled(), None
+                if wave == waves:
+                    break  # wave 0 held every expert the call needs: this plan has nothing to copy
+            if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
+                filled = self._waves_filled()
             if wave == 0 and self.plan is not None:
                 self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
             part = routed_outputs(experts, hidden_states, slots, weights)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
+            wave += 1
         return combine(out, top_k_weights, hidden_states.dtype)
+
+    def _waves_filled(self) -> Callable[[], int]:
+        """The waves this call's experts fill, from wave 0's plan, for the host. On CUDA the count is copied to pinned
+        memory as soon as the plan is queued, and read once wave 0's compute and wave 1's plan and copies are queued
+        too: the host waits for wave 0's copies while the GPU has the rest to run. Read right after wave 0's compute,
+        it left only that compute queued: eager batch-32 decode steps that fill every wave took 2.1-3.2% longer
+        (benchmarks/wave_ab.py, docs/results/2026-12-02)."""
+        last = self.cache.wave_of.max()
+        if not last.is_cuda:
+            return lambda: int(last) + 1
+        host = torch.empty((), dtype=last.dtype, pin_memory=True)
+        host.copy_(last, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> int:
+            copied.synchronize()
+            return int(host) + 1
+        return read
 
     def _prefetch(self, hidden_states: torch.Tensor) -> None:
         plan = self.plan
@@ -86,6 +112,16 @@ class CachedProvider(ExpertWeightProvider):
             if gate or "temporal" in plan.sources or before is not None:
                 ops.prefetch(target.cache, target.budget, gate, "temporal" in plan.sources, before, plan.copy_programs,
                              stamp=self.stamps and depth == 1)
+
+
+def _fixed_shapes(x: torch.Tensor) -> bool:
+    """Whether this forward must run the worst case's waves, which shapes alone fix (`num_waves`): a CUDA graph
+    capture or torch.compile trace. Eager, a call stops after the waves its experts fill, read on the host
+    once wave 0 has ranked them (`wave_plan`): the rest would sort, gather and decide over every pair for
+    nothing. A 2048-token prompt on Qwen3-30B-A3B's router at 32 of 128 slots fills 2 of its 4 waves; the
+    waves' own kernels and launches took ~140 of its 407 ms (docs/results/2026-11-30, thirtieth session). The
+    read (`_waves_filled`) waits for wave 0's plan and copies, not for the work queued after them."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:

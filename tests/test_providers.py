@@ -43,6 +43,33 @@ def test_waves_equal_single_path(monkeypatch_seed, tokens, family):
     torch.testing.assert_close(waves, original(x, ids, w), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fixed, reached, planned, computed", [
+    (False, 6, [0, 1], 2), (False, 4, [0, 1], 1), (True, 6, [0, 1, 2, 3], 4), (True, 4, [0, 1, 2, 3], 4),
+])
+@torch.no_grad()
+def test_an_eager_call_stops_after_the_waves_its_experts_fill(monkeypatch, fixed, reached, planned, computed, device):
+    """16 tokens x top-2 over 4 slots: shapes alone give 4 waves (16 experts). Routed to 6 experts the call
+    fills 2, and eager it computes those 2; routed to 4 it plans wave 1 (where it reads the count) but computes
+    only wave 0. A capture or a compile trace (`_fixed_shapes`) runs all 4. All give the model's own output.
+    On CUDA the count reaches the host through pinned memory and an event."""
+    ref = tiny("olmoe")
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=4, device=device)
+    experts, original = experts_of(model), experts_of(ref)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, ref.config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(reached, generator=g)[:2] for _ in range(16)])  # experts 0 to reached-1
+    w = torch.rand(16, 2, generator=g)
+    waves, ensure = [], asyncmoe.ops.ensure
+    monkeypatch.setattr(asyncmoe.ops, "ensure", lambda cache, ids, wave, **kw: waves.append(wave) or ensure(cache, ids, wave, **kw))
+    computes, routed = [], asyncmoe.providers.routed_outputs
+    monkeypatch.setattr(asyncmoe.providers, "routed_outputs", lambda *a: computes.append(1) or routed(*a))
+    monkeypatch.setattr(asyncmoe.providers, "_fixed_shapes", lambda x: fixed)
+    out = experts(x.to(device), ids.to(device), w.to(device))
+    assert (waves, len(computes)) == (planned, computed)
+    torch.testing.assert_close(out.cpu(), original(x, ids, w), rtol=0, atol=1e-5 if device == "cpu" else 1e-3)
+
+
 @torch.no_grad()
 def test_resident_runs_the_models_own_implementation():
     ref = tiny("mixtral")
