@@ -119,8 +119,9 @@ def _fixed_shapes(x: torch.Tensor) -> bool:
     capture or torch.compile trace. Eager, a call stops after the waves its experts fill, read on the host
     once wave 0 has ranked them (`wave_plan`): the rest would sort, gather and decide over every pair for
     nothing. A 2048-token prompt on Qwen3-30B-A3B's router at 32 of 128 slots fills 2 of its 4 waves; the
-    waves' own kernels and launches took ~140 of its 407 ms (docs/results/2026-11-30, thirtieth session). The
-    read (`_waves_filled`) waits for wave 0's plan and copies, not for the work queued after them."""
+    waves' own kernels and launches took ~140 of its 407 ms (docs/results/2026-11-30, thirtieth session), and
+    stopping after 2 took 0.72-0.87x the time of all 4 (docs/results/2026-12-02). The read (`_waves_filled`)
+    waits for wave 0's plan and copies, not for the work queued after them."""
     return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
