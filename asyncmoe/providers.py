@@ -87,14 +87,14 @@ class CachedProvider(ExpertWeightProvider):
         (benchmarks/wave_ab.py, docs/results/2026-12-02)."""
         last = self.cache.wave_of.max()
         if not last.is_cuda:
-            return lambda: int(last) + 1
+            return lambda: int(last) + 1  # a CPU tensor: no queue to wait for
         host = torch.empty((), dtype=last.dtype, pin_memory=True)
         host.copy_(last, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
 
         def read() -> int:
-            copied.synchronize()
+            copied.synchronize()  # the host sync, eager only: `forward` never calls this under _fixed_shapes
             return int(host) + 1
         return read
 
