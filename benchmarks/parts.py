@@ -89,11 +89,11 @@ def commit_files(rev: str) -> dict[str, bytes]:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
 
-def room(seconds: float, start_s: float = START_S) -> float:
+def room(seconds: float, start_s: float = START_S, margin: float = MARGIN) -> float:
     """The estimated seconds of cases that a process with `seconds` left may take: less its start-up and the
     EXIT_S it is stopped before the limit, and a margin for what estimates miss (rounds vary from run to run; a
     case's untimed work, its prompt before each round, its Decoder and graph, is not in them)."""
-    return (seconds - start_s - EXIT_S) / MARGIN
+    return (seconds - start_s - EXIT_S) / margin
 
 
 def measured_runs(out: pathlib.Path) -> list[dict]:
@@ -330,7 +330,7 @@ def take(todo: list[tuple[tuple, list[list[str]]]], estimates: dict[str, tuple],
 
 
 def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: list[str | None], seconds: float,
-        out: pathlib.Path, tag: str, start_s: float = START_S) -> None:
+        out: pathlib.Path, tag: str, start_s: float = START_S, margin: float = MARGIN) -> None:
     """Each GPU (None: no CUDA_VISIBLE_DEVICES) runs what `take` gives it for the time left, and goes on until
     `seconds` have passed; a part still running EXIT_S before then is killed, its finished cases already in its
     JSON, so that it has exited by then."""
@@ -339,7 +339,7 @@ def run(todo: dict[tuple, list[list[str]]], estimates: dict[str, tuple], gpus: l
     def worker(gpu):
         while True:
             with lock:
-                nodes, groups = take(todo, estimates, room(deadline - time.monotonic(), start_s))
+                nodes, groups = take(todo, estimates, room(deadline - time.monotonic(), start_s, margin))
             if not nodes:
                 return
             part = "-".join([*groups[0][:2], *(size for *_, size in groups)])  # qwen3-30b-a3b-trace-b8-b32
@@ -441,6 +441,9 @@ def main():
     p.add_argument("--seconds", type=float,
                    help="stop every part this long after parts.py starts (its imports not counted)")
     p.add_argument("--grep", default="", help="only the parts whose name this regex matches, e.g. 'qwen3.*-b8'")
+    p.add_argument("--margin", type=float, default=MARGIN,
+                   help="what a process's estimate is multiplied by to fit its time (`room`); less risks a part cut "
+                   "at the limit, for a bundle whose estimate rests on a measurement of its own cases' kind")
     p.add_argument("--digest", metavar="REV",
                    help="run nothing: print commit REV's `source_digest`, to match a run's env-<tag>.json")
     p.add_argument("--simulate", type=int, metavar="GPUS",
@@ -476,10 +479,10 @@ def main():
         from h2d_side_by_side import side_by_side
 
         (args.out / f"side-by-side-{args.tag}.json").write_text(json.dumps(side_by_side(list(range(len(gpus))))))
-    todo, estimates = plan(measured_runs(args.out), room(deadline - time.monotonic()), args.grep)
+    todo, estimates = plan(measured_runs(args.out), room(deadline - time.monotonic(), margin=args.margin), args.grep)
     print(f"{len({n for b in todo.values() for ns in b for n in ns})} cases in {len(todo)} groups on {len(gpus)} GPUs "
           f"for {args.seconds:.0f} s", flush=True)
-    run(todo, estimates, gpus, deadline - time.monotonic(), args.out, args.tag)
+    run(todo, estimates, gpus, deadline - time.monotonic(), args.out, args.tag, margin=args.margin)
 
 
 if __name__ == "__main__":
