@@ -144,6 +144,9 @@ def test_groups_of_a_shape_and_routing_share_a_process(tmp_path, monkeypatch):
     parts.run(todo, estimates, [None], 300, tmp_path, "t", start_s=0)
     # b32 fits neither beside them (380 s) nor alone: 280 s, of the 300 the margin leaves 273 (`room`)
     assert ran == [["b1", "b8"], ["trace"]]
+    ran.clear()  # a margin of 1.0 leaves 290 s: b32 runs alone after them
+    parts.run(todo, estimates, [None], 300, tmp_path, "t", start_s=0, margin=1.0)
+    assert ran == [["b1", "b8"], ["trace"], ["b32"]]
 
 
 def test_an_estimate_is_a_build_and_what_the_same_case_took():
