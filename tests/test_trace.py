@@ -239,6 +239,14 @@ def test_simulate_the_recorded_gate():
     assert wide.totals["misses_per_token"] < one.totals["misses_per_token"] < 0.9 * plain.totals["misses_per_token"]
 
 
+def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_limit(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # as if 8 configurations had run before
+    trace = random_trace(0, N=20, L=2, E=16, k=2)
+    for cache in (4, 6):  # the second compiles a second graph of `_step`
+        sim = simulate(trace, cache=cache)
+        assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"] > 0
+
+
 @pytest.mark.slow
 def test_simulator_speed_one_core():
     torch.set_num_threads(1)

@@ -25,6 +25,7 @@ from ..predict import predictors
 from .format import Trace
 
 SIMULABLE = ("gate", "temporal", "transition")  # gate: from a trace that recorded its nominations
+RECOMPILES = 256  # configurations one process may simulate compiled (`simulate`)
 
 
 @dataclass
@@ -130,7 +131,9 @@ def simulate(
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
     gate = gate_scores(trace) if "gate" in prefetch else None
-    with torch.inference_mode():
+    # each configuration (slots, layers, policy, predictors, budget) compiles its own graph of `_step`; a sweep in
+    # one process needs more of them than dynamo's default recompile limit of 8, a hard error under fullgraph
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         for t in range(trace.tokens):
             step(ids[t], None if gate is None else gate[t], caches, transitions, tuple(prefetch), budget)
     index = {name: i for i, name in enumerate(COUNTERS)}
