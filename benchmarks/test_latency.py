@@ -191,7 +191,8 @@ def trace_for(shape: str) -> Trace:
     64 experts, top-8 (OLMoE): the embedded model's held-out routing as recorded, with what its gate predictor
     predicted (so the prefetch systems' gate predicts as it did on the trained model, not from the random router);
     64 experts, top-k < 8 (DeepSeek-V2-Lite): the same, each token's first k ids (router order: its top-k);
-    other shapes: a synthetic trace with the embedded model's reuse and skew (benchmarks/synthetic.py), no gate."""
+    other shapes: a synthetic trace with the embedded model's reuse, skew and cross-layer lift
+    (benchmarks/synthetic.py), no gate."""
     experts, k = routing_shape(shape)
     if experts == 64 and k <= 8:
         demo = Trace.load(DEMO_TRACE)

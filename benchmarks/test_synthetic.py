@@ -8,11 +8,16 @@ from synthetic import stats, synthetic
 from test_latency import DEMO_TRACE
 
 
-def test_synthetic_trace_matches_the_embedded_models_reuse_and_skew():
-    want = stats(Trace.load(DEMO_TRACE))
-    got = stats(synthetic(64, 8, layers=4, tokens=4000, seed=1))
-    assert got["reuse"] == pytest.approx(want["reuse"], abs=0.02)
-    assert got["top_quarter_share"] == pytest.approx(want["top_quarter_share"], abs=0.02)
+def test_synthetic_trace_matches_the_embedded_models_reuse_skew_and_cross_layer_lift():
+    want = stats(Trace.load(DEMO_TRACE))  # 8192 tokens, 6 layers: the lift is fitted in-sample, so the same size
+    got = stats(synthetic(64, 8, layers=6, tokens=8192, seed=1))
+    assert want["cross_layer_lift"] > 0.05  # the embedded model's layers are not independent
+    for stat in ("reuse", "top_quarter_share", "cross_layer_lift"):
+        assert got[stat] == pytest.approx(want[stat], abs=0.02), stat
+
+
+def test_independent_layers_have_no_cross_layer_lift():
+    assert abs(stats(synthetic(64, 8, layers=3, tokens=4000, follow=0.0, seed=1))["cross_layer_lift"]) < 0.01
 
 
 def test_synthetic_trace_is_a_valid_trace():
