@@ -58,9 +58,9 @@ class Prefetch:
 
     Why not transition by default: beside the gate at a budget of one it decided no admission on the
     embedded trace (the gate's nomination comes first; the same misses either way), and alone its
-    scores stay under MIN_SUPPORT there (on the suite's synthetic Mixtral trace, which follows the
-    embedded model's cross-layer lift, 0.13 fetches per token at 2 of 8 slots, 0.95% of the routed
-    experts: docs/routing.md); what it does cost is its `observe` and scoring each call. On the H200 (same run)
+    scores stay under MIN_SUPPORT there (on the suite's synthetic Mixtral trace, which has the embedded
+    model's cross-layer lift, they pass it for 0.13 fetches per token at 2 of 8 slots, 0.95% of the
+    routed experts: docs/routing.md); what it does cost is its `observe` and scoring each call. On the H200 (same run)
     the gate alone moved the same bytes with the same hits as gate + transition at caches 8 and 16,
     and was 0.5% faster at 16 (16.10 against 16.19 ms/token, faster in each of 5 rounds), equal at 8
     (docs/results/2026-11-30, eighteenth session)."""
