@@ -200,11 +200,10 @@ def trace_for(shape: str) -> Trace:
     return synthetic(experts, k, layers=6, tokens=4096)
 
 
-def belady_misses_per_step(shape: str, batch: int, cache: int) -> float:
+def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:
     """The fewest expert copies per decode step and MoE layer any `cache`-slot cache makes on the replayed trace:
     a step routes `batch` consecutive trace tokens (`Replay`), so their experts form one request."""
-    trace, k = trace_for(shape), routing_shape(shape)[1]
-    steps = trace.tokens // batch
+    k, steps = trace.top_k, trace.tokens // batch
     ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k)  # [steps, B, L, k]
     step_ids = ids.transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
     return sum(belady_misses(step_ids[:, l], cache) for l in range(trace.layers)) / trace.layers / steps
@@ -384,7 +383,7 @@ def test_decode(benchmark, case, request):
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
     if routing == "trace" and cache < experts:
-        info["belady_bytes_per_token"] = belady_misses_per_step(shape, batch, cache) * len(find_experts(model)) * expert_bytes(model)
+        info["belady_bytes_per_token"] = belady_misses_per_step(trace_for(shape), batch, cache) * len(find_experts(model)) * expert_bytes(model)
     info["wall_s"] = time.perf_counter() - start  # the whole case, its build included: what parts.py plans with
     benchmark.extra_info.update(info)
     if DTYPE == torch.float32:

@@ -9,17 +9,11 @@ prefetches, and the Belady floor in misses per layer and decode step at batches 
 """
 
 from synthetic import stats, synthetic
+from test_latency import belady_misses_per_step as belady_per_step
 
-from asyncmoe.trace.simulate import belady_misses, simulate
+from asyncmoe.trace.simulate import simulate
 
 BEFORE = dict(keep=0.215, skew=0.70, follow=0.0)  # the generator until this session
-
-
-def belady_per_step(trace, batch: int, cache: int) -> float:
-    k, steps = trace.top_k, trace.tokens // batch
-    ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k).transpose(0, 2, 1, 3)
-    ids = ids.reshape(steps, trace.layers, batch * k)
-    return sum(belady_misses(ids[:, l], cache) for l in range(trace.layers)) / trace.layers / steps
 
 
 print("| experts, top-k | trace | reuse | top-quarter share | cross-layer lift |\n|---|---|---|---|---|")
