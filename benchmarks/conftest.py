@@ -9,9 +9,19 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))  # `baselines`, `decode_s
 
 
 def pytest_addoption(parser):
-    parser.addoption("--quick", action="store_true", help="the GPU profile that fits one 10-minute run")
-    parser.addoption("--cases-json", metavar="PATH", help="pytest-benchmark's JSON of the cases passed so far, "
-                     "rewritten after each: a run cut short (a time limit, a crash) keeps what it finished")
+    parser.addoption(
+        "--profile",
+        metavar="NAME",
+        help="the latency suite's cases: smoke, quick, full-1, full-2, "
+        "full-3 or full (test_latency.py; benchmarks/README.md lists the full profile)",
+    )
+    parser.addoption("--quick", action="store_true", help="--profile quick: the OLMoE shape at batch 1, ~150 s")
+    parser.addoption(
+        "--cases-json",
+        metavar="PATH",
+        help="pytest-benchmark's JSON of the cases passed so far, "
+        "rewritten after each: a run cut short (a time limit, a crash) keeps what it finished",
+    )
 
 
 _finished = pytest.StashKey[list]()
@@ -20,7 +30,7 @@ _machine = pytest.StashKey[tuple]()
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """--cases-json: pytest-benchmark writes its JSON only as the session ends, and a run stopped mid-case (SIGINT
+    """--cases-json: pytest-benchmark writes its JSON only as pytest exits, and a run stopped mid-case (SIGINT
     from a time limit landing in CUDA work, a crash) can end with none, losing every case it had finished. This
     writes the same JSON, through pytest-benchmark's own hooks, after every case that passes."""
     outcome = yield
@@ -29,13 +39,16 @@ def pytest_runtest_call(item):
     if not path or outcome.excinfo or bench is None or bench.stats is None:
         return
     if _machine not in config.stash:
-        config.stash[_machine] = (config.hook.pytest_benchmark_generate_machine_info(config=config),
-                                  config.hook.pytest_benchmark_generate_commit_info(config=config))
+        config.stash[_machine] = (
+            config.hook.pytest_benchmark_generate_machine_info(config=config),
+            config.hook.pytest_benchmark_generate_commit_info(config=config),
+        )
     finished = config.stash.setdefault(_finished, [])
     finished.append(bench.stats)
     machine, commit = config.stash[_machine]
-    data = config.hook.pytest_benchmark_generate_json(config=config, benchmarks=finished, include_data=True,
-                                                      machine_info=machine, commit_info=commit)
+    data = config.hook.pytest_benchmark_generate_json(
+        config=config, benchmarks=finished, include_data=True, machine_info=machine, commit_info=commit
+    )
     partial = pathlib.Path(path + ".partial")
     partial.write_text(json.dumps(data, indent=4))
     os.replace(partial, path)  # whole or not at all, whenever the run stops

@@ -56,21 +56,25 @@ def main():
         srcs = [torch.randperm(E)[:n] for _ in range(args.reps + 3)]
         src_dev = [s.to(dev) for s in srcs]
 
-        def engine(i):
+        def engine(i, srcs=srcs):
             for j, e in enumerate(srcs[i].tolist()):
                 slots[j].copy_(host[e], non_blocking=True)
 
         variants = {"copy engine (copy_ per expert)": engine}
         for block_bytes in (16384, 32768, 65536):
             for warps in (4, 8):
-                def kernel(i, block_bytes=block_bytes, warps=warps):
+
+                def kernel(i, block_bytes=block_bytes, warps=warps, src_dev=src_dev, dst=dst, count=count):
                     gc.BLOCK_BYTES, gc.NUM_WARPS = block_bytes, warps
                     gc.gather_copy_triton(view, slots, src_dev[i], dst, count)
+
                 variants[f"triton kernel block={block_bytes // 1024}K warps={warps}"] = kernel
         for programs in (8, 16, 32, 64, 128):  # a capped grid, as prefetch runs it beside the compute
-            def capped(i, programs=programs):
+
+            def capped(i, programs=programs, src_dev=src_dev, dst=dst, count=count):
                 gc.BLOCK_BYTES, gc.NUM_WARPS = 32768, 4
                 gc.gather_copy_triton(view, slots, src_dev[i], dst, count, programs)
+
             variants[f"triton kernel programs={programs}"] = capped
         for name, fn in variants.items():
             fn(args.reps)  # warm-up / compile

@@ -33,7 +33,9 @@ import torch
 import transformers
 
 import asyncmoe
+
 from shapes import SHAPES, random_model, routing_shape
+
 
 def h2d_bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10) -> dict[int, float]:
     """GB/s of a pinned host -> GPU copy_ (the copy engine) on each of `devices`, median of `reps`. Every copy
@@ -80,15 +82,31 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
     row = {"system": label, "graph": graph, "ms_per_token": statistics.median(per_round), "rounds": per_round}
     if cached:
         s = asyncmoe.stats(model)
-        row.update(bytes_per_token=moved / (rounds * steps), hit_rate=s.totals["hit_rate"],
-                   prefetch_recall=s.totals["prefetch_recall"], wasted_per_token=s.totals["wasted_bytes"] / steps)
+        row.update(
+            bytes_per_token=moved / (rounds * steps),
+            hit_rate=s.totals["hit_rate"],
+            prefetch_recall=s.totals["prefetch_recall"],
+            wasted_per_token=s.totals["wasted_bytes"] / steps,
+        )
         if s.totals["stall_ns"] is not None:  # the last round's, on the GPU clock
-            row.update({f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps for k in ("wait_ns", "ensure_ns", "stall_ns")})
-    print(f"{label:<72} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
-          + (f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
-             f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%" if cached else "")
-          + (f"  stalls/token: wait {row['wait_ms_per_token']:.3f} ms, ensure {row['ensure_ms_per_token']:.3f} ms"
-             if "stall_ms_per_token" in row else ""), flush=True)
+            row.update(
+                {f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps for k in ("wait_ns", "ensure_ns", "stall_ns")}
+            )
+    print(
+        f"{label:<72} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
+        + (
+            f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
+            f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%"
+            if cached
+            else ""
+        )
+        + (
+            f"  stalls/token: wait {row['wait_ms_per_token']:.3f} ms, ensure {row['ensure_ms_per_token']:.3f} ms"
+            if "stall_ms_per_token" in row
+            else ""
+        ),
+        flush=True,
+    )
     return row
 
 
@@ -104,8 +122,12 @@ def main():
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument("--budgets", type=int, nargs="+", default=[asyncmoe.Prefetch.budget], help="prefetch budgets to try")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
-    p.add_argument("--sources", nargs="+", default=None,
-                   help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)")
+    p.add_argument(
+        "--sources",
+        nargs="+",
+        default=None,
+        help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)",
+    )
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -126,14 +148,29 @@ def main():
     resident_ms = rows[0]["ms_per_token"]
     source_sets = args.sources or ["+".join(asyncmoe.Prefetch().sources)]
     for cache in args.caches:
-        plans = [asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b, copy_programs=c or None)
-                 for s in source_sets for b in args.budgets for c in args.copy_programs] if cache < experts else []
+        plans = (
+            [
+                asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b, copy_programs=c or None)
+                for s in source_sets
+                for b in args.budgets
+                for c in args.copy_programs
+            ]
+            if cache < experts
+            else []
+        )
         for plan in plans + [None]:
-            model = asyncmoe.compile(copy.deepcopy(base), cache=cache, prefetch=plan or False, replay=args.replay,
-                                     time_stalls=args.time_stalls and cache < experts)
+            model = asyncmoe.compile(
+                copy.deepcopy(base),
+                cache=cache,
+                prefetch=plan or False,
+                replay=args.replay,
+                time_stalls=args.time_stalls and cache < experts,
+            )
             label = f"asyncmoe cache={cache}" + (
-                f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}" if plan
-                else (" no prefetch" if cache < experts else ""))
+                f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}"
+                if plan
+                else (" no prefetch" if cache < experts else "")
+            )
             rows += run(model, label)
             del model
             gc.collect()
@@ -142,16 +179,30 @@ def main():
         if "bytes_per_token" in r:
             r["floor_ms"] = max(resident_ms, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
             r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"]
-    print(f"\n{'system':<72} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}")
+    print(
+        f"\n{'system':<72} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}"
+    )
     for r in rows:
-        extra = (f"{r['bytes_per_token'] / 1e6:>9.1f} {r['floor_ms']:>9.3f} {r['limit_ratio']:>6.2f}"
-                 if "floor_ms" in r else f"{'':>9} {'':>9} {'':>6}")
-        print(f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
-              f"{r['ms_per_token'] / resident_ms:>10.3f}x")
+        extra = (
+            f"{r['bytes_per_token'] / 1e6:>9.1f} {r['floor_ms']:>9.3f} {r['limit_ratio']:>6.2f}"
+            if "floor_ms" in r
+            else f"{'':>9} {'':>9} {'':>6}"
+        )
+        print(
+            f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
+            f"{r['ms_per_token'] / resident_ms:>10.3f}x"
+        )
     result = {
-        "shape": args.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "h2d_GB_per_s": bandwidth, "steps": args.steps,
-        "rounds": args.rounds, "replay": args.replay, "time_stalls": args.time_stalls, "rows": rows,
+        "shape": args.shape,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "h2d_GB_per_s": bandwidth,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "replay": args.replay,
+        "time_stalls": args.time_stalls,
+        "rows": rows,
     }
     if args.out:
         with open(args.out, "w") as f:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from copy_bandwidth import timed
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
-from copy_bandwidth import timed
+
 from shapes import SHAPES, random_model
 
 
@@ -35,8 +36,12 @@ def main():
     p.add_argument("--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps")
     args = p.parse_args()
 
-    model = asyncmoe.compile(random_model(args.shape, torch.bfloat16, "cuda"), cache=args.cache,
-                             prefetch=not args.no_prefetch, time_stalls=bool(args.prompt))
+    model = asyncmoe.compile(
+        random_model(args.shape, torch.bfloat16, "cuda"),
+        cache=args.cache,
+        prefetch=not args.no_prefetch,
+        time_stalls=bool(args.prompt),
+    )
     if args.prompt:
         return profile_prompt(model, args)
     prompt = torch.randint(1, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
@@ -47,8 +52,10 @@ def main():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         dec.decode(args.steps)
         torch.cuda.synchronize()
-    print(f"{args.shape}, cache {args.cache}, prefetch {'off' if args.no_prefetch else 'on'}, {args.steps} eager steps, "
-          f"{torch.cuda.get_device_name()}:")
+    print(
+        f"{args.shape}, cache {args.cache}, prefetch {'off' if args.no_prefetch else 'on'}, {args.steps} eager steps, "
+        f"{torch.cuda.get_device_name()}:"
+    )
     print_kernels(prof, args.steps, "token", args.top)
 
 
@@ -60,13 +67,17 @@ def profile_prompt(model, args) -> None:
 
     dec.prefill(ids)  # warm: Triton compiles
     ms = timed(lambda _: dec.prefill(ids), 5)
-    line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
+    line = (
+        f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
+    )
     if cached:  # one more prompt, untimed, for its own counters
         asyncmoe.stats(model, reset=True)
         dec.prefill(ids)
         totals = asyncmoe.stats(model).totals
-        line += (f", {totals['bytes_h2d'] / 1e9:.2f} GB copied, its layers waited {totals['ensure_ns'] / 1e6:.1f} ms "
-                 f"for their own misses and {totals['wait_ns'] / 1e6:.1f} ms for prefetches")
+        line += (
+            f", {totals['bytes_h2d'] / 1e9:.2f} GB copied, its layers waited {totals['ensure_ns'] / 1e6:.1f} ms "
+            f"for their own misses and {totals['wait_ns'] / 1e6:.1f} ms for prefetches"
+        )
     print(line)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         dec.prefill(ids)

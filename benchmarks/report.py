@@ -1,21 +1,18 @@
 """Run the latency suite and write its results: the raw JSON, a markdown table, and plots.
 
-    python benchmarks/report.py            # full profile (GPU); --quick for the 10-minute profile
-    python benchmarks/report.py --quick --out docs/results
-    python benchmarks/report.py -k "deepseek and b1" --out run1   # the full profile, one part per device call
-    python benchmarks/report.py --from-json run1/*.json run2/*.json   # ... then one table of all parts
-    python benchmarks/report.py --coverage docs/results/*/bench-*.json  # which cases ran, each with its baselines in one run
-    python benchmarks/parts.py --out DIR --tag c1 --seconds 540   # the rest, a comparison group per GPU until a time limit
+    python benchmarks/report.py --profile full-1     # one run of the full profile (GPU; full-2, full-3 likewise)
+    python benchmarks/report.py --quick              # the quick profile, ~150 s on the H200
+    python benchmarks/report.py --from-json out/bench-2026-12-03-full-1.json   # the table and plots of a run
 
-Writes bench-<date>.json (pytest-benchmark's, every case's extra_info included), bench-<date>.md and,
-with matplotlib (`pip install -e ".[bench]"`), bench-<date>-ms.png (ms/token against cache size per
-system) and bench-<date>-hits.png (hit rate per layer). Per case: median ms/token and its spread over
-rounds, tokens/s, hit rate, prefetch recall, MB moved per token, the host->GPU bandwidth measured in
-the same run (GPU only), floor = max(resident ms/token, bytes moved / that bandwidth), the Belady floor (the same with the fewest
-bytes any cache of that size must move on the trace), limit ratio = time / Belady floor (trace
-routing) or time / floor, the speedups over accelerate (b) and the seed (c), and beside the latter the
-most any cache of that size could gain over the seed: the seed's time / the Belady floor. Below the
-tables, issue 5's targets for the cases the run has, each met or missed.
+Writes bench-<date>-<profile>.json under `--out` (pytest-benchmark's JSON, every case's extra_info included,
+rewritten after each finished case: a run cut short keeps them), bench-<date>-<profile>.md and, with matplotlib
+(`pip install -e ".[bench]"`), ...-ms.png (ms/token against cache size per system) and ...-hits.png (hit rate
+per layer). Per case: median ms/token and its spread over rounds, tokens/s, hit rate, prefetch recall, MB moved
+per token, the host->GPU bandwidth measured in the same run (GPU only), floor = max(resident ms/token, bytes moved
+/ that bandwidth), the Belady floor (the same with the fewest bytes any cache of that size must move on the trace),
+limit ratio = time / Belady floor (trace routing) or time / floor, the speedups over accelerate and the seed, and
+beside the latter the most any cache of that size could gain over the seed: the seed's time / the Belady floor.
+Below the tables, the targets for the cases the run has, each met or missed.
 """
 
 from __future__ import annotations
@@ -40,15 +37,26 @@ def baselines(row: dict, group: list[dict]) -> list[tuple[str, dict]]:
     the seed's over accelerate. Accelerate has no cache of its own, so the rows of every cache smaller than
     the experts compare with its one run (with every expert in a slot nothing is offloaded); the seed at the
     same cache."""
-    found = [(base, next((d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == row["cache"])), None))
-             for base in compared_with(row["system"]) if base != "accelerate" or row["cache"] < row["experts"]]
+    found = [
+        (
+            base,
+            next(
+                (d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == row["cache"])), None
+            ),
+        )
+        for base in compared_with(row["system"])
+        if base != "accelerate" or row["cache"] < row["experts"]
+    ]
     return [(base, other) for base, other in found if other]
 
 
 def rows(data: dict) -> list[dict]:
     """One row per decode case with the derived columns; groups share shape, routing and batch."""
-    cases = [dict(b["extra_info"], spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"])
-             for b in data["benchmarks"] if "steps" in b["extra_info"]]
+    cases = [
+        dict(b["extra_info"], spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"])
+        for b in data["benchmarks"]
+        if "steps" in b["extra_info"]
+    ]
     out = []
     for c in cases:
         group = [d for d in cases if (d["shape"], d["routing"], d["batch"]) == (c["shape"], c["routing"], c["batch"])]
@@ -72,9 +80,10 @@ TARGET_SHAPES = ("olmoe-1b-7b", "deepseek-v2-lite")
 
 
 def targets(table: list[dict], prefill: list[dict]) -> list[str]:
-    """Issue 5's targets, for the cases this run has: on the OLMoE and DeepSeek-V2-Lite shapes with trace routing,
-    (f) at batch 1 and cache 25% within 1.25x the Belady floor and >= 50x faster than accelerate; at batch 32
+    """The targets, for the cases this run has: on the OLMoE and DeepSeek-V2-Lite shapes with trace routing,
+    at batch 1 and cache 25% within 1.25x the Belady floor and >= 50x faster than accelerate; at batch 32
     and for a 2048-token prompt, faster than the seed at the same cache."""
+
     def ok(met):
         return "met" if met else "**missed**"
 
@@ -84,12 +93,20 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
             continue
         case = f"{r['shape']}, trace, batch {r['batch']}, {r['cache']}/{r['experts']}, {r['system']}"
         if r["batch"] == 1 and r["cache"] * 4 == r["experts"] and r["system"] == "asyncmoe-graph-prefetch":
-            parts = [f"limit ratio {r['limit_ratio']:.2f} against <= 1.25: {ok(r['limit_ratio'] <= 1.25)}"] if "limit_ratio" in r else []
+            parts = (
+                [f"limit ratio {r['limit_ratio']:.2f} against <= 1.25: {ok(r['limit_ratio'] <= 1.25)}"]
+                if "limit_ratio" in r
+                else []
+            )
             if "speedup_vs_accelerate" in r:
                 acc = r["speedup_vs_accelerate"]
                 parts.append(f"{acc:.1f}x accelerate against >= 50x: {ok(acc >= 50)}")
             if "speedup_vs_seed" in r:
-                most = f", of at most {r['seed_over_belady']:.1f}x (the seed's time / Belady floor)" if "seed_over_belady" in r else ""
+                most = (
+                    f", of at most {r['seed_over_belady']:.1f}x (the seed's time / Belady floor)"
+                    if "seed_over_belady" in r
+                    else ""
+                )
                 parts.append(f"{r['speedup_vs_seed']:.2f}x the seed{most}")
             if parts:  # a run without the resident model, accelerate or the seed has nothing to compare
                 out.append(f"- {case}: " + "; ".join(parts))
@@ -97,12 +114,19 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
             ratio = f"; limit ratio {r['limit_ratio']:.2f}" if "limit_ratio" in r else ""
             out.append(f"- {case}: {r['speedup_vs_seed']:.2f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}")
     for r in prefill:
-        if (r["shape"] in TARGET_SHAPES and r["routing"] == "trace" and r["prompt"] == 2048 and r["system"].startswith("asyncmoe")
-                and "speedup_vs_seed" in r):
+        if (
+            r["shape"] in TARGET_SHAPES
+            and r["routing"] == "trace"
+            and r["prompt"] == 2048
+            and r["system"].startswith("asyncmoe")
+            and "speedup_vs_seed" in r
+        ):
             ratio = f"; limit ratio {r['limit_ratio']:.2f}" if "limit_ratio" in r else ""
-            out.append(f"- {r['shape']}, trace, prompt 2048, {r['cache']}/{r['experts']}, {r['system']}: "
-                       f"{r['speedup_vs_seed']:.1f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}")
-    return ["", "Targets (issue 5) for the cases of this run:", "", *out] if out else []
+            out.append(
+                f"- {r['shape']}, trace, prompt 2048, {r['cache']}/{r['experts']}, {r['system']}: "
+                f"{r['speedup_vs_seed']:.1f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}"
+            )
+    return ["", "Targets for the cases of this run:", "", *out] if out else []
 
 
 def prefill_rows(data: dict) -> list[dict]:
@@ -118,8 +142,15 @@ def prefill_rows(data: dict) -> list[dict]:
         c = dict(c)
         for base, other in baselines(c, group):
             c[f"speedup_vs_{base}"] = other["ms_per_prefill"] / c["ms_per_prefill"]
-        resident = next((d["ms_per_prefill"] for d in cases if d["system"] == "unmodified"
-                         and (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])), None)
+        resident = next(
+            (
+                d["ms_per_prefill"]
+                for d in cases
+                if d["system"] == "unmodified"
+                and (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])
+            ),
+            None,
+        )
         if resident and "bytes_per_prefill" in c and c.get("h2d_GB_per_s"):
             c["floor_ms"] = max(resident, c["bytes_per_prefill"] / (c["h2d_GB_per_s"] * 1e6))
             c["limit_ratio"] = c["ms_per_prefill"] / c["floor_ms"]
@@ -135,33 +166,92 @@ def markdown(table: list[dict], data: dict) -> str:
     prefill = prefill_rows(data)
     first = (table or prefill or [{}])[0]
     lines = [f"Device: {first.get('device', '?')} ({machine}); dtype {first.get('dtype', '?')}."]
-    head = ["shape", "routing", "batch", "system", "cache", "ms/token", "spread", "tokens/s", "hit", "recall",
-            "MB/token", "H2D GB/s", "floor ms", "Belady floor ms", "limit ratio", "x accelerate", "x seed",
-            "x seed at most", "peak GPU GiB", "host GiB", "tokens agree"]
+    head = [
+        "shape",
+        "routing",
+        "batch",
+        "system",
+        "cache",
+        "ms/token",
+        "spread",
+        "tokens/s",
+        "hit",
+        "recall",
+        "MB/token",
+        "H2D GB/s",
+        "floor ms",
+        "Belady floor ms",
+        "limit ratio",
+        "x accelerate",
+        "x seed",
+        "x seed at most",
+        "peak GPU GiB",
+        "host GiB",
+        "tokens agree",
+    ]
     if table:
         lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table:
-        cells = [r["shape"], r["routing"], str(r["batch"]), r["system"], f"{r['cache']}/{r['experts']}",
-                 f(r, "ms_per_token", ".3f"), f(r, "spread_ms", ".3f"), f(r, "tokens_per_s", ".1f"),
-                 f(r, "hit_rate", ".1%"), f(r, "prefetch_recall", ".1%"),
-                 format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "", f(r, "h2d_GB_per_s", ".1f"),
-                 f(r, "floor_ms", ".3f"), f(r, "belady_floor_ms", ".3f"), f(r, "limit_ratio", ".2f"),
-                 f(r, "speedup_vs_accelerate", ".1f"), f(r, "speedup_vs_seed", ".2f"), f(r, "seed_over_belady", ".2f"),
-                 format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
-                 format(r["host_bytes"] / 2**30, ".3f"), f"{r['tokens_agree']}/{r['steps'] + 1}"]
+        cells = [
+            r["shape"],
+            r["routing"],
+            str(r["batch"]),
+            r["system"],
+            f"{r['cache']}/{r['experts']}",
+            f(r, "ms_per_token", ".3f"),
+            f(r, "spread_ms", ".3f"),
+            f(r, "tokens_per_s", ".1f"),
+            f(r, "hit_rate", ".1%"),
+            f(r, "prefetch_recall", ".1%"),
+            format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
+            f(r, "h2d_GB_per_s", ".1f"),
+            f(r, "floor_ms", ".3f"),
+            f(r, "belady_floor_ms", ".3f"),
+            f(r, "limit_ratio", ".2f"),
+            f(r, "speedup_vs_accelerate", ".1f"),
+            f(r, "speedup_vs_seed", ".2f"),
+            f(r, "seed_over_belady", ".2f"),
+            format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
+            format(r["host_bytes"] / 2**30, ".3f"),
+            f"{r['tokens_agree']}/{r['steps'] + 1}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     if prefill:
-        head = ["shape", "routing", "prompt", "system", "cache", "ms", "tokens/s", "GB moved", "H2D GB/s", "floor ms",
-                "limit ratio",
-                "x accelerate", "x seed", "first token agrees"]
+        head = [
+            "shape",
+            "routing",
+            "prompt",
+            "system",
+            "cache",
+            "ms",
+            "tokens/s",
+            "GB moved",
+            "H2D GB/s",
+            "floor ms",
+            "limit ratio",
+            "x accelerate",
+            "x seed",
+            "first token agrees",
+        ]
         lines += ["", "Prefill, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in prefill:
             system = r["system"] + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else "")
-            cells = [r["shape"], r["routing"], str(r["prompt"]), system, f"{r['cache']}/{r['experts']}",
-                     f(r, "ms_per_prefill", ".1f"), f(r, "tokens_per_s", ".0f"),
-                     format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
-                     f(r, "h2d_GB_per_s", ".1f"), f(r, "floor_ms", ".1f"), f(r, "limit_ratio", ".2f"), f(r, "speedup_vs_accelerate", ".1f"),
-                     f(r, "speedup_vs_seed", ".2f"), str(r["first_token_agrees"])]
+            cells = [
+                r["shape"],
+                r["routing"],
+                str(r["prompt"]),
+                system,
+                f"{r['cache']}/{r['experts']}",
+                f(r, "ms_per_prefill", ".1f"),
+                f(r, "tokens_per_s", ".0f"),
+                format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
+                f(r, "h2d_GB_per_s", ".1f"),
+                f(r, "floor_ms", ".1f"),
+                f(r, "limit_ratio", ".2f"),
+                f(r, "speedup_vs_accelerate", ".1f"),
+                f(r, "speedup_vs_seed", ".2f"),
+                str(r["first_token_agrees"]),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + targets(table, prefill)) + "\n"
 
@@ -176,13 +266,21 @@ def plots(table: list[dict], stem: pathlib.Path) -> list[pathlib.Path]:
     if not groups:  # a prefill-only run: its table says it all
         return []
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, (shape, routing, batch) in zip(axes[0], groups):
+    for ax, (shape, routing, batch) in zip(axes[0], groups, strict=True):
         for system in sorted({r["system"] for r in table}):
-            pts = sorted((r["cache"] / r["experts"], r["ms_per_token"]) for r in table
-                         if (r["shape"], r["routing"], r["batch"], r["system"]) == (shape, routing, batch, system))
+            pts = sorted(
+                (r["cache"] / r["experts"], r["ms_per_token"])
+                for r in table
+                if (r["shape"], r["routing"], r["batch"], r["system"]) == (shape, routing, batch, system)
+            )
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=system)
-        ax.set(title=f"{shape}, {routing} routing, batch {batch}", xlabel="cache / experts", ylabel="ms/token", yscale="log")
+                ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+        ax.set(
+            title=f"{shape}, {routing} routing, batch {batch}",
+            xlabel="cache / experts",
+            ylabel="ms/token",
+            yscale="log",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     ms = stem.with_name(stem.name + "-ms.png")
@@ -190,7 +288,10 @@ def plots(table: list[dict], stem: pathlib.Path) -> list[pathlib.Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in table:
         if "hit_rate_per_layer" in r and r["system"].startswith("asyncmoe"):
-            ax.plot(r["hit_rate_per_layer"], label=f"{r['shape']} {r['routing']} {r['system']} {r['cache']}/{r['experts']} b{r['batch']}")
+            ax.plot(
+                r["hit_rate_per_layer"],
+                label=f"{r['shape']} {r['routing']} {r['system']} {r['cache']}/{r['experts']} b{r['batch']}",
+            )
     ax.set(xlabel="MoE layer", ylabel="hit rate", ylim=(0, 1))
     ax.legend(fontsize=6)
     fig.tight_layout()
@@ -212,115 +313,41 @@ def write(json_path: pathlib.Path) -> list[pathlib.Path]:
         return [md]
 
 
-def merge(paths: list[pathlib.Path]) -> dict:
-    """Several runs' JSON as one (the first run's machine info). Split runs along shape, routing and
-    batch (`-k "olmoe and router and b1"`): the speedups compare systems within a group, so a group
-    must come from one run."""
-    runs = [json.loads(p.read_text()) for p in paths]
-    return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
-
-
-def parse_size(size: str) -> tuple[bool, int]:
-    """A case's batch or prompt as the profile names it (`test_latency.size_name`), `b8` or `prompt512`: (whether a
-    prompt, the number)."""
-    return size.startswith("prompt"), int(size.removeprefix("prompt").removeprefix("b"))
-
-
-def bases(case: tuple, profile: set[tuple]) -> list[tuple]:
-    """The cases of `profile` that `case`'s ratios compare with, as `rows` and `baselines` take them from its run:
-    for asyncmoe the resident model (its floor), accelerate (a cache smaller than the experts) and the seed at the
-    same cache; for the seed, accelerate. Cases as (shape, routing, system, cache fraction, batch or prompt)."""
-    import test_latency as suite
-
-    shape, routing, system, fraction, size = case
-    want = [(shape, routing, "unmodified", 1.0, size)] if system.startswith("asyncmoe") else []  # the floor's
-    for base in compared_with(system):
-        if base == "seed":
-            want.append((shape, routing, "seed", fraction, size))
-        elif fraction < 1.0:  # with every expert in a slot nothing is offloaded to compare with accelerate
-            want.append((shape, routing, "accelerate", suite.ACCELERATE_AT, size))
-    return [b for b in want if b in profile]
-
-
-def profile_cases(runs: list[dict], without: frozenset = frozenset()) -> list[tuple[str, tuple, bool]]:
-    """The full profile's cases (test_latency.FULL), each as (pytest node id, case, measured by one of `runs`).
-    A case counts as measured where one run holds it and every case it compares with (`bases`) but those
-    `without` (cases no run can hold: parts.py's, longer than a device call): issue 5 asks for the systems "in
-    the same run", and the report takes a row's ratios from its own run only.
-    The seed's cases below min(E, B*k) slots skip by design (it raises there) and are left out; its prompts
-    count where fed in as many tokens per call as the suite feeds now (`seed_chunk`). A case interrupted mid-way
-    (a run cut by its time limit) is in pytest-benchmark's JSON with no extra_info: not measured."""
-    import test_latency as suite
-
-    def chunk(system, prompt, tokens_per_call):  # the seed's prompts were fed token by token until it took chunks
-        return tokens_per_call if system == "seed" and prompt else None
-
-    def key(case):  # as `held` keys a run's cases
-        s, r, system, f, size = case
-        (prefill, n), slots = parse_size(size), suite.slots(s, f)
-        return s, r, system, slots, size, chunk(system, prefill, suite.seed_chunk(s, 1, slots) or n)
-
-    held = [{(e["shape"], e["routing"], e["system"], e["cache"],
-              suite.size_name("prompt" in e, e.get("prompt", e.get("batch"))),
-              chunk(e["system"], "prompt" in e, e.get("tokens_per_call", 1)))
-             for e in (b["extra_info"] for b in run["benchmarks"]) if e}  # {}: cut before it finished
-            for run in runs]
-    cases = [(c, False) for c in suite.decode_cases(suite.FULL)
-             if not (c[2] == "seed" and suite.seed_raises(c[0], c[4], suite.slots(c[0], c[3])))]
-    cases += [(c, True) for c in suite.prefill_cases(suite.FULL)]
-    named = [((*c[:4], suite.size_name(prefill, c[4])), c, prefill) for c, prefill in cases]
-    profile = {case for case, _, _ in named} - without
-    out = []
-    for case, c, prefill in named:
-        need = [key(case)] + [key(b) for b in bases(case, profile)]
-        node = f"test_latency.py::test_{'prefill' if prefill else 'decode'}[{suite.case_id(c, prefill)}]"
-        out.append((node, case, any(all(k in run for k in need) for run in held)))
-    return out
-
-
-def coverage(runs: list[dict]) -> str:
-    """Markdown: of the full profile's cases, which these runs measured with what they compare with (`profile_cases`),
-    per shape and routing, and the (batch or prompt, cache) cells with a case not counted."""
-    cases = profile_cases(runs)
-    lines = ["| shape | routing | cases counted | not counted (case: cache fractions) |", "|---|---|---|---|"]
-    for shape, routing in dict.fromkeys(c[:2] for _, c, _ in cases):
-        ours = [(c, measured) for _, c, measured in cases if c[:2] == (shape, routing)]
-        missing: dict[str, set] = {}
-        for (_, _, _, f, size), measured in ours:
-            if not measured:
-                missing.setdefault(size, set()).add(f)
-        gaps = "; ".join(f"{size}: {', '.join(f'{f:g}' for f in sorted(fs))}" for size, fs in missing.items())
-        lines.append(f"| {shape} | {routing} | {sum(m for _, m in ours)} of {len(ours)} | {gaps} |")
-    return "\n".join(lines) + "\n"
-
-
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="docs/results")
-    p.add_argument("-k", default=None, help="only the cases pytest -k selects: the full profile needs several device calls")
-    p.add_argument("--from-json", nargs="+", type=pathlib.Path, help="merge these runs and write their table and plots")
-    p.add_argument("--coverage", nargs="+", type=pathlib.Path,
-                   help="print which of the full profile's cases these runs measured, each in one run with its baselines")
-    p.add_argument("--missing", nargs="+", type=pathlib.Path, help="print the node ids of the cases --coverage does not count")
+    p.add_argument("--profile", help="the suite's profile: smoke, quick, full-1, full-2, full-3 or full (the default)")
+    p.add_argument("--quick", action="store_true", help="--profile quick")
+    p.add_argument("--out", default="docs/results", help="the folder the JSON, table and plots go to")
+    p.add_argument("-k", default=None, help="only the profile's cases that pytest -k selects")
+    p.add_argument("--from-json", type=pathlib.Path, help="run nothing: write the table and plots of this run's JSON")
     args = p.parse_args()
-    if args.coverage:
-        print(coverage([json.loads(path.read_text()) for path in args.coverage]), end="")
+    if args.from_json:
+        for path in write(args.from_json):
+            print(path)
         return
-    if args.missing:
-        print("\n".join(node for node, _, measured in profile_cases([json.loads(path.read_text()) for path in args.missing])
-                        if not measured))
-        return
+    if args.quick and args.profile not in (None, "quick"):
+        p.error(f"--quick is --profile quick: drop one of --quick and --profile {args.profile}")
+    name = "quick" if args.quick else args.profile or "full"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"bench-{datetime.date.today().isoformat()}.json"
-    if args.from_json:
-        json_path.write_text(json.dumps(merge(args.from_json)))
-    else:
-        cmd = [sys.executable, "-m", "pytest", str(HERE / "test_latency.py"), "--benchmark-only", f"--benchmark-json={json_path}", "-q"]
-        subprocess.run(cmd + (["--quick"] if args.quick else []) + (["-k", args.k] if args.k else []), check=True)
-    for path in write(json_path):
-        print(path)
+    json_path = out / f"bench-{datetime.date.today().isoformat()}-{name}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(HERE / "test_latency.py"),
+        "--benchmark-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--profile={name}",
+        f"--cases-json={json_path.resolve()}",
+    ]
+    code = subprocess.run(cmd + (["-k", args.k] if args.k else []), check=False).returncode
+    if json_path.exists():  # every case that finished, whether or not the run did
+        for path in write(json_path):
+            print(path)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

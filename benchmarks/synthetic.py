@@ -21,13 +21,21 @@ from asyncmoe.trace import Trace
 KEEP, SKEW, FOLLOW = 0.115, 0.735, 0.845  # fitted to the embedded model's routing at E=64, k=8 (test_synthetic.py)
 
 
-def synthetic(num_experts: int, k: int, layers: int, tokens: int, keep: float = KEEP, skew: float = SKEW,
-              follow: float = FOLLOW, seed: int = 0) -> Trace:
+def synthetic(
+    num_experts: int,
+    k: int,
+    layers: int,
+    tokens: int,
+    keep: float = KEEP,
+    skew: float = SKEW,
+    follow: float = FOLLOW,
+    seed: int = 0,
+) -> Trace:
     rng = np.random.default_rng(seed)
     ids = np.empty((tokens, layers, k), dtype=np.int64)
     weight = (np.arange(num_experts) + 1.0) ** -skew
     rank_before = None  # [E]: each expert's popularity rank in the layer before
-    for l in range(layers):
+    for layer in range(layers):
         expert_of_rank = rng.permutation(num_experts)
         p = np.empty(num_experts)
         p[expert_of_rank] = weight / weight.sum()
@@ -35,12 +43,12 @@ def synthetic(num_experts: int, k: int, layers: int, tokens: int, keep: float = 
         for t in range(tokens):
             chosen = [e for e in previous if rng.random() < keep]
             if rank_before is not None:
-                partners = expert_of_rank[rank_before[ids[t, l - 1]]]
+                partners = expert_of_rank[rank_before[ids[t, layer - 1]]]
                 chosen += [e for e in partners if rng.random() < follow and e not in chosen][: k - len(chosen)]
             rest = np.delete(np.arange(num_experts), chosen)
             q = p[rest] / p[rest].sum()
             chosen += rng.choice(rest, size=k - len(chosen), replace=False, p=q).tolist()
-            ids[t, l] = chosen
+            ids[t, layer] = chosen
             previous = chosen
         rank_before = np.argsort(expert_of_rank)
     return Trace(ids, num_experts)
@@ -50,12 +58,16 @@ def stats(trace: Trace) -> dict:
     """Reuse of the previous token's experts and the busiest quarter's share, averaged over layers, and the
     cross-layer lift, averaged over adjacent layers."""
     ids = np.asarray(trace.ids)
-    reuse = np.mean([(ids[1:, l, :, None] == ids[:-1, l, None, :]).any(-1).mean() for l in range(trace.layers)])
+    reuse = np.mean(
+        [(ids[1:, layer, :, None] == ids[:-1, layer, None, :]).any(-1).mean() for layer in range(trace.layers)]
+    )
     share = []
-    for l in range(trace.layers):
-        load = np.sort(np.bincount(ids[:, l].ravel(), minlength=trace.num_experts))[::-1]
+    for layer in range(trace.layers):
+        load = np.sort(np.bincount(ids[:, layer].ravel(), minlength=trace.num_experts))[::-1]
         share.append(load[: trace.num_experts // 4].sum() / load.sum())
-    lift = np.mean([cross_layer_lift(ids[:, l], ids[:, l + 1], trace.num_experts) for l in range(trace.layers - 1)])
+    lift = np.mean(
+        [cross_layer_lift(ids[:, layer], ids[:, layer + 1], trace.num_experts) for layer in range(trace.layers - 1)]
+    )
     return dict(reuse=float(reuse), top_quarter_share=float(np.mean(share)), cross_layer_lift=float(lift))
 
 

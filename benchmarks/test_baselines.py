@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from test_latency import build, decoder_for, seed_chunk
 
 import asyncmoe
+
 from baselines import accelerate_offload
 from shapes import routing_shape
-from test_latency import build, decoder_for, seed_chunk
 
 
 def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
@@ -31,7 +32,7 @@ def test_seed_lru_evicts_the_least_recently_used_and_raises_on_overflow():
 def test_chunked_prefill_lets_the_seed_take_any_prompt(shape, slots_per_k):
     """fp32: the seed's tokens, its prompt fed `seed_chunk` tokens per call (1 at cache = top-k, where it evicts on
     nearly every token; 3 at 3 x top-k), equal the unmodified model's, and no call overflows its slots (it would
-    raise). In bf16 on the GPU its tokens part early on DeepSeek-V2-Lite, docs/results/2026-11-30: rounding."""
+    raise). In bf16 on the GPU its tokens part early on DeepSeek-V2-Lite (bf16 rounding)."""
     cache = slots_per_k * routing_shape(shape)[1]
     assert seed_chunk(shape, 1, cache) == slots_per_k and seed_chunk(shape, 2, cache) == max(1, slots_per_k // 2)
     assert seed_chunk(shape, 1, routing_shape(shape)[0]) is None  # every expert in a slot: the prompt at once

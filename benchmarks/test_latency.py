@@ -1,31 +1,36 @@
 """The latency suite: asyncmoe against the alternatives, same model, same prompt, side by side.
 
-    pytest benchmarks/ --benchmark-only             # GPU: every shape x system x cache size x batch
-    pytest benchmarks/ --benchmark-only --quick     # GPU: OLMoE shape, batch 1, cache 25% and 100%
-    pytest benchmarks/                              # CPU (CI): the smoke profile on a tiny shape
+    pytest benchmarks/                                                    # CPU (CI): the smoke profile
+    pytest benchmarks/test_latency.py --benchmark-only --profile full-1   # GPU: one run of the full profile
+    python benchmarks/report.py --profile full-1                          # the same, with its table and plots
 
-Systems (issue 5): `unmodified` the transformers model fully resident (CUDA graph on the GPU);
-`accelerate` experts offloaded to the CPU by accelerate's hooks (GPU only); `seed` the seed PR's
-host-side LRU (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and
-`asyncmoe-graph-prefetch` (GPU only). Each case decodes `steps` greedy tokens after the same prompt;
-pytest-benchmark times the decode (prefill excluded), and `extra_info` holds tokens/s, hit rate,
-prefetch recall, bytes moved per token and `setup_s`, the seconds the case's model took to build and
-install (near 0 where the last case's model was reused: `make`), and `wall_s`, the whole case's. In fp32 (the CPU profile) every
-system's tokens must equal the unmodified model's; in bf16 the agreement is recorded, not asserted
-(logits are close, not bit-equal, so a near-tie may go either way).
+Profiles (`--profile`; benchmarks/README.md lists the full profile's cases, what each answers and takes):
+`smoke` the tiny shape, every system, a few steps (the only profile on the CPU); `quick` (`--quick`) the OLMoE shape,
+batch 1, trace routing, 25% of the experts cached and all of them, ~150 s on the H200; `full-1`, `full-2`, `full-3`
+the full profile, one run of under 10 minutes each; `full` all three in one process (the default on a GPU).
 
-Routing: `router` (the random-weight model's own router, widened so tokens spread) or `trace` (every
-system routes by a recorded trace through the same pre-hook, `replay_routing`: on the GPU the
-embedded model's held-out routing, benchmarks/traces/demo_val.npz, MoE layer i by trace layer
-i mod 6, or a synthetic trace with its statistics where the shape's experts differ: `trace_for`). For trace cases `extra_info` also holds
-the Belady floor: the fewest expert copies per token any cache of that size must make on the trace.
-`python benchmarks/report.py` runs the suite and writes the JSON, a markdown table and plots.
+Systems: `unmodified` the transformers model fully resident (CUDA graph on the GPU); `accelerate` experts
+offloaded to the CPU by accelerate's hooks (GPU only); `seed` a host-side LRU of GPU slots
+(benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and `asyncmoe-graph-prefetch`
+(GPU only; the latter is what `asyncmoe.compile` gives by default). Each decode case times greedy steps after the
+same prompt (prefill excluded); each prefill case one prompt. `extra_info` holds tokens/s, hit rate, prefetch
+recall, bytes moved per token, `setup_s`, the seconds the case's model took to build and install (near 0 where
+the last case's model was reused: `make`), and `wall_s`, the whole case's. In fp32 (the CPU) every system's
+tokens must equal the unmodified model's; in bf16 the agreement is recorded, not asserted (logits are close, not
+bit-equal, so a near-tie may go either way).
+
+Routing: `router` (the random-weight model's own router, widened so tokens spread; smoke profile only) or
+`trace` (every system routes by a recorded trace through the same pre-hook, `replay_routing`: the
+embedded model's held-out routing, benchmarks/traces/demo_val.npz, MoE layer i by trace layer i mod 6, or a
+synthetic trace with its statistics where the shape's experts differ: `trace_for`). For trace cases
+`extra_info` also holds the Belady floor: the fewest expert copies per token any cache of that size must make.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import pathlib
 import statistics
 import time
@@ -34,10 +39,12 @@ import pytest
 import torch
 
 import asyncmoe
-from asyncmoe.integrations.transformers import PROVIDER, find_experts, replay_routing, rewind_replay
+from asyncmoe.integrations.replay import replay_routing, rewind_replay
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.providers import CachedProvider
 from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
+
 from baselines import accelerate_offload, seed_lru
 from shapes import SHAPES, random_model, routing_shape
 from synthetic import synthetic
@@ -47,49 +54,129 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 
 DEMO_TRACE = pathlib.Path(__file__).parent / "traces" / "demo_val.npz"
-SYSTEMS = ["unmodified", "accelerate", "seed", "asyncmoe-eager", "asyncmoe-graph", "asyncmoe-graph-prefetch"]
 GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
 
+# A profile is groups of cases: (shapes, routings, batches `b8` or prompts `prompt2048`, {system: cache fractions}).
+# A fraction of a layer's experts is cached in GPU slots (`slots`); 1.0 holds them all, the unmodified model's.
+ACCELERATE_AT = 0.25  # accelerate keeps every expert on the CPU whatever the cache: one run per case, filed here
+RESIDENT = {"unmodified": [1.0]}
+EVERY_B1 = {
+    **RESIDENT,
+    "accelerate": [ACCELERATE_AT],
+    "seed": [0.25],
+    "asyncmoe-eager": [0.25],
+    "asyncmoe-graph": [0.25, 1.0],
+    "asyncmoe-graph-prefetch": [0.25],
+}
+EVERY_PROMPT = {**RESIDENT, "accelerate": [ACCELERATE_AT], "seed": [0.25], "asyncmoe-eager": [0.25, 1.0]}
 
-FULL = dict(shapes=[s for s in SHAPES if not s.startswith("tiny")], caches=[0.125, 0.25, 0.5, 1.0], batches=[1, 8, 32],
-            routings=["router", "trace"], steps=32, rounds=5, prompts=[512, 2048])
+# The full profile (benchmarks/README.md says why these cases): two cache sizes with distinct slot counts on every
+# shape (12.5% of Mixtral's 8 experts is its top-2, as 25% is); above batch 1 the seed raises below
+# min(E, batch * top-k) slots, and accelerate's step is its batch-1 step (it copies every expert at every step).
+CACHES = [0.25, 0.5]
+BATCHED = {**RESIDENT, "asyncmoe-graph-prefetch": CACHES}
+B1 = {
+    **RESIDENT,
+    "accelerate": [ACCELERATE_AT],
+    "seed": [0.25],
+    "asyncmoe-graph": CACHES,
+    "asyncmoe-graph-prefetch": CACHES,
+}
+PROMPT_2048 = {**RESIDENT, "accelerate": [ACCELERATE_AT], "asyncmoe-eager": CACHES}
+# Qwen3 and Mixtral (57 and 68 GB of experts): accelerate's build and steps alone take 150-190 s of a run; their
+# synthetic traces record no gate, so prefetch has nothing to predict from and no prefetch-off rows either
+B1_LARGE = {**RESIDENT, "seed": [0.25], "asyncmoe-graph-prefetch": CACHES}
+PROMPT_LARGE = {**RESIDENT, "asyncmoe-eager": CACHES}
+SHAPES_1 = ["olmoe-1b-7b", "deepseek-v2-lite"]
+FULL_RUNS = {  # each shape in one run: its rows compare within one process, and each model is built once
+    "full-1": [
+        (SHAPES_1, ["trace"], ["b1"], B1),
+        (SHAPES_1, ["trace"], ["b8", "b32"], BATCHED),
+        (SHAPES_1, ["trace"], ["prompt2048"], PROMPT_2048),
+        (["olmoe-1b-7b"], ["trace"], ["prompt2048"], {"seed": [0.25]}),
+    ],
+    "full-2": [
+        (["qwen3-30b-a3b"], ["trace"], ["b1"], B1_LARGE),
+        (["qwen3-30b-a3b"], ["trace"], ["b8", "b32"], BATCHED),
+        (["qwen3-30b-a3b"], ["trace"], ["prompt2048"], PROMPT_LARGE),
+    ],
+    "full-3": [
+        (["mixtral-8x7b-24l"], ["trace"], ["b1"], B1_LARGE),
+        (["mixtral-8x7b-24l"], ["trace"], ["b8", "b32"], BATCHED),
+        (["mixtral-8x7b-24l"], ["trace"], ["prompt2048"], PROMPT_LARGE),
+    ],
+}
+# decode (steps, rounds) by batch: above batch 1 a step copies most of each layer's experts (0.1-1.1 s a step here)
+FULL_TIMING = {1: (32, 5), 8: (8, 3), 32: (8, 3)}
+
+
+def size_name(prefill: bool, n: int) -> str:
+    """A case's batch or prompt as ids and profiles name it: `b8`, `prompt512` (`parse_size` reads it)."""
+    return f"prompt{n}" if prefill else f"b{n}"
+
+
+def parse_size(size: str) -> tuple[bool, int]:
+    """`b8` or `prompt512` (`size_name`): (whether a prompt, the batch or prompt length)."""
+    is_prompt = size.startswith("prompt")
+    return is_prompt, int(size.removeprefix("prompt") if is_prompt else size.removeprefix("b"))
+
+
+def expand(groups: list[tuple], timing: dict[int, tuple[int, int]], prompt_rounds: int) -> dict:
+    """A profile: its decode and prefill cases, (shape, routing, system, cache fraction, batch or prompt length),
+    and how many steps and rounds they time."""
+    decode, prefill = [], []
+    for shapes, routings, sizes, systems in groups:
+        for shape, routing, size in itertools.product(shapes, routings, sizes):
+            is_prompt, n = parse_size(size)
+            cases = [(shape, routing, system, f, n) for system, fractions in systems.items() for f in fractions]
+            (prefill if is_prompt else decode).extend(cases)
+    return {"decode": decode, "prefill": prefill, "timing": timing, "prompt_rounds": prompt_rounds}
+
+
+PROFILES = {
+    "smoke": expand(
+        [
+            (["tiny"], ["router", "trace"], ["b1"], EVERY_B1),
+            (["tiny"], ["router", "trace"], ["prompt32"], EVERY_PROMPT),
+        ],
+        {1: (4, 2)},
+        2,
+    ),
+    "quick": expand(
+        [(["olmoe-1b-7b"], ["trace"], ["b1"], EVERY_B1), (["olmoe-1b-7b"], ["trace"], ["prompt512"], EVERY_PROMPT)],
+        {1: (32, 5)},
+        5,
+    ),
+    **{name: expand(groups, FULL_TIMING, 5) for name, groups in FULL_RUNS.items()},
+    "full": expand([group for groups in FULL_RUNS.values() for group in groups], FULL_TIMING, 5),
+}
 
 
 def profile(config) -> dict:
-    if not CUDA:
-        return dict(shapes=["tiny"], caches=[0.25, 1.0], batches=[1], routings=["router", "trace"], steps=4, rounds=2,
-                    prompts=[32])
+    """The profile `--profile` (or `--quick`) names; without either, `full` on a GPU and `smoke` on the CPU."""
+    name = config.getoption("--profile")
     if config.getoption("--quick"):
-        return dict(shapes=["olmoe-1b-7b"], caches=[0.25, 1.0], batches=[1], routings=["trace"], steps=32, rounds=5,
-                    prompts=[512])
-    return FULL
+        if name not in (None, "quick"):
+            raise pytest.UsageError(f"--quick is --profile quick: drop one of --quick and --profile {name}")
+        name = "quick"
+    name = name or ("full" if CUDA else "smoke")
+    if name not in PROFILES:
+        raise pytest.UsageError(f"--profile {name}: no such profile; one of {', '.join(PROFILES)}")
+    if name != "smoke" and not CUDA:
+        raise pytest.UsageError(f"--profile {name} needs a CUDA GPU; on the CPU run the smoke profile (no --profile)")
+    return PROFILES[name]
 
 
-ACCELERATE_AT = 0.25  # accelerate keeps every expert on the CPU whatever the cache: one run per case, filed here
+def decode_timing(p: dict, system: str, batch: int) -> tuple[int, int]:
+    """(steps, rounds) a decode case times: the profile's at its batch. Accelerate moves every expert over PCIe from
+    pageable memory at every step, seconds a token and the same copies each step: one step, two rounds."""
+    return (1, 2) if system == "accelerate" else p["timing"][batch]
 
 
-def decode_cases(p: dict) -> list[tuple]:
-    """(shape, routing, system, cache fraction, batch). A full cache is asyncmoe's resident path; the
-    unmodified model has no cache, and accelerate none of its own (it runs once, at ACCELERATE_AT, the
-    cache of issue 5's targets; the report compares every cache's rows with it). Above batch 1 the seed
-    also runs with every expert in a slot: below min(E, batch*k) slots it raises (as the PR does), so that
-    is the only seed asyncmoe meets there. A fraction whose slot count a larger fraction also gets
-    (Mixtral's 8 experts, top-2: 12.5% and 25% are both 2) runs once."""
-    return [
-        (shape, routing, system, fraction, batch)
-        for shape in p["shapes"] for routing in p["routings"] for system in SYSTEMS for fraction in p["caches"]
-        for batch in p["batches"]
-        if all(slots(shape, f) != slots(shape, fraction) for f in p["caches"] if f > fraction)
-        and (system != "accelerate" or fraction == ACCELERATE_AT)
-        and ((system == "unmodified") == (fraction == 1.0) or (system == "asyncmoe-graph" and fraction == 1.0)
-             or (system == "seed" and fraction == 1.0 and batch > 1))
-    ]
-
-
-def prefill_cases(p: dict) -> list[tuple]:
-    """(shape, routing, system, cache fraction, prompt): batch 1; a graph changes nothing for one eager prompt."""
-    cases = [(s, r, sys, f, n) for s, r, sys, f, b in decode_cases(p) if b == 1 and "graph" not in sys for n in p["prompts"]]
-    return cases + [(s, r, "asyncmoe-eager", 1.0, n) for s in p["shapes"] for r in p["routings"] for n in p["prompts"]]
+def prompt_rounds(p: dict, system: str) -> int:
+    """Timed rounds of a prefill case. The seed takes the prompt in calls of `seed_chunk` tokens (1024 calls for
+    2048 tokens at 16 of 64 slots, top-8: ~72 s a round): one; accelerate's prompt copies every expert once: two."""
+    return {"seed": 1, "accelerate": 2}.get(system, p["prompt_rounds"])
 
 
 def slots(shape: str, fraction: float) -> int:
@@ -103,28 +190,23 @@ def case_id(case: tuple, prefill: bool = False) -> str:
     return "-".join([shape, routing, system, f"cache{fraction:g}", size_name(prefill, size)])
 
 
-def size_name(prefill: bool, n: int) -> str:
-    """A case's batch or prompt as ids and the report name it: `b8`, `prompt512` (`report.parse_size` reads it)."""
-    return f"prompt{n}" if prefill else f"b{n}"
-
-
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        cases = decode_cases(profile(metafunc.config))
+        cases = profile(metafunc.config)["decode"]
         metafunc.parametrize("case", cases, ids=[case_id(c) for c in cases])
     if "prefill_case" in metafunc.fixturenames:
-        cases = prefill_cases(profile(metafunc.config))
+        cases = profile(metafunc.config)["prefill"]
         metafunc.parametrize("prefill_case", cases, ids=[case_id(c, prefill=True) for c in cases])
 
 
 def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
     """A fresh model of `kind` (a system, or `model_key`'s kind), the same weights every time: one at a time in
     memory. The last model is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B
-    shape a run was SIGKILLed after the accelerate case, most likely for host memory: its 57 GB of host experts,
-    if still waiting for the cycle collector, and the seed's 57 GB of pinned ones exceed the 125 GB GPU host
-    (docs/results/2026-11-30). The seed's experts are pinned by torch's caching host allocator, which
+    shape a run was killed for host memory: 57 GB of host experts waiting for the cycle collector beside the
+    seed's 57 GB of pinned ones exceed the GPU host's 125 GB. The seed's experts are pinned by torch's caching host
+    allocator, which
     keeps freed blocks (72 GB for Qwen3's 57 GB: it rounds to powers of two) until told to let go: the next
-    Qwen3 case then found 50 of the 54 GiB it pins (docs/results/2026-11-30)."""
+    Qwen3 case then found 50 of the 54 GiB it pins (docs/decisions.md#pinned-in-place)."""
     gc.collect()
     if CUDA:
         torch.cuda.synchronize()
@@ -141,9 +223,9 @@ def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
 
 
 class ChunkedPrefill(asyncmoe.Decoder):
-    """The seed raises when a call routes to more distinct experts than it has slots (the PR: "overflow raises
-    error with guidance"). Its user caps the tokens per call (vLLM's --max-num-batched-tokens) at the most that
-    can never overflow, `seed_chunk`, so the prompt goes in chunks of that many tokens per sequence."""
+    """The seed raises when a call routes to more distinct experts than it has slots. Its user caps the tokens per
+    call (vLLM's --max-num-batched-tokens) at the most that can never overflow, `seed_chunk`, so the prompt goes in
+    chunks of that many tokens per sequence."""
 
     def __init__(self, model, batch_size: int, max_length: int, chunk: int | None, **kwargs):
         super().__init__(model, batch_size, max_length, **kwargs)
@@ -158,22 +240,26 @@ class ChunkedPrefill(asyncmoe.Decoder):
 
 def seed_chunk(shape: str, batch: int, cache: int) -> int | None:
     """Tokens per sequence the seed takes in one call: cache // (batch * top-k), so that no call can route to
-    more experts than slots, at least 1 (fewer slots than batch * top-k: it raises in decode too, and the
-    suite skips it); None, the whole prompt at once, when every expert has a slot."""
+    more experts than slots, at least 1 (fewer slots than batch * top-k: it raises in decode too, `seed_raises`);
+    None, the whole prompt at once, when every expert has a slot."""
     experts, k = routing_shape(shape)
     return None if cache >= experts else max(1, cache // (batch * k))
 
 
 def seed_raises(shape: str, batch: int, cache: int) -> bool:
     """Whether a decode step of `batch` tokens can route to more distinct experts than the seed's slots:
-    it raises there, as the PR does, so the suite does not run it."""
+    it raises there, as the original does, so no profile holds such a case."""
     experts, k = routing_shape(shape)
     return cache < min(experts, batch * k)
 
 
 def decoder_for(system: str, shape: str, batch: int, cache: int):
     """What a system decodes with: `asyncmoe.Decoder`, or for the seed one that takes the prompt in chunks."""
-    return functools.partial(ChunkedPrefill, chunk=seed_chunk(shape, batch, cache)) if system == "seed" else asyncmoe.Decoder
+    return (
+        functools.partial(ChunkedPrefill, chunk=seed_chunk(shape, batch, cache))
+        if system == "seed"
+        else asyncmoe.Decoder
+    )
 
 
 PROMPT = 16
@@ -196,7 +282,9 @@ def trace_for(shape: str) -> Trace:
     experts, k = routing_shape(shape)
     if experts == 64 and k <= 8:
         demo = Trace.load(DEMO_TRACE)
-        return Trace(demo.ids[:, :, :k], demo.num_experts, starts=demo.starts, gate_ids=demo.gate_ids, gate_probs=demo.gate_probs)
+        return Trace(
+            demo.ids[:, :, :k], demo.num_experts, starts=demo.starts, gate_ids=demo.gate_ids, gate_probs=demo.gate_probs
+        )
     return synthetic(experts, k, layers=6, tokens=4096)
 
 
@@ -206,7 +294,7 @@ def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:
     k, steps = trace.top_k, trace.tokens // batch
     ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k)  # [steps, B, L, k]
     step_ids = ids.transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
-    return sum(belady_misses(step_ids[:, l], cache) for l in range(trace.layers)) / trace.layers / steps
+    return sum(belady_misses(step_ids[:, layer], cache) for layer in range(trace.layers)) / trace.layers / steps
 
 
 def model_key(case: tuple) -> tuple:
@@ -220,7 +308,11 @@ def model_key(case: tuple) -> tuple:
 
 def model_kind(system: str) -> str:
     """What a system's model is built as: asyncmoe's eager and graph systems run one model."""
-    return "asyncmoe-prefetch" if system.endswith("prefetch") else ("asyncmoe" if system.startswith("asyncmoe") else system)
+    return (
+        "asyncmoe-prefetch"
+        if system.endswith("prefetch")
+        else ("asyncmoe" if system.startswith("asyncmoe") else system)
+    )
 
 
 _held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key
@@ -229,7 +321,7 @@ _held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key
 def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
     """The model of `model_key`: built when the key changes, else the last one with its caches emptied and its
     trace rewound, so a case starts as on a fresh build. A build, mostly moving the experts into host memory,
-    is 5-50 s at these shapes on the H200 (docs/results/2026-11-30, seventh session)."""
+    is 5-70 s at these shapes on the H200 (its `setup_s` in each result)."""
     key = (kind, shape, routing, cache)
     if key in _held:
         gc.collect()  # the last case's Decoder, graph and KV cache, before the peak memory is reset
@@ -251,15 +343,16 @@ def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
 
 
 @functools.cache
-def references(shape: str, routing: str, batches: tuple[int, ...], prompts: tuple[int, ...], steps: int):
-    """The unmodified model's greedy tokens after each batch's prompt, {batch: [B, PROMPT + steps + 1]}, and its
-    first new token after each long prompt, {n: [1]}: one build for every case of (shape, routing) in this run
+def references(shape: str, routing: str, batches: tuple[tuple[int, int], ...], prompts: tuple[int, ...]):
+    """The unmodified model's greedy tokens after each (batch, steps)'s prompt, {batch: [B, PROMPT + steps + 1]}, and
+    its first new token after each long prompt, {n: [1]}: one build for every case of (shape, routing) in this run
     (the unmodified system's cases then run on the same model)."""
     model = make("unmodified", shape, routing, 0)
     tokens, first = {}, {}
-    for b in batches:
+    for b, steps in batches:
         rewind_replay(model)
-        tokens[b] = asyncmoe.Decoder(model, b, PROMPT + steps + 1, graph=False).generate(prompt(shape, b), steps + 1).tokens.cpu()
+        dec = asyncmoe.Decoder(model, b, PROMPT + steps + 1, graph=False)
+        tokens[b] = dec.generate(prompt(shape, b), steps + 1).tokens.cpu()
     for n in prompts:
         rewind_replay(model)
         first[n] = asyncmoe.Decoder(model, 1, n + 1, graph=False).prefill(prompt(shape, 1, n, seed=n)).cpu()
@@ -281,10 +374,11 @@ def collected(request) -> list[tuple[tuple, bool]]:
 
 def reference(request, shape: str, routing: str) -> tuple[dict, dict]:
     """`references` for the batches and prompts of this run's selected cases of (shape, routing)."""
+    timing = profile(request.config)["timing"]
     ours = [(c[4], prefill) for c, prefill in collected(request) if c[:2] == (shape, routing)]
-    batches = sorted({size for size, prefill in ours if not prefill})
+    batches = sorted({(size, timing[size][0]) for size, prefill in ours if not prefill})
     prompts = sorted({size for size, prefill in ours if prefill})
-    return references(shape, routing, tuple(batches), tuple(prompts), profile(request.config)["steps"])
+    return references(shape, routing, tuple(batches), tuple(prompts))
 
 
 @functools.cache
@@ -300,10 +394,14 @@ def host_bytes(system: str, model: torch.nn.Module) -> int:
     if system == "unmodified":
         return 0
     if system == "seed":
-        return sum(t.numel() * t.element_size() for _, m in find_experts(model) for t in seed_lru.provider(m).host.values())
+        return sum(
+            t.numel() * t.element_size() for _, m in find_experts(model) for t in seed_lru.provider(m).host.values()
+        )
     if system == "accelerate":
         return sum(p.numel() * p.element_size() for _, m in find_experts(model) for p in accelerate_offload.weights(m))
-    return asyncmoe.stats(model).totals["host_bytes"] if any(hasattr(m, "asyncmoe") for _, m in find_experts(model)) else 0
+    return (
+        asyncmoe.stats(model).totals["host_bytes"] if any(hasattr(m, "asyncmoe") for _, m in find_experts(model)) else 0
+    )
 
 
 def expert_bytes(model: torch.nn.Module) -> int:
@@ -319,33 +417,25 @@ def warmup_rounds(system: str, prefill: bool) -> int:
     return 0 if prefill and system == "seed" else 1
 
 
-def decode_profile(system: str, p: dict) -> dict:
-    """The profile `p` as `system` decodes it: accelerate moves every expert over PCIe from pageable memory at
-    every step, seconds per token, each step the same copies, so 2 steps and 2 rounds (4 steps a round until
-    the ninth session)."""
-    return dict(p, steps=min(p["steps"], 2), rounds=2) if system == "accelerate" else p
-
-
 def test_decode(benchmark, case, request):
     shape, routing, system, fraction, batch = case
     if system in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
-    p = decode_profile(system, profile(request.config))
+    steps, rounds = decode_timing(profile(request.config), system, batch)
     experts, k = routing_shape(shape)
     cache = slots(shape, fraction)
-    if system == "seed" and seed_raises(shape, batch, cache):
-        pytest.skip(f"the seed raises when a call routes to more distinct experts than its {cache} slots "
-                    f"({min(experts, batch * k)} possible)")
-    want = reference(request, shape, routing)[0][batch][:, : PROMPT + p["steps"] + 1]
+    want = reference(request, shape, routing)[0][batch][:, : PROMPT + steps + 1]
     start = time.perf_counter()
     model = make(*model_key(case))
     setup_s = time.perf_counter() - start
-    if CUDA:  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
+    if (
+        CUDA
+    ):  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     graph = CUDA and (system == "unmodified" or "graph" in system)
     # below min(E, batch*k) slots asyncmoe's captured step runs each layer's worst-case number of waves
-    dec = decoder_for(system, shape, batch, cache)(model, batch, PROMPT + p["steps"] + 1, graph=graph, waves=True)
+    dec = decoder_for(system, shape, batch, cache)(model, batch, PROMPT + steps + 1, graph=graph, waves=True)
     ids = prompt(shape, batch)
     cached = system.startswith("asyncmoe") and cache < experts
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
@@ -360,35 +450,50 @@ def test_decode(benchmark, case, request):
         sync()
 
     def decode():
-        dec.decode(p["steps"])
+        dec.decode(steps)
         sync()
 
-    benchmark.pedantic(decode, setup=setup, rounds=p["rounds"], iterations=1, warmup_rounds=warmup_rounds(system, False))
-    tokens = dec.history[:, : PROMPT + p["steps"] + 1].cpu()
+    benchmark.pedantic(decode, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, False))
+    tokens = dec.history[:, : PROMPT + steps + 1].cpu()
     agree = (tokens == want).all(0).cumprod(0).sum().item() - PROMPT
-    info = dict(shape=shape, routing=routing, system=system, cache=cache, experts=experts, batch=batch,
-                steps=p["steps"], device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
-                ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / p["steps"], tokens_agree=agree,
-                setup_s=setup_s)
+    info = dict(
+        shape=shape,
+        routing=routing,
+        system=system,
+        cache=cache,
+        experts=experts,
+        batch=batch,
+        steps=steps,
+        device=torch.cuda.get_device_name() if CUDA else "cpu",
+        dtype=str(DTYPE),
+        ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / steps,
+        tokens_agree=agree,
+        setup_s=setup_s,
+    )
     if CUDA:
         info.update(h2d_GB_per_s=h2d_bandwidth(), peak_gpu_bytes=torch.cuda.max_memory_allocated())
     info["host_bytes"] = host_bytes(system, model)
     if cached:
         s = asyncmoe.stats(model)
-        info.update(hit_rate=s.totals["hit_rate"], prefetch_recall=s.totals["prefetch_recall"],
-                    bytes_per_token=s.totals["bytes_h2d"] / p["steps"],
-                    hit_rate_per_layer=[layer.hit_rate for layer in s.layers],
-                    prefetch_copy_ns=s.copy_ns, prefetch_window_ns=s.window_ns)
+        info.update(
+            hit_rate=s.totals["hit_rate"],
+            prefetch_recall=s.totals["prefetch_recall"],
+            bytes_per_token=s.totals["bytes_h2d"] / steps,
+            hit_rate_per_layer=[layer.hit_rate for layer in s.layers],
+            prefetch_copy_ns=s.copy_ns,
+            prefetch_window_ns=s.window_ns,
+        )
         assert s.totals["misses"] > 0 or cache >= batch * k  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
     if routing == "trace" and cache < experts:
-        info["belady_bytes_per_token"] = belady_misses_per_step(trace_for(shape), batch, cache) * len(find_experts(model)) * expert_bytes(model)
-    info["wall_s"] = time.perf_counter() - start  # the whole case, its build included: what parts.py plans with
+        info["belady_bytes_per_token"] = (
+            belady_misses_per_step(trace_for(shape), batch, cache) * len(find_experts(model)) * expert_bytes(model)
+        )
+    info["wall_s"] = time.perf_counter() - start  # the whole case, its build and warm-up included
     benchmark.extra_info.update(info)
     if DTYPE == torch.float32:
-        assert agree == p["steps"] + 1, f"{system}: tokens part from the unmodified model's after {agree}"
-
+        assert agree == steps + 1, f"{system}: tokens part from the unmodified model's after {agree}"
 
 
 def test_prefill(benchmark, prefill_case, request):
@@ -419,14 +524,25 @@ def test_prefill(benchmark, prefill_case, request):
         sync()
         return first
 
-    rounds = 2 if system in ("seed", "accelerate") else profile(request.config)["rounds"]
-    first = benchmark.pedantic(prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, True))
+    rounds = prompt_rounds(profile(request.config), system)
+    first = benchmark.pedantic(
+        prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, True)
+    )
     bytes_moved = asyncmoe.stats(model).totals["bytes_h2d"] if cached else None
     ms = statistics.median(benchmark.stats.stats.data) * 1e3
     benchmark.extra_info.update(
-        shape=shape, routing=routing, system=system, cache=cache, experts=experts, prompt=n, ms_per_prefill=ms,
-        tokens_per_s=n / ms * 1e3, device=torch.cuda.get_device_name() if CUDA else "cpu", dtype=str(DTYPE),
-        first_token_agrees=bool(torch.equal(first.cpu(), want)), setup_s=setup_s,
+        shape=shape,
+        routing=routing,
+        system=system,
+        cache=cache,
+        experts=experts,
+        prompt=n,
+        ms_per_prefill=ms,
+        tokens_per_s=n / ms * 1e3,
+        device=torch.cuda.get_device_name() if CUDA else "cpu",
+        dtype=str(DTYPE),
+        first_token_agrees=bool(torch.equal(first.cpu(), want)),
+        setup_s=setup_s,
     )
     if system == "seed":
         benchmark.extra_info["tokens_per_call"] = dec.chunk or n

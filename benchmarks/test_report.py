@@ -1,6 +1,7 @@
 """report.py on a real run of the suite's CPU profile (every case becomes a row, the derived columns add up), and on
-hand-made prefill cases whose floor and limit ratio are worked out by hand."""
+hand-made cases whose floor, limit ratio and speedups are worked out by hand."""
 
+import datetime
 import json
 import os
 import subprocess
@@ -13,8 +14,20 @@ import report
 
 def test_report_rows_and_files(tmp_path):
     json_path, cases_path = tmp_path / "bench.json", tmp_path / "cases.json"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks/test_latency.py",
-           "--benchmark-only", f"--benchmark-json={json_path}", f"--cases-json={cases_path}", "-k", "router"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "benchmarks/test_latency.py",
+        "--benchmark-only",
+        f"--benchmark-json={json_path}",
+        f"--cases-json={cases_path}",
+        "-k",
+        "router",
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
 
     data = json.loads(json_path.read_text())
@@ -36,43 +49,82 @@ def test_report_rows_and_files(tmp_path):
     assert prefill and md.count("\n| tiny | router |") == len(table) + len(prefill)
     for png in paths[1:]:
         assert png.read_bytes()[:4] == b"\x89PNG"
-    # split into two runs and merged back: the same rows
-    half = len(data["benchmarks"]) // 2
-    parts = [tmp_path / "a.json", tmp_path / "b.json"]
-    for path, benches in zip(parts, [data["benchmarks"][:half], data["benchmarks"][half:]]):
-        path.write_text(json.dumps(dict(data, benchmarks=benches)))
-    assert report.rows(report.merge(parts)) == table
+
+
+def test_report_runs_a_profile_by_name(tmp_path):
+    """`report.py --profile NAME` runs that profile's cases (-k narrows them) into bench-<date>-NAME.json and writes
+    its table; a profile the machine cannot run is an error that names it, and writes nothing."""
+    run = [sys.executable, "benchmarks/report.py", "--out", str(tmp_path)]
+    one = ["--profile", "smoke", "-k", "router and unmodified and b1"]
+    done = subprocess.run(run + one, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    stem = tmp_path / f"bench-{datetime.date.today().isoformat()}-smoke"
+    names = [b["name"] for b in json.loads(stem.with_suffix(".json").read_text())["benchmarks"]]
+    assert names == ["test_decode[tiny-router-unmodified-cache1-b1]"]
+    assert "| tiny | router | 1 | unmodified | 16/16 |" in stem.with_suffix(".md").read_text()
+    assert str(stem.with_suffix(".md")) in done.stdout.splitlines()
+    refused = subprocess.run(run + ["--profile", "full-1"], capture_output=True, text=True, check=False)
+    assert refused.returncode != 0 and "--profile full-1 needs a CUDA GPU" in refused.stdout + refused.stderr
+    assert not list(tmp_path.glob("*full-1*"))
 
 
 def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path):
-    """pytest-benchmark writes --benchmark-json only as the session ends: a run that dies mid-case (here at the
-    second case's set-up, as a time limit's SIGINT landing in CUDA work did on the GPU) leaves it empty.
-    --cases-json (conftest.py) holds every case that passed before."""
-    (tmp_path / "dies.py").write_text("import os\n\n\ndef pytest_runtest_setup(item):\n    if 'seed' in item.name:\n"
-                                      "        os._exit(3)\n")
-    json_path, cases_path = tmp_path / "bench.json", tmp_path / "cases.json"
+    """A run that dies mid-case (here at the second case's set-up, as a time limit's signal landing in CUDA work
+    can) keeps, in --cases-json (conftest.py), every case that passed before: it is rewritten after each."""
+    (tmp_path / "dies.py").write_text(
+        "import os\n\n\ndef pytest_runtest_setup(item):\n    if 'seed' in item.name:\n        os._exit(3)\n"
+    )
+    cases_path = tmp_path / "cases.json"
     first, second = "test_decode[tiny-router-unmodified-cache1-b1]", "test_decode[tiny-router-seed-cache0.25-b1]"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "dies",
-           f"benchmarks/test_latency.py::{first}", f"benchmarks/test_latency.py::{second}",
-           "--benchmark-only", f"--benchmark-json={json_path}", f"--cases-json={cases_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "dies",
+        f"benchmarks/test_latency.py::{first}",
+        f"benchmarks/test_latency.py::{second}",
+        "--benchmark-only",
+        f"--cases-json={cases_path}",
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    assert subprocess.run(cmd, capture_output=True, env=env).returncode == 3
-    assert json_path.read_text() == ""
-    assert [b["name"] for b in json.loads(cases_path.read_text())["benchmarks"]] == [first]
+    assert subprocess.run(cmd, capture_output=True, env=env, check=False).returncode == 3  # died at the second case
+    finished = json.loads(cases_path.read_text())["benchmarks"]
+    assert [b["name"] for b in finished] == [first]
+    assert finished[0]["extra_info"]["system"] == "unmodified" and finished[0]["stats"]["rounds"] == 2
 
 
 def test_prefill_floor_and_limit_ratio(tmp_path):
     """A prefill's floor is the resident prefill or its copies at the measured bandwidth, whichever is longer."""
+
     def case(system, cache, ms, **extra):
-        info = dict(shape="s", routing="trace", system=system, cache=cache, experts=64, prompt=2048, ms_per_prefill=ms,
-                    tokens_per_s=2048 / ms * 1e3, device="gpu", dtype="bf16", first_token_agrees=True, **extra)
+        info = dict(
+            shape="s",
+            routing="trace",
+            system=system,
+            cache=cache,
+            experts=64,
+            prompt=2048,
+            ms_per_prefill=ms,
+            tokens_per_s=2048 / ms * 1e3,
+            device="gpu",
+            dtype="bf16",
+            first_token_agrees=True,
+            **extra,
+        )
         return {"extra_info": info}
 
-    data = {"benchmarks": [
-        case("unmodified", 64, 50.0), case("seed", 16, 100_000.0),
-        case("asyncmoe-eager", 16, 300.0, bytes_per_prefill=12e9, h2d_GB_per_s=50.0),  # 240 ms of copies
-        case("asyncmoe-eager", 64, 45.0, h2d_GB_per_s=50.0),  # resident: nothing moved, no floor
-    ]}
+    data = {
+        "benchmarks": [
+            case("unmodified", 64, 50.0),
+            case("seed", 16, 100_000.0),
+            case("asyncmoe-eager", 16, 300.0, bytes_per_prefill=12e9, h2d_GB_per_s=50.0),  # 240 ms of copies
+            case("asyncmoe-eager", 64, 45.0, h2d_GB_per_s=50.0),  # resident: nothing moved, no floor
+        ]
+    }
     rows = {(r["system"], r["cache"]): r for r in report.prefill_rows(data)}
     cached = rows[("asyncmoe-eager", 16)]
     assert cached["floor_ms"] == pytest.approx(240.0) and cached["limit_ratio"] == pytest.approx(1.25)
@@ -81,100 +133,99 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
     path = tmp_path / "prefill.json"
     path.write_text(json.dumps(data))
     assert report.write(path) == [tmp_path / "prefill.md"]  # no decode rows: no plots
-    assert "| s | trace | 2048 | asyncmoe-eager | 16/64 | 300.0 | 6827 | 12.00 | 50.0 | 240.0 | 1.25 |" in (tmp_path / "prefill.md").read_text()
+    assert (
+        "| s | trace | 2048 | asyncmoe-eager | 16/64 | 300.0 | 6827 | 12.00 | 50.0 | 240.0 | 1.25 |"
+        in (tmp_path / "prefill.md").read_text()
+    )
 
 
 def test_targets_met_and_missed():
-    """Issue 5's targets for the cases a run has: each says met or missed, with the measured value."""
+    """The targets for the cases a run has: each says met or missed, with the measured value."""
+
     def case(system, cache, ms, batch=1, **extra):
-        info = dict(shape="olmoe-1b-7b", routing="trace", system=system, cache=cache, experts=64, batch=batch, steps=32,
-                    ms_per_token=ms, device="gpu", dtype="bf16", tokens_agree=33, host_bytes=0, **extra)
+        info = dict(
+            shape="olmoe-1b-7b",
+            routing="trace",
+            system=system,
+            cache=cache,
+            experts=64,
+            batch=batch,
+            steps=32,
+            ms_per_token=ms,
+            device="gpu",
+            dtype="bf16",
+            tokens_agree=33,
+            host_bytes=0,
+            **extra,
+        )
         return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
 
     copies = dict(bytes_per_token=1e9, belady_bytes_per_token=0.5e9, h2d_GB_per_s=50.0)  # Belady floor 10 ms
-    data = {"benchmarks": [
-        case("unmodified", 64, 4.0), case("accelerate", 16, 2000.0), case("seed", 16, 60.0),
-        case("asyncmoe-graph-prefetch", 16, 20.0, **copies),  # 2.0x Belady: missed; 100x accelerate: met
-        case("unmodified", 64, 8.0, batch=32), case("seed", 64, 40.0, batch=32), case("asyncmoe-graph", 64, 8.0, batch=32),
-    ]}
+    data = {
+        "benchmarks": [
+            case("unmodified", 64, 4.0),
+            case("accelerate", 16, 2000.0),
+            case("seed", 16, 60.0),
+            case("asyncmoe-graph-prefetch", 16, 20.0, **copies),  # 2.0x Belady: missed; 100x accelerate: met
+            case("unmodified", 64, 8.0, batch=32),
+            case("seed", 64, 40.0, batch=32),
+            case("asyncmoe-graph", 64, 8.0, batch=32),
+        ]
+    }
     lines = report.targets(report.rows(data), [])
-    assert ("- olmoe-1b-7b, trace, batch 1, 16/64, asyncmoe-graph-prefetch: limit ratio 2.00 against <= 1.25: **missed**; "
-            "100.0x accelerate against >= 50x: met; 3.00x the seed, of at most 6.0x (the seed's time / Belady floor)") in lines
+    assert (
+        "- olmoe-1b-7b, trace, batch 1, 16/64, asyncmoe-graph-prefetch: limit ratio 2.00 against <= 1.25: **missed**; "
+        "100.0x accelerate against >= 50x: met; 3.00x the seed, of at most 6.0x (the seed's time / Belady floor)"
+    ) in lines
     assert "- olmoe-1b-7b, trace, batch 32, 64/64, asyncmoe-graph: 5.00x the seed, faster: met" in lines
     assert len([line for line in lines if line.startswith("- ")]) == 2
     alone = {"benchmarks": data["benchmarks"][3:4]}  # no resident model, accelerate or seed in the run
     assert report.targets(report.rows(alone), []) == []
 
 
-def test_coverage_of_the_full_profile():
-    """--coverage counts the full profile's cases a set of runs measured; a fraction whose slot count a larger one
-    also gets runs once (Mixtral: 12.5% and 25% of 8 experts are both 2 slots, top-2); the seed's prompt counts
-    where fed as the suite feeds it now (16 slots, top-8: 2 tokens per call; a run without the field fed 1), and
-    with accelerate, which it compares with, in the same run; a case cut before it finished (no extra_info)
-    does not count."""
-    import test_latency as suite
-
-    assert not [c for c in suite.decode_cases(suite.FULL) if c[0].startswith("mixtral") and c[3] == 0.125]
-    run = {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="unmodified", cache=64, batch=1)},
-                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=2048,
-                                              tokens_per_call=2)},
-                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="accelerate", cache=16, prompt=2048)},
-                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="seed", cache=16, prompt=512)},
-                          {"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system="accelerate", cache=16, prompt=512)},
-                          {"extra_info": {}}]}  # a case cut by the run's time limit
-    table = report.coverage([run])
-    total = sum(1 for c in suite.decode_cases(suite.FULL) + suite.prefill_cases(suite.FULL) if c[:2] == ("olmoe-1b-7b", "trace"))
-    total -= sum(1 for s, r, sys, f, b in suite.decode_cases(suite.FULL)  # the seed below min(E, B*k): skipped by design
-                 if (s, r, sys) == ("olmoe-1b-7b", "trace", "seed") and suite.slots(s, f) < min(64, 8 * b))
-    assert f"| olmoe-1b-7b | trace | 4 of {total} |" in table
-    assert "| qwen3-30b-a3b | router | 0 of " in table
-    # --missing: the node ids of the rest (`case_id`, as the suite names its cases)
-    cases = report.profile_cases([run])
-    missing = [node for node, _, measured in cases if not measured]
-    assert len(missing) == len(cases) - 4
-    assert "test_latency.py::test_decode[olmoe-1b-7b-trace-unmodified-cache1-b1]" not in missing
-    assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt2048]" not in missing
-    assert "test_latency.py::test_prefill[olmoe-1b-7b-trace-seed-cache0.25-prompt512]" in missing  # token by token
-
-
-def test_a_case_counts_with_what_it_compares_with_in_the_same_run():
-    """asyncmoe's rows compare with the resident model (the floor), accelerate and the seed at the same cache, the
-    report only within one run: a row counts where one run holds all four; a case no run can hold (`without`)
-    is not waited for."""
-    def run(*systems):
-        return {"benchmarks": [{"extra_info": dict(shape="olmoe-1b-7b", routing="trace", system=system,
-                                                   cache=64 if system == "unmodified" else 16, batch=1)}
-                               for system in systems]}
-
-    def counted(*runs, without=frozenset()):
-        cases = report.profile_cases(list(runs), without)
-        return {case[2] for _, case, measured in cases if measured and case[4] == "b1"}
-
-    graph = "asyncmoe-graph-prefetch"
-    assert counted(run("unmodified", "accelerate", "seed", graph)) == {"unmodified", "accelerate", "seed", graph}
-    assert counted(run("unmodified", "accelerate", graph), run("seed", "accelerate")) == {"unmodified", "accelerate", "seed"}
-    assert counted(run("unmodified", graph)) == {"unmodified"}
-    seed = ("olmoe-1b-7b", "trace", "seed", 0.25, "b1")
-    assert counted(run("unmodified", "accelerate", graph), without={seed}) == {"unmodified", "accelerate", graph}
-
-
 def test_every_cache_compares_with_the_one_accelerate_run():
-    """Accelerate has no cache of its own: the suite runs it once per case and every cache's rows compare with it;
-    the seed at the same cache; with every expert in a slot, nothing is offloaded to compare with accelerate."""
-    import test_latency as suite
-
-    accelerate = [c for c in suite.decode_cases(suite.FULL) if c[2] == "accelerate"]
-    assert accelerate and {c[3] for c in accelerate} == {suite.ACCELERATE_AT}
+    """Accelerate has no cache of its own: the suite runs it once per case (test_profiles.py) and every cache's rows
+    compare with it; the seed at the same cache; with every expert in a slot, nothing is offloaded to compare with."""
 
     def case(system, cache, ms):
-        info = dict(shape="olmoe-1b-7b", routing="trace", system=system, cache=cache, experts=64, batch=1, steps=32,
-                    ms_per_token=ms, device="gpu", dtype="bf16", tokens_agree=33, host_bytes=0)
+        info = dict(
+            shape="olmoe-1b-7b",
+            routing="trace",
+            system=system,
+            cache=cache,
+            experts=64,
+            batch=1,
+            steps=32,
+            ms_per_token=ms,
+            device="gpu",
+            dtype="bf16",
+            tokens_agree=33,
+            host_bytes=0,
+        )
         return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
 
-    data = {"benchmarks": [case("unmodified", 64, 4.0), case("accelerate", 16, 2000.0), case("seed", 16, 50.0),
-                           case("seed", 32, 25.0), case("asyncmoe-graph", 16, 20.0), case("asyncmoe-graph", 32, 10.0),
-                           case("seed", 64, 16.0), case("asyncmoe-graph", 64, 4.0)]}
-    got = {(r["system"], r["cache"]): (r.get("speedup_vs_accelerate"), r.get("speedup_vs_seed")) for r in report.rows(data)}
-    assert got == {("unmodified", 64): (None, None), ("accelerate", 16): (None, None), ("seed", 16): (40.0, None),
-                   ("seed", 32): (80.0, None), ("asyncmoe-graph", 16): (100.0, 2.5), ("asyncmoe-graph", 32): (200.0, 2.5),
-                   ("seed", 64): (None, None), ("asyncmoe-graph", 64): (None, 4.0)}  # all resident: nothing offloaded
+    data = {
+        "benchmarks": [
+            case("unmodified", 64, 4.0),
+            case("accelerate", 16, 2000.0),
+            case("seed", 16, 50.0),
+            case("seed", 32, 25.0),
+            case("asyncmoe-graph", 16, 20.0),
+            case("asyncmoe-graph", 32, 10.0),
+            case("seed", 64, 16.0),
+            case("asyncmoe-graph", 64, 4.0),
+        ]
+    }
+    got = {
+        (r["system"], r["cache"]): (r.get("speedup_vs_accelerate"), r.get("speedup_vs_seed")) for r in report.rows(data)
+    }
+    assert got == {
+        ("unmodified", 64): (None, None),
+        ("accelerate", 16): (None, None),
+        ("seed", 16): (40.0, None),
+        ("seed", 32): (80.0, None),
+        ("asyncmoe-graph", 16): (100.0, 2.5),
+        ("asyncmoe-graph", 32): (200.0, 2.5),
+        ("seed", 64): (None, None),
+        ("asyncmoe-graph", 64): (None, 4.0),
+    }  # all resident: nothing offloaded

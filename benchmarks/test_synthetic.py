@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
+from test_latency import DEMO_TRACE
 
 from asyncmoe.trace import Trace
+
 from synthetic import stats, synthetic
-from test_latency import DEMO_TRACE
 
 
 def test_synthetic_trace_matches_the_embedded_models_reuse_skew_and_cross_layer_lift():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: environment, the cuda-marked tests, the timing scripts. Writes everything under $OUT.
+# One GPU run: the environment, the cuda-marked tests, the timing scripts. Writes everything under $OUT.
 # usage: [COMMIT=id TESTS="files" BENCH="scripts" PARALLEL=1] scripts/gpu_run.sh [pytest-args...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -10,7 +10,6 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-[ -f probe_gpu.py ] && python3 probe_gpu.py 2>&1 | tee "$OUT/probe.txt"
 # one process per test file: a CUDA error is sticky and would fail every later test of the process.
 # PARALLEL=1 runs the files side by side (one GPU is big enough; saves device time, not for timings)
 run_tests() {

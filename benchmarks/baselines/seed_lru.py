@@ -33,8 +33,12 @@ class SeedLRU(ExpertWeightProvider):
         pin = device.type == "cuda"
         # pinned memory allocated first and copied into, as the PR allocates its weights pinned ("CPU-pinned weight
         # allocation"): one device -> host copy, not one to pageable memory and a second to pinned
-        self.host = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach()) for n, p in params.items()}
-        self.slots = {n: torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for n, p in params.items()}
+        self.host = {
+            n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach()) for n, p in params.items()
+        }
+        self.slots = {
+            n: torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for n, p in params.items()
+        }
         self.slot_of = torch.full((E,), -1, dtype=torch.int64, device=device)  # the persistent GPU mapping
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self.num_slots = num_slots
