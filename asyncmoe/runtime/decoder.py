@@ -1,10 +1,10 @@
 """`asyncmoe.Decoder`: prefill eagerly, then replay one CUDA graph per generated token.
 
 A decode step is the model's forward on one token per sequence with a `StaticCache` (every asyncmoe
-op included: ensure, prefetch on the side stream, the copies), the choice of the next token, and
-the bookkeeping of the position, all on the device; the host only replays. Eager Python costs six
-times the graph's time on an OLMoE-shaped model (DESIGN.md), so without the graph no offload scheme
-gets near the resident ceiling.
+op included: ensure, prefetch on the side stream, the copies), the choice of the next token, the
+padding of finished sequences and the bookkeeping of the position, all on the device; the host only
+replays. Eager Python costs six times the graph's time on an OLMoE-shaped model (DESIGN.md), so
+without the graph no offload scheme gets near the resident ceiling.
 
 Dims: B batch, L prompt length, N max length, V vocabulary.
 """
@@ -12,9 +12,10 @@ Dims: B batch, L prompt length, N max length, V vocabulary.
 from __future__ import annotations
 
 import inspect
+import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import transformers
@@ -22,19 +23,79 @@ from torch import nn
 
 from ..integrations.transformers import PROVIDER, find_experts, top_k_of
 from ..providers import CachedProvider
-from .sampling import sample
+from .sampling import check_sampling, sample
 
 
 @dataclass
 class Generation:
-    tokens: torch.Tensor  # [B, L + new_tokens], prompt included
-    new_tokens: int
+    tokens: torch.Tensor  # [B, longest sequence], prompt included; past a sequence's EOS: pad_token_id
+    lengths: torch.Tensor  # [B] prompt + new tokens of each sequence, up to and including its first EOS
+    new_tokens: int  # the longest sequence's
     prefill_ms: float
-    decode_ms_per_token: float  # wall time of the decode loop / tokens it produced
+    decode_ms_per_token: float  # wall time of the decode loop / decode steps it ran
 
     @property
     def tokens_per_s(self) -> float:
         return 1e3 / self.decode_ms_per_token if self.decode_ms_per_token else float("inf")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _token_ids(value, name: str) -> list[int]:
+    """An id or a list of ids, each an int >= 0."""
+    ids = [value] if _is_int(value) else value
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+        raise TypeError(f"{name} must be an int or a list of ints, got {value!r}")
+    if any(t < 0 for t in ids):
+        raise ValueError(f"{name} must hold token ids >= 0, got {value!r}")
+    return [int(t) for t in ids]
+
+
+def stop_tokens(model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
+    """EOS ids and the pad that follows a finished sequence, resolved as transformers' generate does: the model's
+    generation config fills what is not given, and the pad falls back to the first EOS id."""
+    config = getattr(model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id, name = getattr(config, "eos_token_id", None), "model.generation_config.eos_token_id"
+    else:
+        name = "eos_token_id"
+    eos = [] if eos_token_id is None else _token_ids(eos_token_id, name)
+    if pad_token_id is None:
+        pad_token_id, name = getattr(config, "pad_token_id", None), "model.generation_config.pad_token_id"
+    else:
+        name = "pad_token_id"
+    if pad_token_id is None:
+        return eos, eos[0] if eos else None
+    if not _is_int(pad_token_id):
+        raise TypeError(f"{name} must be an int, got {pad_token_id!r}")
+    return eos, _token_ids(pad_token_id, name)[0]
+
+
+def check_prompts(input_ids, batch_size: int, vocab: int) -> tuple[int, int]:
+    """[B, L] integer token ids of the model's vocabulary, B = the Decoder's batch_size; returns (B, L)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(
+            f"input_ids must be a torch.Tensor of token ids [batch, length], got {type(input_ids).__name__}"
+        )
+    if input_ids.ndim != 2:
+        raise ValueError(
+            f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}; for one prompt use input_ids[None]"
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; convert with input_ids.long()")
+    B, L = input_ids.shape
+    if B != batch_size:
+        raise ValueError(f"this Decoder was built for batch_size={batch_size}; got {B} prompts")
+    if L == 0:
+        raise ValueError("input_ids has no tokens: each prompt needs at least one")
+    if input_ids.min() < 0 or input_ids.max() >= vocab:
+        raise ValueError(
+            f"input_ids must be token ids in [0, {vocab}), the model's vocabulary; got values in "
+            f"[{input_ids.min().item()}, {input_ids.max().item()}]"
+        )
+    return B, L
 
 
 def check_capturable(model: nn.Module, batch_size: int) -> None:
@@ -48,11 +109,14 @@ def check_capturable(model: nn.Module, batch_size: int) -> None:
         if cache.num_slots < need:
             raise ValueError(
                 f"capturing a decode step of batch {batch_size} needs cache >= min(num_experts={cache.num_experts}, "
-                f"batch*top_k={batch_size * k}) = {need} slots per layer, but {name} has {cache.num_slots}: with fewer, "
-                "one step's distinct experts can exceed the slots and be served in waves copied on the compute "
+                f"batch*top_k={batch_size * k}) = {need} slots per layer, but {name} has {cache.num_slots}: with "
+                "fewer, one step's distinct experts can exceed the slots and be served in waves copied on the compute "
                 f"stream, which the graph would serialise. Use cache>={need}, or batch_size<={cache.num_slots // k}, "
                 "or Decoder(..., waves=True) to capture the waves anyway."
             )
+
+
+CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
 
 
 class Decoder:
@@ -60,6 +124,7 @@ class Decoder:
 
     `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens.
     The first `generate` with a given sampling mode captures its graph; later calls replay it.
+    A sequence that has produced an EOS is fed `pad_token_id` from then on, on the device, as transformers does.
 
     A captured step refuses a cache smaller than one step's possible experts (`check_capturable`) unless
     `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed, so capturable),
@@ -67,10 +132,21 @@ class Decoder:
     to copy still launch their kernels.
     """
 
-    def __init__(self, model: nn.Module, batch_size: int = 1, max_length: int = 4096, graph: bool | None = None,
-                 waves: bool = False):
-        self.model, self.batch_size, self.max_length = model, batch_size, max_length
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_size: int = 1,
+        max_length: int = 4096,
+        graph: bool | None = None,
+        waves: bool = False,
+    ):
+        if not _is_int(batch_size) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, the number of prompts per call; got {batch_size!r}")
+        if not _is_int(max_length) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2, room for prompt + new tokens; got {max_length!r}")
+        self.model, self.batch_size, self.max_length = model, int(batch_size), int(max_length)
         self.device = model.device
+        self.vocab = model.get_input_embeddings().num_embeddings  # ids a prompt may hold
         self.graphed = self.device.type == "cuda" if graph is None else graph
         if self.graphed and not waves:
             check_capturable(model, batch_size)
@@ -81,29 +157,42 @@ class Decoder:
         self.tok = torch.zeros(batch_size, 1, **i64)  # the token fed to the next step
         self.pos = torch.zeros(1, **i64)  # its position
         self.history = torch.zeros(batch_size, max_length, **i64)
+        self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)  # [B] has produced an EOS
+        self.pad = torch.zeros(1, **i64)  # what a finished sequence is fed
         self.logits = None  # [B, V] of the last step, for inspection; allocated by the first forward
+        self.is_eos = None  # [V] bool, allocated with the logits
         self.temperature = torch.ones(1, device=self.device)
         self.top_p = torch.ones(1, device=self.device)
         self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self._sampling = None  # (do_sample, top_k) of the last prefill: the graph's key
+        self.length = 0  # tokens in `history`, kept on the host so decoding never waits for the device
+        self.stops = False  # whether the last prefill has EOS ids the model can produce
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         # positions come from the StaticCache's own device-side length, so a replayed step advances them
         logits = self.model(input_ids=ids, **{self._kv_arg: self.kv}).logits[:, -1]
         if self.logits is None:
             self.logits = torch.empty_like(logits)
+            self.is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=self.device)
         self.logits.copy_(logits)
         return logits
+
+    def _finish(self, nxt: torch.Tensor) -> torch.Tensor:
+        """Pad for sequences already finished, then mark those that just produced an EOS; [B] -> [B]."""
+        nxt = torch.where(self.done, self.pad, nxt)
+        self.done |= self.is_eos[nxt]
+        return nxt
 
     @torch.no_grad()
     def _step(self, do_sample: bool, top_k: int) -> None:
         logits = self._forward(self.tok)
-        nxt = sample(logits, do_sample, top_k, self.temperature, self.top_p)  # [B]
+        nxt = self._finish(sample(logits, do_sample, top_k, self.temperature, self.top_p))  # [B]
         self.history.index_copy_(1, self.pos + 1, nxt[:, None])
         self.tok.copy_(nxt[:, None])
         self.pos.add_(1)
 
     def _graph(self, key: tuple[bool, int]) -> torch.cuda.CUDAGraph:
-        """Capture one step. Warm-up and capture run on whatever state is there; `generate` resets it after."""
+        """Capture one step. Warm-up and capture run on whatever state is there; `prefill` resets it after."""
         if key not in self._graphs:
             self.kv.reset()
             self.pos.zero_()
@@ -119,6 +208,20 @@ class Decoder:
             self._graphs[key] = graph
         return self._graphs[key]
 
+    def _set_stops(self, eos: list[int], pad: int | None) -> None:
+        """Fill the EOS table and the pad in place (a captured step reads them). Ids past the logits are never
+        chosen, so they end nothing; where an id can end a sequence, the pad must be a token the model can read."""
+        live = [t for t in eos if t < self.is_eos.numel()]
+        if live and not pad < self.vocab:
+            raise ValueError(
+                f"pad_token_id={pad} is outside the model's vocabulary of {self.vocab}: a finished "
+                "sequence is fed it; pass pad_token_id=<an id below the vocabulary size>"
+            )
+        self.is_eos.zero_()
+        self.is_eos[live] = True
+        self.pad.fill_(pad if live else 0)
+        self.stops = bool(live)
+
     @torch.no_grad()
     def prefill(
         self,
@@ -128,32 +231,46 @@ class Decoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        """Reset, run the prompts eagerly (waves where needed), choose the first new token [B]; capture if needed."""
-        B, L = input_ids.shape
-        if B != self.batch_size:
-            raise ValueError(f"this Decoder was built for batch_size={self.batch_size}; got {B} prompts")
+        """Reset, run the prompts eagerly (waves where needed), choose the first new token [B]; capture if needed.
+
+        `eos_token_id` and `pad_token_id` default to the model's generation config, as in `generate`."""
+        B, L = check_prompts(input_ids, self.batch_size, self.vocab)
         if L >= self.max_length:
-            raise ValueError(f"prompt length {L} leaves no room in max_length={self.max_length}")
-        self._sampling = (do_sample, top_k)
+            raise ValueError(
+                f"prompt length {L} leaves no room in max_length={self.max_length}; "
+                f"use Decoder(..., max_length={L + 1}) or more"
+            )
+        if do_sample:
+            check_sampling(temperature, top_k, top_p)
+        eos, pad = stop_tokens(self.model, eos_token_id, pad_token_id)
+        self._sampling = (True, int(top_k)) if do_sample else (False, 0)
         if self.graphed:
             self._graph(self._sampling)
         if seed is not None:
             torch.manual_seed(seed)
-        self.temperature.fill_(temperature)
-        self.top_p.fill_(top_p)
+        self.temperature.fill_(temperature if do_sample else 1.0)
+        self.top_p.fill_(top_p if do_sample else 1.0)
         self.kv.reset()
-        ids = input_ids.to(self.device)
-        first = sample(self._forward(ids), do_sample, top_k, self.temperature, self.top_p)
+        ids = input_ids.to(self.device, torch.long)
+        logits = self._forward(ids)
+        self._set_stops(eos, pad)
+        self.done.zero_()
+        first = self._finish(sample(logits, *self._sampling, self.temperature, self.top_p))
         self.history[:, :L] = ids
         self.history[:, L] = first
         self.tok.copy_(first[:, None])
         self.pos.fill_(L)
-        self.length = L + 1  # tokens in `history`, kept on the host so decoding never waits for the device
+        self.length = L + 1
         return first
 
     def decode(self, steps: int) -> None:
-        """`steps` more tokens after `prefill`: graph replays on the GPU, eager steps elsewhere."""
+        """`steps` more tokens after `prefill`: graph replays on the GPU, eager steps elsewhere. A sequence past
+        its EOS gets `pad_token_id`; the steps run all the same (`generate` stops when every sequence is done)."""
+        if self._sampling is None:
+            raise ValueError("decode continues a prefill: call prefill(input_ids) first")
         if self.length + steps > self.max_length:
             raise ValueError(f"{steps} more steps would pass max_length={self.max_length}")
         self.length += steps
@@ -162,6 +279,12 @@ class Decoder:
                 self._graphs[self._sampling].replay()
             else:
                 self._step(*self._sampling)
+
+    def _lengths(self, prompt_length: int) -> torch.Tensor:
+        """[B] prompt + new tokens of each sequence in `history`, up to and including its first EOS."""
+        new = self.history[:, prompt_length : self.length]  # [B, n]
+        hit = self.is_eos[new]
+        return prompt_length + torch.where(hit.any(1), hit.int().argmax(1) + 1, new.shape[1])
 
     @torch.no_grad()
     def generate(
@@ -173,30 +296,44 @@ class Decoder:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
         callback: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        """Greedy (default) or sampled generation; `callback` gets each step's tokens (a host sync per token)."""
-        L = input_ids.shape[1]
+        """Greedy (default) or sampled generation, with transformers' `generate` semantics for the stop.
+
+        Each sequence ends at its first `eos_token_id` (an id or a list; default the model's generation config)
+        and holds `pad_token_id` after it (default the config's, else the first EOS id); the loop ends when every
+        sequence has ended or after `max_new_tokens`. The host looks every CHECK_EVERY steps, so up to that many
+        steps run past the last EOS; `tokens` is cut to the longest sequence. `callback` gets each step's tokens
+        (a host sync per token) and the loop then ends right at the last EOS.
+        """
+        _, L = check_prompts(input_ids, self.batch_size, self.vocab)
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if L + max_new_tokens > self.max_length:
-            raise ValueError(f"prompt {L} + max_new_tokens {max_new_tokens} exceeds max_length={self.max_length}")
+            raise ValueError(
+                f"prompt {L} + max_new_tokens {max_new_tokens} exceeds max_length={self.max_length}; "
+                f"use Decoder(..., max_length={L + max_new_tokens}) or fewer new tokens"
+            )
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        first = self.prefill(input_ids, do_sample, temperature, top_k, top_p, seed)
+        first = self.prefill(input_ids, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
         if callback:
             callback(first.tolist())  # host sync, between graph replays: streaming asked for it
         sync()
         t1 = time.perf_counter()
-        n = 1
-        check_every = 1 if callback else 16  # the EOS check is a host sync between replays; streaming syncs anyway
-        while n < max_new_tokens:
+        n, check_every = 1, 1 if callback else CHECK_EVERY
+        while n < max_new_tokens and not (self.stops and n % check_every == 0 and self.done.all()):
             self.decode(1)
             n += 1
             if callback:
                 callback(self.tok[:, 0].tolist())  # host sync between replays, as above
-            if eos_token_id is not None and n % check_every == 0 and (self.history[:, L : L + n] == eos_token_id).any(1).all():
-                break
         sync()
         t2 = time.perf_counter()
-        return Generation(self.history[:, : L + n].clone(), n, (t1 - t0) * 1e3, (t2 - t1) * 1e3 / max(n - 1, 1))
+        lengths = self._lengths(L)
+        longest = int(lengths.max())
+        return Generation(
+            self.history[:, :longest].clone(), lengths, longest - L, (t1 - t0) * 1e3, (t2 - t1) * 1e3 / max(n - 1, 1)
+        )

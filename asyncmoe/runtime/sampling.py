@@ -5,7 +5,25 @@ Dims: B batch, V vocabulary.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """The ranges transformers' sampling warpers accept, with top_p 0 left out (it would keep no token)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(
+            f"temperature must be a number > 0 when do_sample=True, got {temperature!r}; "
+            "for greedy decoding use do_sample=False"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 when do_sample=True (0: every token), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise ValueError(
+            f"top_p must be a number in (0, 1] when do_sample=True (1.0: every token), got {top_p!r}; "
+            "for the single most likely token use do_sample=False"
+        )
 
 
 def sample(
@@ -19,7 +37,7 @@ def sample(
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # top_k > V keeps all, as transformers
         logits = logits.masked_fill(logits < kth, float("-inf"))
     # nucleus: keep the smallest prefix (by probability) whose mass reaches top_p; the top token always stays
     sorted_logits, order = logits.sort(dim=-1, descending=True)
