@@ -1,20 +1,125 @@
-"""The `asyncmoe` command."""
+"""The `asyncmoe` command: `demo`, `generate` and `simulate` (`asyncmoe COMMAND --help`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import pathlib
 import sys
 
 import torch
 
+from . import __version__
+from .predict import Prefetch
+
 PROMPT = "def fibonacci(n):\n"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one
+PREFETCH = {"auto": None, "on": True, "off": False}  # --prefetch -> from_pretrained(prefetch=...)
+QUANTIZE = {"none": None, "fp8": "fp8", "dequantize": "dequantize"}  # --quantize -> from_pretrained(quantize=...)
+# what asyncmoe raises for bad input, with a message written for the user: one line, no traceback
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, MemoryError)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with every error on one line, `asyncmoe: error: ...`, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"asyncmoe: error: {message}; see `{self.prog} --help`\n")
+
+
+def _at_least(low: int | float, kind=int):
+    """An argparse type: a number of `kind` that is >= `low`."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}") from None
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    return parse
+
+
+def _cache(text: str) -> int | str:
+    """Slots per MoE layer (an int >= 1) or a GPU-memory budget for all layers' slots ("6GiB", "512MiB")."""
+    if text.strip().lstrip("+-").isdigit():
+        return _at_least(1)(text)
+    from .integrations.install import parse_budget
+
+    try:
+        parse_budget(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected slots per MoE layer (an int) or a GPU-memory budget such as 6GiB, 6GB or 512MiB; got {text!r}"
+        ) from None
+    return text
+
+
+def _top_p(text: str) -> float:
+    value = _at_least(0.0, float)(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1: off), got {text}")
+    return value
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty: the model continues the prompt")
+    return text
+
+
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA device; use cpu")
+    return device
+
+
+def _checkpoint(text: str) -> str:
+    """A local checkpoint directory with a tokenizer, checked before anything loads: transformers would take a
+    missing directory for a hub id, and a missing tokenizer for one that encodes nothing."""
+    path = pathlib.Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"no checkpoint directory at {text} (a local directory with config.json, *.safetensors and a tokenizer)"
+        )
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a transformers checkpoint: it has no config.json")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise argparse.ArgumentTypeError(
+            f"{text} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): generate needs one to encode --prompt"
+        )
+    return text
+
+
+def _trace_file(text: str) -> str:
+    if not pathlib.Path(text).is_file():
+        raise argparse.ArgumentTypeError(
+            f"no trace file at {text} (an .npz written by `asyncmoe generate --record-trace`)"
+        )
+    return text
+
+
+def _encode(tokenizer, prompt: str) -> torch.Tensor:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, L]
+    if ids.shape[1] == 0:
+        raise ValueError(f"--prompt {prompt!r} encodes to no tokens: give the model some text to continue")
+    return ids
 
 
 def _timed(model, ids, new_tokens: int, cached: bool, repeats: int = 3):
     """Median-speed greedy generation (after a warm-up that also captures the CUDA graph on a GPU)."""
     import asyncmoe
 
-    dec = asyncmoe.Decoder(model, batch_size=ids.shape[0], max_length=ids.shape[1] + new_tokens)
+    dec = asyncmoe.Decoder(model, batch_size=ids.shape[0], max_length=ids.shape[1] + max(new_tokens, 2))
     dec.generate(ids, 2)
     runs = []
     for _ in range(repeats):
@@ -24,27 +129,72 @@ def _timed(model, ids, new_tokens: int, cached: bool, repeats: int = 3):
     return sorted(runs, key=lambda r: r.decode_ms_per_token)[repeats // 2], dec.graphed
 
 
+def _prefetch_note(choice: str, on: bool, device: torch.device) -> str:
+    """One line: whether the demo prefetches, and why."""
+    if choice == "auto" and on:
+        return (
+            "prefetch: on (a CUDA side stream copies the next layer's predicted experts while this one computes; "
+            "--prefetch off to compare)"
+        )
+    if choice == "auto":
+        return (
+            "prefetch: off (on the CPU nothing runs beside the copies, so prefetch can only cost; "
+            "--prefetch on to try it)"
+        )
+    if on and device.type != "cuda":
+        return "prefetch: on (--prefetch on; on the CPU its copies run in line with the compute, not beside it)"
+    return f"prefetch: {choice} (--prefetch {choice})"
+
+
 def demo(args) -> int:
     """The embedded model with a small expert cache, streamed, then timed next to the same model fully resident
-    and with prefetch off."""
+    (and, where it prefetches, next to itself without prefetch)."""
+    from transformers.utils import logging
+
+    bars = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # a bar for each of three loads, each done in a second, would bury the output
+    try:
+        return _demo(args)
+    finally:
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _demo(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import asyncmoe
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device
     # bf16 on the GPU: transformers' fp32 grouped_mm copies from the host, so the resident fp32 model
-    # cannot be captured in a CUDA graph (seen on the H200 with transformers 5.17)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # cannot be captured in a CUDA graph (docs/decisions.md#demo-dtype)
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     path = asyncmoe.demo_model_path()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"asyncmoe demo on {device} ({where}), {dtype}")
     print(f"model: the embedded demo model ({path}): OLMoE routing shape, 64 experts top-8, trained on Python's stdlib")
     tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = _encode(tokenizer, args.prompt).to(device)
     resident = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    cached = asyncmoe.from_pretrained(path, cache=args.cache, dtype=dtype, device=device, policy=args.policy)
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
+    experts = resident.config.num_experts
+    prefetch = PREFETCH[args.prefetch]
+    on = prefetch if prefetch is not None else device.type == "cuda"  # what asyncmoe's auto picks
+    load = dict(cache=args.cache, dtype=dtype, device=device, policy=args.policy, quantize=QUANTIZE[args.quantize])
+    cached = asyncmoe.from_pretrained(path, **load, prefetch=prefetch)
+    layers = asyncmoe.stats(cached).layers
+    slots = layers[0].slots if layers else experts
+    all_resident = not layers
+    if all_resident:
+        print(
+            f"cache={args.cache} holds all {experts} experts: every MoE layer keeps them on {device}, "
+            "so asyncmoe has nothing to cache, prefetch or count"
+        )
+    else:
+        print(_prefetch_note(args.prefetch, on, device))
+    fmt = f", {args.quantize} experts" if args.quantize != "none" else ""
 
-    print(f"\n--- asyncmoe, cache={args.cache}/64, greedy, streamed ---")
+    print(f"\n--- asyncmoe, {slots}/{experts} experts cached{fmt}, greedy, streamed ---")
     text = ids[0].tolist()
 
     def show(tokens: list[int]) -> None:
@@ -60,38 +210,77 @@ def demo(args) -> int:
     base, _ = _timed(resident, ids, args.tokens, cached=False)
     got, graphed = _timed(cached, ids, args.tokens, cached=True)
     s = asyncmoe.stats(cached)
-    plain = asyncmoe.from_pretrained(path, cache=args.cache, dtype=dtype, device=device, policy=args.policy, prefetch=False)
-    bare, _ = _timed(plain, ids, args.tokens, cached=True)
-    mode = "CUDA graph" if graphed else "eager"
-    print(f"{'greedy, ' + str(args.tokens) + ' tokens, ' + mode:<34} {'tokens/s':>9} {'ms/token':>9} {'hit rate':>9} "
-          f"{'prefetch recall':>16} {'MB moved/token':>15}")
-    print(f"{'fully resident (64/64)':<34} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} {'-':>9} {'-':>16} {'-':>15}")
-    for label, run, totals in [("", got, s.totals), (", no prefetch", bare, asyncmoe.stats(plain).totals)]:
-        moved = totals["bytes_h2d"] / run.new_tokens  # the last timed run, prefill included
-        print(f"{f'asyncmoe cache={args.cache}/64{label}':<34} {run.tokens_per_s:>9.1f} {run.decode_ms_per_token:>9.2f} "
-              f"{totals['hit_rate']:>9.1%} {totals['prefetch_recall']:>16.1%} {moved / 1e6:>15.2f}")
+    label = f"asyncmoe {slots}/{experts}{fmt}"
+    runs = [(label if all_resident else f"{label}, {'prefetch' if on else 'no prefetch'}", got, s, on)]
+    if on and not all_resident:  # the same cache without prefetch: what prefetch gains or costs
+        with contextlib.redirect_stdout(io.StringIO()):  # its load line would repeat the first one's
+            plain = asyncmoe.from_pretrained(path, **load, prefetch=False)
+        bare, _ = _timed(plain, ids, args.tokens, cached=True)
+        runs.append((f"{label}, no prefetch", bare, asyncmoe.stats(plain), False))
+
+    recall = on and not all_resident  # a prefetch recall column only where something prefetches
+    mode = f", {'CUDA graph' if graphed else 'eager'}" if device.type == "cuda" else ""  # the CPU decodes eagerly
+    print(
+        f"{f'greedy, {args.tokens} tokens{mode}':<44} {'tokens/s':>9} {'ms/token':>9} {'hit rate':>9}"
+        + (f" {'prefetch recall':>16}" if recall else "")
+        + f" {'MB moved/token':>15}"
+    )
+    print(
+        f"{f'fully resident ({experts}/{experts})':<44} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} "
+        f"{'-':>9}" + (f" {'-':>16}" if recall else "") + f" {'-':>15}"
+    )
+    for name, run, stats, prefetching in runs:
+        t = stats.totals
+        counted = bool(stats.layers)  # a fully resident model counts nothing
+        hit = f"{t['hit_rate']:.1%}" if counted else "-"
+        pf = f"{t['prefetch_recall']:.1%}" if counted and prefetching else "-"
+        # the last timed run, prefill included
+        moved = f"{t['bytes_h2d'] / run.new_tokens / 1e6:.2f}" if counted else "-"
+        print(
+            f"{name:<44} {run.tokens_per_s:>9.1f} {run.decode_ms_per_token:>9.2f} {hit:>9}"
+            + (f" {pf:>16}" if recall else "")
+            + f" {moved:>15}"
+        )
+    if recall:
+        print("prefetch recall: the share of routed experts found resident because a prefetch put them there")
     agree = (got.tokens == base.tokens).cumprod(-1).sum().item() - ids.shape[1]
-    print(f"tokens equal to the resident model's: the first {agree} of {got.new_tokens}"
-          + ("" if dtype == torch.float32 else f" ({dtype}: the two models' logits are close, not bit-equal, so a near-tie "
-             "can go either way; in float32 they must all agree)") + "\n")
-    print(s)
-    return 0 if agree == got.new_tokens or dtype != torch.float32 else 1
+    exact = dtype == torch.float32 and args.quantize == "none"  # the same weights and arithmetic as the resident model
+    why = (
+        f"{args.quantize} experts are rounded weights, so their tokens may part from the full-precision model's"
+        if args.quantize != "none"
+        else f"{dtype}: the two models' logits are close, not bit-equal, so a near-tie "
+        "can go either way; in float32 they must all agree"
+    )
+    print(
+        f"tokens equal to the resident model's: the first {agree} of {got.new_tokens}" + ("" if exact else f" ({why})")
+    )
+    if s.layers:
+        print(f"\n{s}")
+    return 0 if agree == got.new_tokens or not exact else 1
 
 
 def generate(args) -> int:
     """Any local transformers MoE checkpoint with a tokenizer: load with asyncmoe, stream a generation, print stats."""
-    import contextlib
-
-    import asyncmoe
     from transformers import AutoTokenizer
 
+    import asyncmoe
+
+    # the tokenizer first: a checkpoint without one fails before its weights load; local files only, never the hub
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    ids = _encode(tokenizer, args.prompt)
     model = asyncmoe.from_pretrained(
-        args.model, cache=args.cache, dtype=getattr(torch, args.dtype), device=args.device, policy=args.policy
+        args.model,
+        cache=args.cache,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        policy=args.policy,
+        prefetch=PREFETCH[args.prefetch],
+        quantize=QUANTIZE[args.quantize],
+        local_files_only=True,
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     # recording hooks run in eager forwards only, so a recorded run decodes without the CUDA graph
-    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + args.tokens, graph=None if not args.record_trace else False)
+    graph = None if not args.record_trace else False
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + args.tokens, graph=graph)
     text = ids[0].tolist()
 
     def show(tokens: list[int]) -> None:  # stream: print what the new token adds to the decoded text
@@ -105,72 +294,151 @@ def generate(args) -> int:
         if recorder:
             recorder.new_sequence()
         out = dec.generate(
-            ids, args.tokens, do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5), top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, eos_token_id=tokenizer.eos_token_id, callback=show,
+            ids,
+            args.tokens,
+            do_sample=args.temperature > 0,
+            temperature=max(args.temperature, 1e-5),
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            eos_token_id=tokenizer.eos_token_id,
+            callback=show,
         )
-    print(f"\n\n{out.new_tokens} tokens, prefill {out.prefill_ms:.1f} ms, decode {out.decode_ms_per_token:.2f} ms/token "
-          "(streamed: one host sync per token)")
+    print(
+        f"\n\n{out.new_tokens} tokens, prefill {out.prefill_ms:.1f} ms, "
+        f"decode {out.decode_ms_per_token:.2f} ms/token (streamed: one host sync per token)"
+    )
     if recorder:
         recorder.trace.save(args.record_trace)
-        print(f"routing trace of {recorder.trace.tokens} tokens x {recorder.trace.layers} MoE layers -> {args.record_trace}")
+        trace = recorder.trace
+        print(f"routing trace of {trace.tokens} tokens x {trace.layers} MoE layers -> {args.record_trace}")
     print(asyncmoe.stats(model))
     return 0
 
 
 def simulate(args) -> int:
     """Replay a routing trace through the runtime's cache and predictor code on the CPU, beside the Belady bound."""
-    from .predict.predictors import Prefetch
     from .trace import Trace
     from .trace.simulate import simulate as run
 
     torch.set_num_threads(1)
     prefetch = tuple(p for p in args.prefetch.split("+") if p and p != "off")
-    budget = Prefetch.budget if args.budget is None else args.budget
-    result = run(Trace.load(args.trace), args.cache, args.policy, prefetch, budget, args.expert_bytes, not args.no_compile)
+    trace = Trace.load(args.trace)
+    result = run(trace, args.cache, args.policy, prefetch, args.budget, args.expert_bytes, not args.no_compile)
     print(result.to_json() if args.json else result)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncmoe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run a MoE model with a small expert cache next to the fully resident model")
-    p.add_argument("--cache", type=int, default=16, help="GPU slots per MoE layer (of 64 experts)")
-    p.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
-    p.add_argument("--tokens", type=int, default=64, help="tokens to generate")
-    p.add_argument("--prompt", default=PROMPT)
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="default: bfloat16 on the GPU, float32 on the CPU (where tokens must equal the resident model's)")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+def _parser() -> Parser:
+    parser = Parser(prog="asyncmoe", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"asyncmoe {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> Parser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    slots, tokens = _at_least(1), _at_least(1)
+    cache = "GPU slots per MoE layer, or a GPU-memory budget for all layers' slots (6GiB, 6GB, 512MiB)"
+    quantize = (
+        "store the experts as block-wise fp8 (half of bf16's bytes per copy); none: the checkpoint's own "
+        "format (fp8 experts of an fp8 checkpoint stay fp8)"
+    )
+    policy = "eviction policy: lru, lfu, lfru or fifo"
+    device = "where the model runs: auto (cuda when available, else cpu), cpu, cuda or cuda:N"
+    prefetch = (
+        "copy the next layer's predicted experts while a layer computes; auto: on where the model runs on a "
+        "CUDA device, off on the CPU"
+    )
+
+    p = command("demo", "run a MoE model with a small expert cache next to the fully resident model")
+    p.add_argument("--cache", type=_cache, default=16, help=cache + " (of 64 experts)")
+    p.add_argument("--quantize", default="none", choices=["none", "fp8"], help=quantize)
+    p.add_argument("--policy", default="lfru", help=policy)
+    p.add_argument("--tokens", type=tokens, default=64, help="tokens to generate")
+    p.add_argument("--prompt", type=_prompt, default=PROMPT, help="text the model continues (default: %(default)r)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="auto: bfloat16 on the GPU, float32 on the CPU (where tokens must equal the resident model's)",
+    )
+    p.add_argument("--device", type=_device, default="auto", help=device)
+    p.add_argument("--prefetch", default="auto", choices=list(PREFETCH), help=prefetch)
     p.set_defaults(fn=demo)
-    g = sub.add_parser("generate", help="generate from a local MoE checkpoint (config, safetensors, tokenizer)")
-    g.add_argument("--model", required=True, help="checkpoint directory")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--cache", type=int, default=16, help="GPU slots per MoE layer")
-    g.add_argument("--tokens", type=int, default=64, help="new tokens")
-    g.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    g.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--record-trace", default=None, help="write the routing of this run, and what the gate predictor "
-                   "predicted, to an .npz trace (eager decode)")
+
+    g = command("generate", "generate from a local MoE checkpoint (config, safetensors, tokenizer)")
+    required = dict(required=True, default=argparse.SUPPRESS)  # no "(default: None)" in the help
+    g.add_argument("--model", type=_checkpoint, **required, help="local checkpoint directory")
+    g.add_argument("--prompt", type=_prompt, **required, help="text the model continues")
+    g.add_argument("--cache", type=_cache, default=16, help=cache)
+    g.add_argument(
+        "--quantize",
+        default="none",
+        choices=list(QUANTIZE),
+        help=quantize + "; dequantize: an fp8 checkpoint's experts in --dtype",
+    )
+    g.add_argument("--tokens", type=tokens, default=64, help="new tokens (fewer where the model emits its EOS token)")
+    g.add_argument("--policy", default="lfru", help=policy)
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights' dtype")
+    g.add_argument("--device", type=_device, default="auto", help=device)
+    g.add_argument("--prefetch", default="auto", choices=list(PREFETCH), help=prefetch)
+    g.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="sampling temperature; 0: greedy")
+    g.add_argument(
+        "--top-p",
+        type=_top_p,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens with this probability mass; 1: off",
+    )
+    g.add_argument("--top-k", type=_at_least(0), default=0, help="sample among the k likeliest tokens; 0: off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed; None: unseeded")
+    g.add_argument(
+        "--record-trace",
+        default=None,
+        help="write the routing of this run, and what the gate predictor "
+        "predicted, to this .npz trace (eager decode); None: no trace",
+    )
     g.set_defaults(fn=generate)
-    s = sub.add_parser("simulate", help="replay a routing trace through the cache on the CPU; print hit rates and the Belady bound")
-    s.add_argument("trace", help=".npz routing trace (docs/traces.md)")
-    s.add_argument("--cache", type=int, default=16, help="slots per MoE layer")
-    s.add_argument("--policy", default="lfru", help="lru, lfu, lfru or fifo")
-    s.add_argument("--prefetch", default="off", help="off, or predictors joined by +: temporal, transition, and gate "
-                   "where the trace recorded its nominations (asyncmoe.record(model, gate=True))")
-    s.add_argument("--budget", type=int, default=None, help="experts prefetched per layer per token (default: asyncmoe.Prefetch's)")
-    s.add_argument("--expert-bytes", type=int, default=0, help="bytes of one expert, for bytes per token")
+
+    s = command("simulate", "replay a routing trace through the cache on the CPU; print hit rates and the Belady bound")
+    s.add_argument("trace", type=_trace_file, help=".npz routing trace (docs/traces.md)")
+    s.add_argument("--cache", type=slots, default=16, help="slots per MoE layer")
+    s.add_argument("--policy", default="lfru", help=policy)
+    s.add_argument(
+        "--prefetch",
+        default="off",
+        help="off, or predictors joined by +: temporal, transition, and gate "
+        "where the trace recorded its nominations (asyncmoe.record(model, gate=True))",
+    )
+    s.add_argument(
+        "--budget", type=_at_least(0), default=Prefetch.budget, help="experts prefetched per layer per token"
+    )
+    s.add_argument(
+        "--expert-bytes",
+        type=_at_least(0),
+        default=None,
+        help="bytes of one expert, for bytes per token; None: what the trace recorded (the recorded "
+        "model's experts, in their stored format), else 0",
+    )
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
-    s.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower; no compile wait on short traces)")
+    s.add_argument(
+        "--no-compile", action="store_true", help="skip torch.compile (slower; no compile wait on short traces)"
+    )
     s.set_defaults(fn=simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input ends with one line on stderr and exit status 2 (`--debug`: its traceback)."""
+    parser = _parser()
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message's layout
+        parser.exit(2, f"asyncmoe: error: {message}\n")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,61 @@
 """The `asyncmoe` command."""
 
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import asyncmoe
+from asyncmoe import cli
 from asyncmoe.cli import main
+
+ROOT = pathlib.Path(__file__).parent.parent
+BARS = ("Loading weights", "experts to host memory")  # transformers' loading bar, asyncmoe's install bar
+
+
+def asyncmoe_rows(out: str) -> dict[str, list[str]]:
+    """The demo table's asyncmoe rows: label -> cells."""
+    return {
+        line[:44].strip(): line[44:].split()
+        for line in out.splitlines()
+        if line.startswith("asyncmoe ") and "/64" in line[:44]
+    }
 
 
 def test_demo_runs_and_matches_the_resident_model(capsys):
     assert main(["demo", "--tokens", "6", "--cache", "8", "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "tokens equal to the resident model's: the first 6 of 6" in out
     assert "hit%" in out and "tokens/s" in out
+    # the CPU default: prefetch off, said why; no comparison without prefetch, no column or mode of the GPU
+    assert "prefetch: off (on the CPU" in out
+    rows = asyncmoe_rows(out)
+    assert list(rows) == ["asyncmoe 8/64, no prefetch"] and len(rows["asyncmoe 8/64, no prefetch"]) == 4
+    assert "prefetch recall" not in out and "pf-recall%" not in out and "nothing prefetched" in out
+    assert "CUDA graph" not in out and "eager" not in out and "nan" not in out
+    assert sum(err.count(bar) for bar in BARS) <= 1 and sum(out.count(bar) for bar in BARS) == 0
+
+
+def test_demo_with_prefetch_on_the_cpu_compares_without_it(capsys):
+    assert main(["demo", "--tokens", "2", "--cache", "8", "--device", "cpu", "--prefetch", "on"]) == 0
+    out = capsys.readouterr().out
+    assert "prefetch: on (--prefetch on" in out
+    rows = asyncmoe_rows(out)
+    assert list(rows) == ["asyncmoe 8/64, prefetch", "asyncmoe 8/64, no prefetch"]
+    on, off = rows.values()  # tokens/s, ms/token, hit rate, prefetch recall, MB moved/token
+    assert on[3].endswith("%") and off[3] == "-" and off[2].endswith("%")
+    assert "prefetch recall: the share of routed experts found resident because a prefetch put them there" in out
+    assert "pf-recall%: routed experts found resident because a prefetch put them there" in out
+    assert "pf-hit" not in out and "nan" not in out and out.count("asyncmoe: experts of") == 1
+
+
+def test_demo_with_every_expert_resident_counts_nothing(capsys):
+    assert main(["demo", "--tokens", "1", "--cache", "64", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "nan" not in out and "cache=64 holds all 64 experts: every MoE layer keeps them" in out
+    assert asyncmoe_rows(out)["asyncmoe 64/64"][2:] == ["-", "-"]  # hit rate, MB moved/token
+    assert "prefetch:" not in out and "hit%" not in out
 
 
 def test_generate_from_a_local_checkpoint(tmp_path, capsys):
@@ -24,14 +72,30 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
     original = tiny("qwen3_moe")
     original.save_pretrained(tmp_path, max_shard_size="100KB")
 
-    argv = ["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3", "--tokens", "8", "--cache", "4",
-            "--device", "cpu", "--dtype", "float32", "--record-trace", str(tmp_path / "run.npz")]
+    argv = [
+        "generate",
+        "--model",
+        str(tmp_path),
+        "--prompt",
+        "w1 w2 w3",
+        "--tokens",
+        "8",
+        "--cache",
+        "4",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--record-trace",
+        str(tmp_path / "run.npz"),
+    ]
     assert main(argv) == 0
     from asyncmoe.trace import Trace
 
     trace = Trace.load(tmp_path / "run.npz")  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
     assert trace.ids.shape == (10, 2, 2) and trace.starts.tolist() == [0]
-    assert trace.gate_ids.shape == (10, 2, 2) and (trace.gate_ids[:, 0] == -1).all() and (trace.gate_ids[:, 1] >= 0).all()
+    assert trace.gate_ids.shape == (10, 2, 2)
+    assert (trace.gate_ids[:, 0] == -1).all() and (trace.gate_ids[:, 1] >= 0).all()
     loaded, text, *rest = capsys.readouterr().out.split("\n")
     assert "routing trace of 10 tokens x 2 MoE layers" in "\n".join(rest)
     assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens" in "\n".join(rest)
@@ -40,3 +104,132 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
     if 1 in want:  # generation stops at <eos>
         want = want[: want.index(1) + 1]
     assert text.split() == ["w1", "w2", "w3"] + [words[t] for t in want if t != 1]
+
+
+def test_python_m_asyncmoe_prints_the_version():
+    run = subprocess.run(
+        [sys.executable, "-m", "asyncmoe", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert (run.returncode, run.stdout) == (0, f"asyncmoe {asyncmoe.__version__}\n")
+
+
+def help_blocks(text: str) -> dict[str, str]:
+    """Each option's entry in a --help text, by its first option string."""
+    blocks, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif name and line.startswith("   "):
+            blocks[name] += " " + line.strip()
+        else:
+            name = None
+    return blocks
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "simulate"])
+def test_help_shows_every_default(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])
+    assert exit.value.code == 0
+    blocks = help_blocks(capsys.readouterr().out)
+    required = {"--model", "--prompt"} if command == "generate" else set()  # no default to show
+    assert {"--cache", "--policy", "-h"} <= set(blocks) and required <= set(blocks)
+    for name, block in blocks.items():
+        if name != "-h":
+            assert ("default" in block) == (name not in required), block
+
+
+def user_error(argv: list[str], capsys) -> str:
+    """The one line of a user error; the exit status must be 2, with no traceback."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2 and "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("asyncmoe: error: ")
+    return line
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["nosuch"], "invalid choice: 'nosuch'"),
+        ([], "required: COMMAND"),
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
+        (["demo", "--tokens", "-5"], "argument --tokens: must be >= 1, got -5"),
+        (["demo", "--tokens", "many"], "argument --tokens: expected a number >= 1, got 'many'"),
+        (["demo", "--cache", "0"], "argument --cache: must be >= 1, got 0"),
+        (["demo", "--cache", "-3"], "argument --cache: must be >= 1, got -3"),
+        (["demo", "--prompt", ""], "argument --prompt: must not be empty"),
+        (["demo", "--device", "gpu0"], "argument --device: 'gpu0' is not a device"),
+        (["demo", "--prefetch", "yes"], "argument --prefetch: invalid choice: 'yes'"),
+        (["generate", "--model", "{tmp}/ck", "--prompt", ""], "argument --prompt: must not be empty"),
+        (
+            ["generate", "--model", "{tmp}/typo", "--prompt", "hi"],
+            "argument --model: no checkpoint directory at {tmp}/typo",
+        ),
+        (["generate", "--model", "{tmp}", "--prompt", "hi"], "it has no config.json"),
+        (["generate", "--model", "{tmp}/no-tokenizer", "--prompt", "hi"], "no-tokenizer has no tokenizer"),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--temperature", "-1"],
+            "argument --temperature: must be >= 0",
+        ),
+        (["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--tokens", "0"],
+            "argument --tokens: must be >= 1, got 0",
+        ),
+        (["simulate", "{tmp}/missing.npz"], "argument trace: no trace file at {tmp}/missing.npz"),
+        (["simulate", "{tmp}/garbage.npz"], "{tmp}/garbage.npz"),
+        (["simulate", "{tmp}/garbage.npz", "--cache", "0"], "argument --cache: must be >= 1, got 0"),
+    ],
+)
+def test_user_errors_are_one_line_with_status_2(argv, says, tmp_path, capsys, monkeypatch):
+    (tmp_path / "garbage.npz").write_text("not a trace\n")
+    for checkpoint, files in [("ck", ("config.json", "tokenizer.json")), ("no-tokenizer", ("config.json",))]:
+        (tmp_path / checkpoint).mkdir()
+        for name in files:  # what the parse-time check looks for; nothing loads them
+            (tmp_path / checkpoint / name).write_text("{}")
+    if argv != ["simulate", "{tmp}/garbage.npz"]:  # Trace.load finds a garbage trace out; the rest fail at parse time
+        for command in ("demo", "generate", "simulate"):
+            monkeypatch.setattr(cli, command, lambda args: pytest.fail("ran past a user error"))
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert says.format(tmp=tmp_path) in user_error(argv, capsys)
+
+
+@pytest.mark.parametrize("error", [ValueError, TypeError, FileNotFoundError, MemoryError])
+def test_api_errors_are_one_line_and_a_traceback_with_debug(error, capsys, monkeypatch):
+    def refuse():
+        raise error("the embedded demo model is missing:\n  reinstall asyncmoe")
+
+    monkeypatch.setattr(asyncmoe, "demo_model_path", refuse)
+    line = user_error(["demo", "--device", "cpu"], capsys)
+    assert line == "asyncmoe: error: the embedded demo model is missing: reinstall asyncmoe"
+    with pytest.raises(error, match="demo model is missing"):
+        main(["--debug", "demo", "--device", "cpu"])
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken():
+        raise RuntimeError("an internal error")
+
+    monkeypatch.setattr(asyncmoe, "demo_model_path", broken)
+    with pytest.raises(RuntimeError, match="an internal error"):
+        main(["demo", "--device", "cpu"])
+
+
+def test_demo_with_fp8_experts_and_a_budget(capsys):
+    assert main(["demo", "--tokens", "4", "--cache", "3MiB", "--quantize", "fp8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cache='3MiB' gives 14 slots per MoE layer" in out and "14/64 experts cached, fp8 experts" in out
+    assert "tokens equal to the resident model's" in out
+
+
+def test_a_bad_budget_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["demo", "--cache", "6 gigs"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected slots per MoE layer (an int) or a GPU-memory budget" in err
