@@ -2,63 +2,78 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import torch
 from torch import nn
 
-from .cache.stats import Stats, read_stats
-from .integrations import transformers as hf
+from .integrations.install import install
+from .integrations.loading import load
+from .integrations.record import TraceRecorder
+from .integrations.transformers import PROVIDER, find_experts
 from .predict import Prefetch
 from .providers import CachedProvider, ResidentProvider
+from .stats import Stats, read_stats
 from .trace import Trace
 
 
 def compile(
     model: nn.Module,
-    cache: int = 16,
+    cache: int | str = 16,
     policy: str = "lfru",
     device: torch.device | str | None = None,
-    prefetch: bool | Prefetch = True,
-    replay: Trace | str | None = None,
+    prefetch: bool | Prefetch | None = None,
+    replay: Trace | str | os.PathLike | None = None,
     time_stalls: bool = False,
+    quantize: str | None = None,
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
 
+    `cache` is slots per MoE layer, or a GPU-memory budget for all layers' slots together ("6GiB", "6GB",
+    "512MiB"), which gives every layer the slots that fit for the experts' format.
     `cache >= num_experts` keeps every expert resident and runs the model's own implementation.
+    `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout, 128x128
+    blocks), quantized layer by layer on the way to host memory: a miss copies about half of bf16's bytes and
+    the same GPU memory holds twice the experts. None keeps the model's dtype (or its fp8 experts).
     `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
     can be compiled straight onto the GPU without its experts ever going there.
     `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo".
     `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
-    computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose).
+    computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose). The default,
+    None, turns it on where the model runs on a CUDA device and off elsewhere: on the CPU nothing runs beside
+    the copies, so prefetch can only cost.
     `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose work still
     runs: realistic routing for random-weight models of real shapes (docs/traces.md).
     `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its own
-    decision and copies (`stats` reports them); three one-thread kernels per layer call, so off by default.
+    decision and copies (`stats` reports them); three one-thread kernels per layer call, so off by default
+    (docs/decisions.md#stall-timing-off).
     Returns the same model.
     """
-    trace = Trace.load(replay) if isinstance(replay, str) else replay
-    return hf.install(model, cache, policy, device, _plan(prefetch), trace, time_stalls)
+    if isinstance(replay, (str, os.PathLike)):
+        replay = Trace.load(replay, what="replay=")
+    elif replay is not None and not isinstance(replay, Trace):
+        raise TypeError(
+            f"replay must be an asyncmoe.trace.Trace or the path of its .npz file, got {type(replay).__name__}"
+        )
+    return install(model, cache, policy, device, prefetch, replay, time_stalls, quantize)
 
 
-def _plan(prefetch: bool | Prefetch) -> Prefetch | None:
-    return Prefetch() if prefetch is True else (prefetch or None)
-
-
-def record(model: nn.Module, gate: bool = False) -> hf.TraceRecorder:
+def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
     """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")` (eager forwards only).
     `gate=True` also records the gate predictor's nominations, which a replay of the trace feeds to it."""
-    return hf.TraceRecorder(model, gate)
+    return TraceRecorder(model, gate)
 
 
 def from_pretrained(
     path,
-    cache: int = 16,
+    cache: int | str = 16,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
     policy: str = "lfru",
-    prefetch: bool | Prefetch = True,
+    prefetch: bool | Prefetch | None = None,
     time_stalls: bool = False,
+    quantize: str | None = None,
     **kwargs,
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
@@ -67,14 +82,18 @@ def from_pretrained(
     memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
     (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
     `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`.
+    A checkpoint with fine-grained fp8 experts (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1
+    and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its other weights
+    are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's experts on the way in;
+    `quantize="dequantize"` loads an fp8 checkpoint's experts in `dtype` instead.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return hf.load(path, cache, dtype, device, policy, _plan(prefetch), time_stalls, **kwargs)
+    return load(path, cache, dtype, device, policy, prefetch, time_stalls, quantize, **kwargs)
 
 
 def stats(model: nn.Module, reset: bool = False) -> Stats:
     """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync)."""
-    providers = [(name, getattr(m, hf.PROVIDER)) for name, m in hf.find_experts(model) if hasattr(m, hf.PROVIDER)]
+    providers = [(name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)]
     if not providers:
         raise ValueError("this model is not asyncmoe-compiled: call asyncmoe.compile(model, cache=...) first")
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]

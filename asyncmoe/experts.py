@@ -7,6 +7,10 @@ The module's layout flags say how its weights are stored and combined; we honour
 module's own `_apply_gate`'s business. Routing weights are applied and summed over k in the same
 order and precision as transformers' own backends, so outputs match the unmodified model.
 
+Quantized slots (formats: fp8, mxfp4, int4): at decode sizes each projection is one fused dequantizing GEMV
+over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); a prompt's many pairs dequantize the slots to the
+compute dtype once and take the dense path, which reads each expert once for all its tokens.
+
 Dims: T tokens, H hidden, k top-k, S = T*k (token, expert) pairs, C slots.
 Slot id -1 marks a pair served by another wave: its output row is garbage, to be masked by the caller.
 """
@@ -16,8 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import ops
+from .formats import Format, Fp8
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GATHER_BYTES = 256 * 2**20  # the gather path copies each pair's expert weights; bound that per chunk
+DEQUANT_BYTES = 128 * 2**20  # float32 temporaries of the prompt path's dequantization, per step
+GEMV_PAIRS = 64  # up to this many pairs the fused GEMV (docs/decisions.md#decode-gemv-below-64-pairs)
 
 
 def layer_weight_names(experts) -> tuple[str, str | None, str, str | None]:
@@ -36,11 +45,44 @@ def _use_grouped_mm(w: torch.Tensor) -> bool:
     return w.device.type == "cpu"
 
 
-def routed_outputs(experts, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each pair's expert output before routing weights: [S, H]."""
+def routed_outputs(
+    experts, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.Tensor], fmt: Format | None = None
+) -> torch.Tensor:
+    """Each pair's expert output before routing weights: [S, H]. `fmt`: the weights' format (None: dense)."""
     up, up_bias, down, down_bias = layer_weight_names(experts)
+    if fmt is not None and up + fmt.suffix in weights:
+        return _quantized(experts, x, slots, weights, fmt)
     args = (experts, x, slots, weights[up], weights.get(up_bias), weights[down], weights.get(down_bias))
     return _grouped(*args) if _use_grouped_mm(weights[up]) else _gathered(*args)
+
+
+def _quantized(experts, x, slots, weights, fmt: Format):
+    up, up_bias, down, down_bias = layer_weight_names(experts)
+    t = experts.is_transposed
+    if slots.numel() > GEMV_PAIRS:  # a prompt: dequantize each slot once, then the dense path
+        dense = {n: _dequantized(fmt, weights[n], weights[n + fmt.suffix], x.dtype, t) for n in (up, down)}
+        return routed_outputs(experts, x, slots, {**weights, **dense})
+    idx = slots.reshape(-1)  # [S]
+
+    def linear(inp, name, bias):
+        w, s = weights[name], weights[name + fmt.suffix]
+        if isinstance(fmt, Fp8):
+            out = ops.fp8_matmul(inp, w, s, idx, fmt.block, t)
+        else:  # 4-bit slots are stored [C, N, K/2] whatever the module's layout
+            out = torch.ops.asyncmoe.gemv4(inp, w, s, idx, fmt.name)
+        return out if bias is None else out + weights[bias][idx.clamp(min=0)]
+
+    h = linear(x.repeat_interleave(slots.shape[1], dim=0), up, up_bias)
+    h = linear(_activate(experts, h), down, down_bias)
+    return _finish(experts, h)
+
+
+def _dequantized(fmt: Format, w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, transposed: bool):
+    """Every slot of w in `dtype`, in the module's layout, a few slots at a time: float32 temporaries stay small."""
+    per_slot = w[0].numel() * (2 if w.dtype == torch.uint8 else 1) * 4
+    step = max(1, DEQUANT_BYTES // per_slot)
+    parts = [fmt.dequantize([w[i : i + step], scales[i : i + step]], dtype, transposed) for i in range(0, len(w), step)]
+    return torch.cat(parts)
 
 
 def _activate(experts, h: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,17 @@
 """Every custom op asyncmoe adds: the only surface torch.compile sees.
 
 Each op is opaque to Dynamo and Inductor, so a compiled graph stays whole around cache decisions
-whose insides (sorts, scatters, a Triton copy, a side stream) need not be traced; `mutates_args`
-names every tensor an op writes, so functionalization orders the expert compute after the copies it
-reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
+whose insides (sorts, scatters, a Triton copy, a side stream) need not be traced. An op takes a
+layer's `CacheState` as one flat tensor list (`state`), named again here, in one place; `mutates_args`
+names every tensor an op may write, so functionalization orders the expert compute after the copies
+it reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
-Streams: `prefetch` forks a side stream from the current (compute) stream, predicts, admits and copies there,
-and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
+Streams: `prefetch` forks a side stream from the current (compute) stream, predicts, admits and copies
+there, and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
 event before it reads the tables. Every prefetch targets a later layer of the same forward, whose
-`ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture
-must end joined). On the CPU there are no streams: `prefetch` runs inline.
+`ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture must
+end joined). On the CPU there are no streams: `prefetch` runs inline.
 """
 
 from __future__ import annotations
@@ -18,180 +19,177 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .cache import expert_cache
+from .cache import algorithm
 from .cache.expert_cache import ExpertCache
-from .kernels import clock
+from .cache.state import COUNTERS, PACE_STAMP, TIMER_START, TIMER_WAITED, TRANSITION, CacheState
+from .formats import FP8, scale_shape
+from .kernels import clock, fp8_gemv, gemv4
 from .predict import predictors
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-_ready: dict[int, torch.cuda.Event] = {}  # per target cache (keyed by its expert_to_slot address)
+from .predict.prefetch import Request, predict_and_prefetch
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device.index not in _side_streams:
-        _side_streams[device.index] = torch.cuda.Stream(device)
-    return _side_streams[device.index]
+class SideStreams:
+    """The prefetch side stream of each device, and the event each target cache's last prefetch recorded.
+
+    Owned by this module: a custom op sees only tensors, so it finds a target's event by the address of the
+    target's `expert_to_slot`, which never changes (buffers are allocated once)."""
+
+    def __init__(self):
+        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.events: dict[int, torch.cuda.Event] = {}
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device.index not in self.streams:
+            self.streams[device.index] = torch.cuda.Stream(device)
+        return self.streams[device.index]
+
+    def ready(self, target: Tensor) -> torch.cuda.Event:
+        key = target.data_ptr()
+        if key not in self.events:
+            self.events[key] = torch.cuda.Event()
+        return self.events[key]
 
 
-def _event(key: int) -> torch.cuda.Event:
-    if key not in _ready:
-        _ready[key] = torch.cuda.Event()
-    return _ready[key]
+SIDE = SideStreams()
 
 
-@torch.library.custom_op(
-    "asyncmoe::ensure",
-    mutates_args=("expert_to_slot", "slot_to_expert", "state", "counters", "timer", "pace", "slots"),
-)
+def _check_state(state: list[Tensor]) -> CacheState:
+    torch._check(
+        len(state) == len(CacheState._fields),
+        lambda: (
+            f"state must hold the {len(CacheState._fields)} "
+            f"CacheState tensors ({', '.join(CacheState._fields)}), got {len(state)}"
+        ),
+    )
+    s = CacheState._make(state)
+    torch._check(s.expert_to_slot.dtype == torch.int64, lambda: "expert_to_slot must be int64")
+    torch._check(s.counters.shape == (len(COUNTERS),), lambda: f"counters must be [{len(COUNTERS)}]")
+    torch._check(
+        s.timer.numel() in (0, 4), lambda: f"timer must be empty (not timed) or [4], got {tuple(s.timer.shape)}"
+    )
+    torch._check(s.pace.shape == (3,), lambda: f"pace must be [3], got {tuple(s.pace.shape)}")
+    return s
+
+
+@torch.library.custom_op("asyncmoe::ensure", mutates_args=("state", "slots"))
 def _ensure(
     top_k_index: Tensor,
     wave: int,
     wait: bool,
     lap: bool,
     policy: str,
-    expert_to_slot: Tensor,
-    slot_to_expert: Tensor,
     state: list[Tensor],
-    counters: Tensor,
-    timer: Tensor,
-    pace: Tensor,
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> Tensor:
     """Make this call's wave of routed experts resident in the slots; return their slot ids.
 
-    Decided on the device with fixed-shape ops (see `cache.expert_cache`); misses are copied
-    host -> slot by the gather-copy kernel, whose count stays in device memory. `wait`: first wait
-    for the prefetch into this layer issued earlier in the forward. A non-empty `timer` (CUDA) times
-    the wait and the rest on the GPU clock (kernels.clock). `lap`: first fold the time since the prefetch
-    op stamped `pace` into its window (the compute that prefetch had to hide behind; see `providers.link`).
+    Decided on the device with fixed-shape ops (`cache.algorithm`); misses are copied host -> slot by the
+    gather-copy kernel, whose count stays in device memory. `wait`: first wait for the prefetch into this
+    layer issued earlier in the forward. A non-empty `timer` (CUDA) times the wait and the rest on the GPU
+    clock (kernels.clock). `lap`: first fold the time since the prefetch op stamped `pace` into its window
+    (the compute that prefetch had to hide behind; see `providers.link`).
     """
-    if lap and expert_to_slot.is_cuda:
-        clock.window(pace)
-    timed = timer.numel() > 0
+    s = CacheState._make(state)
+    if lap and s.expert_to_slot.is_cuda:
+        clock.window(s.pace)
+    timed = s.timer.numel() > 0
     if timed:
-        clock.stamp(timer, 0)
-    if wait and expert_to_slot.is_cuda:
-        torch.cuda.current_stream().wait_event(_event(expert_to_slot.data_ptr()))
+        clock.stamp(s.timer, TIMER_START)
+    if wait and s.expert_to_slot.is_cuda:
+        torch.cuda.current_stream().wait_event(SIDE.ready(s.expert_to_slot))
     if timed:
-        clock.stamp(timer, 1)
-    out = expert_cache.ensure(top_k_index, wave, policy, expert_to_slot, slot_to_expert, state, counters, hosts, slots)
+        clock.stamp(s.timer, TIMER_WAITED)
+    out = algorithm.ensure(top_k_index, wave, policy, s, hosts, slots)
     if timed:
-        clock.lap(timer)
+        clock.lap(s.timer)
     return out
 
 
 @_ensure.register_fake
-def _(top_k_index, wave, wait, lap, policy, expert_to_slot, slot_to_expert, state, counters, timer, pace, hosts, slots):
-    C = slot_to_expert.shape[0]
+def _(top_k_index, wave, wait, lap, policy, state, hosts, slots):
+    s = _check_state(state)
+    C = s.slot_to_expert.shape[0]
     torch._check(top_k_index.dim() == 2, lambda: f"top_k_index must be [tokens, top_k], got {top_k_index.dim()}D")
     torch._check(
         top_k_index.shape[1] <= C,
-        lambda: f"top_k={top_k_index.shape[1]} exceeds the cache's {C} slots: every token needs its top_k experts "
-        f"resident at once; use cache>={top_k_index.shape[1]}",
+        lambda: (
+            f"top_k={top_k_index.shape[1]} exceeds the cache's {C} slots: every token needs its top_k experts "
+            f"resident at once; use cache>={top_k_index.shape[1]}"
+        ),
     )
     torch._check(len(hosts) == len(slots), lambda: "hosts and slots must pair up")
-    torch._check(timer.numel() in (0, 4), lambda: f"timer must be empty (not timed) or [4], got {tuple(timer.shape)}")
-    torch._check(pace.shape == (3,), lambda: f"pace must be [3], got {tuple(pace.shape)}")
-    torch._check(expert_to_slot.dtype == torch.int64, lambda: "expert_to_slot must be int64")
     return torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
 
 
 def ensure(cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = False, lap: bool = False) -> Tensor:
-    """`asyncmoe::ensure` on one layer's cache buffers; slot ids [T, k], -1 for pairs of other waves."""
-    return torch.ops.asyncmoe.ensure(
-        top_k_index, wave, wait, lap, cache.policy, cache.expert_to_slot, cache.slot_to_expert, cache.state,
-        cache.counters, cache.timer, cache.pace, cache.hosts, cache.slots,
-    )
+    """`asyncmoe::ensure` on one layer's cache; slot ids [T, k], -1 for pairs of other waves."""
+    state = list(cache.state)
+    return torch.ops.asyncmoe.ensure(top_k_index, wave, wait, lap, cache.policy, state, cache.hosts, cache.slots)
 
 
-@torch.library.custom_op(
-    "asyncmoe::prefetch",
-    mutates_args=("predicted", "nominated", "expert_to_slot", "slot_to_expert", "state", "counters", "outcomes", "pace", "slots"),
-)
+@torch.library.custom_op("asyncmoe::prefetch", mutates_args=("state", "slots"))
 def _prefetch(
-    gate: Tensor | None,
-    temporal: bool,
-    routed_before: Tensor | None,
-    transitions: Tensor | None,
+    sources: int,
     budget: int,
     copy_programs: int,
     stamp: bool,
     policy: str,
-    predicted: Tensor,
-    nominated: Tensor,
-    expert_to_slot: Tensor,
-    slot_to_expert: Tensor,
     state: list[Tensor],
-    counters: Tensor,
-    outcomes: Tensor,
-    pace: Tensor,
+    routed_before: Tensor | None,
     hosts: list[Tensor],
     slots: list[Tensor],
 ) -> None:
     """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side stream.
 
-    Predictors (predict.predictors): `gate`, the target's gate buffer [E], scored by `gate_scores` on
-    the compute stream from this layer's hidden states (the one predictor input that is a compute-stream
-    temporary); `temporal` (the target's routing last call, its own `routed`); `routed_before` and
-    `transitions` for the transition predictor. On CUDA the side stream runs one kernel for the
-    scores and the prefetch gate, one for the decision, then the copy (in torch ops it was ~40 kernels per layer
-    beside the compute). The copy runs on at most `copy_programs` Triton programs (0: one per block),
-    so the compute stream keeps most SMs. `stamp`: first stamp `pace` on the compute stream, which the
-    target's `ensure(lap=True)` measures the compute this prefetch hides behind from.
+    `sources`: bits of the predictors (cache.state GATE, TEMPORAL, TRANSITION): the gate's scores are in the
+    target's `gate` (written by `gate_scores` on the compute stream), temporal reads its `routed`,
+    transition its `transitions` and `routed_before`, the previous layer's routing. The copy runs on at most
+    `copy_programs` Triton programs (0: one per block), so the compute stream keeps most SMs. `stamp`: first
+    stamp `pace` on the compute stream, from which the target's `ensure(lap=True)` measures the window.
     """
-
-    def run():
-        expert_cache.predict_and_prefetch(
-            gate, temporal, routed_before, transitions, budget, policy, predicted,
-            nominated, expert_to_slot, slot_to_expert, state, counters, hosts, slots, outcomes, pace, copy_programs or None,
-        )
-
-    if not expert_to_slot.is_cuda:
-        run()
+    s = CacheState._make(state)
+    request = Request(sources, budget, policy, copy_programs or None)
+    if not s.expert_to_slot.is_cuda:
+        predict_and_prefetch(request, s, routed_before, hosts, slots)
         return
     if stamp:
-        clock.stamp(pace, 0)
+        clock.stamp(s.pace, PACE_STAMP)
     compute = torch.cuda.current_stream()
-    side = _side_stream(expert_to_slot.device)
+    side = SIDE.stream(s.expert_to_slot.device)
     side.wait_stream(compute)
     with torch.cuda.stream(side):
-        run()
-        _event(expert_to_slot.data_ptr()).record(side)
+        predict_and_prefetch(request, s, routed_before, hosts, slots)
+        SIDE.ready(s.expert_to_slot).record(side)
 
 
 @_prefetch.register_fake
-def _(gate, temporal, routed_before, transitions, budget, copy_programs, stamp, policy, predicted, nominated, expert_to_slot,
-      slot_to_expert, state, counters, outcomes, pace, hosts, slots):
-    E, C = expert_to_slot.shape[0] - 1, slot_to_expert.shape[0]
-    torch._check(gate is not None or temporal or routed_before is not None, lambda: "prefetch needs a predictor")
-    torch._check(gate is None or gate.shape == (E,), lambda: f"gate scores must be [num_experts={E}], got {tuple(gate.shape)}")
+def _(sources, budget, copy_programs, stamp, policy, state, routed_before, hosts, slots):
+    s = _check_state(state)
+    E, C = s.expert_to_slot.shape[0] - 1, s.slot_to_expert.shape[0]
+    torch._check(sources > 0, lambda: "prefetch needs a predictor")
     torch._check(
-        (routed_before is None) == (transitions is None), lambda: "the transition predictor needs routed_before and transitions"
+        not (sources & TRANSITION) or routed_before is not None, lambda: "the transition predictor needs routed_before"
     )
     torch._check(
-        transitions is None or transitions.shape == (routed_before.shape[0], E),
-        lambda: f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(transitions.shape)}",
+        not (sources & TRANSITION) or s.transitions.shape == (routed_before.shape[0], E),
+        lambda: f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(s.transitions.shape)}",
     )
     torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
 
 
 def prefetch(
     cache: ExpertCache,
+    sources: int,
     budget: int,
-    gate: bool = False,
-    temporal: bool = False,
     routed_before: Tensor | None = None,
     copy_programs: int | None = None,
     stamp: bool = False,
 ) -> None:
-    """`asyncmoe::prefetch` into `cache`. `gate`: use the scores `gate_scores` left in `cache.gate`;
-    `routed_before` (the previous layer's routing) turns on the transition predictor."""
-    transitions = cache.transitions if routed_before is not None else None
+    """`asyncmoe::prefetch` into `cache` from the predictors in the bits `sources`."""
+    state = list(cache.state)
     torch.ops.asyncmoe.prefetch(
-        cache.gate if gate else None, temporal, routed_before, transitions, budget, copy_programs or 0, stamp,
-        cache.policy, cache.predicted, cache.nominated, cache.expert_to_slot, cache.slot_to_expert, cache.state, cache.counters, cache.outcomes,
-        cache.pace, cache.hosts, cache.slots,
+        sources, budget, copy_programs or 0, stamp, cache.policy, state, routed_before, cache.hosts, cache.slots
     )
 
 
@@ -209,7 +207,10 @@ def _gate_scores(x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int,
 def _(x, weight, bias, per_token, out):
     torch._check(
         x.dim() == 2 and x.shape[1] == weight.shape[1],
-        lambda: f"gate scores need x [tokens, {weight.shape[1]}] for a router of {weight.shape[1]} inputs, got {tuple(x.shape)}",
+        lambda: (
+            f"gate scores need x [tokens, {weight.shape[1]}] for a router of {weight.shape[1]} inputs, "
+            f"got {tuple(x.shape)}"
+        ),
     )
     torch._check(per_token > 0, lambda: f"per_token must be positive, got {per_token}")
     torch._check(
@@ -226,7 +227,7 @@ def gate_scores(x: Tensor, router: tuple[Tensor, Tensor | None], per_token: int,
 @torch.library.custom_op("asyncmoe::observe", mutates_args=("transitions",))
 def _observe(previous: Tensor, routed: Tensor, transitions: Tensor) -> None:
     """Add this call's (expert at the previous MoE layer -> expert here) pairs to the decayed transition counts."""
-    expert_cache.observe(previous, routed, transitions)
+    predictors.observe(previous, routed, transitions)
 
 
 @_observe.register_fake
@@ -239,3 +240,61 @@ def _(previous, routed, transitions):
 
 def observe(previous: ExpertCache, cache: ExpertCache) -> None:
     torch.ops.asyncmoe.observe(previous.routed, cache.routed, cache.transitions)
+
+
+@torch.library.custom_op("asyncmoe::fp8_gemv", mutates_args=())
+def _fp8_gemv(
+    x: Tensor, w: Tensor, scale: Tensor, slots: Tensor, block_rows: int, block_cols: int, transposed: bool
+) -> Tensor:
+    """Each pair's expert matmul from fp8 slots: out [S, N] = dequantize(w[slots[s]]) @ x[s] (kernels/fp8_gemv.py).
+
+    An op so that torch.compile need not trace the Triton kernel, and a CUDA graph captures one launch. `w` is
+    the fp8 weights' bytes (uint8), viewed as float8_e4m3fn inside: torch has few fp8 kernels on the CPU."""
+    return fp8_gemv.fp8_gemv(x, w.view(FP8), scale, slots, (block_rows, block_cols), transposed)
+
+
+@_fp8_gemv.register_fake
+def _(x, w, scale, slots, block_rows, block_cols, transposed):
+    S, K = x.shape
+    N = w.shape[2] if transposed else w.shape[1]
+    torch._check(w.dtype == torch.uint8, lambda: f"fp8_gemv takes the fp8 weights' bytes (uint8), got {w.dtype}")
+    torch._check(slots.shape == (S,), lambda: f"slots must be [{S}] (one per pair), got {tuple(slots.shape)}")
+    torch._check(
+        K == (w.shape[1] if transposed else w.shape[2]),
+        lambda: f"x has {K} inputs, the weights {tuple(w.shape)} (transposed={transposed}) take another number",
+    )
+    torch._check(
+        scale.shape == (w.shape[0], *scale_shape(w.shape[1:], (block_rows, block_cols))),
+        lambda: (
+            f"scales {tuple(scale.shape)} do not tile weights {tuple(w.shape)} in blocks of {block_rows}x{block_cols}"
+        ),
+    )
+    return x.new_empty(S, N)
+
+
+def fp8_matmul(x: Tensor, w: Tensor, scale: Tensor, slots: Tensor, block: tuple[int, int], transposed: bool) -> Tensor:
+    """`asyncmoe::fp8_gemv`: x [S, K], the slots' fp8 weights w [C, R, Q] and scales -> [S, N]."""
+    return torch.ops.asyncmoe.fp8_gemv(x, w.view(torch.uint8), scale, slots, block[0], block[1], transposed)
+
+
+@torch.library.custom_op("asyncmoe::gemv4", mutates_args=())
+def _gemv4(x: Tensor, packed: Tensor, scales: Tensor, slots: Tensor, kind: str) -> Tensor:
+    """Each pair's expert matmul from 4-bit slots (`kind` "mxfp4" or "int4"; kernels/gemv4.py):
+    out [S, N] = dequantize(packed[slots[s]], scales[slots[s]]) @ x[s]."""
+    return gemv4.gemv4(x, packed, scales, slots, kind)
+
+
+@_gemv4.register_fake
+def _(x, packed, scales, slots, kind):
+    S, K = x.shape
+    torch._check(kind in gemv4.KINDS, lambda: f"gemv4 kind must be one of {gemv4.KINDS}, got {kind!r}")
+    torch._check(packed.dtype == torch.uint8, lambda: f"gemv4 takes packed uint8 weights, got {packed.dtype}")
+    torch._check(slots.shape == (S,), lambda: f"slots must be [{S}] (one per pair), got {tuple(slots.shape)}")
+    torch._check(
+        packed.shape[2] * 2 == K and scales.shape[:2] == packed.shape[:2] and K % scales.shape[2] == 0,
+        lambda: (
+            f"x has {K} inputs; packed weights {tuple(packed.shape)} and scales {tuple(scales.shape)} must be "
+            f"[C, N, {K // 2}] and [C, N, {K}/group]"
+        ),
+    )
+    return x.new_empty(S, packed.shape[1])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .expert_cache import COUNTERS, MIN_PRECISION, ExpertCache, gate_precision
+from .cache.expert_cache import ExpertCache
+from .cache.state import COUNTERS
+from .predict.prefetch_gate import MIN_PRECISION, gate_precision
 
 
 @dataclass
@@ -73,9 +76,23 @@ class Stats:
 
     def __post_init__(self):
         keys = (
-            "calls", "hits", "misses", "evictions", "bytes_h2d", "prefetched", "wasted", "prefetch_hits",
-            "hits_gate", "hits_temporal", "hits_transition", "prefetch_timely", "prefetch_victims", "prefetch_bytes", "wasted_bytes",
-            "gpu_bytes", "host_bytes",
+            "calls",
+            "hits",
+            "misses",
+            "evictions",
+            "bytes_h2d",
+            "prefetched",
+            "wasted",
+            "prefetch_hits",
+            "hits_gate",
+            "hits_temporal",
+            "hits_transition",
+            "prefetch_timely",
+            "prefetch_victims",
+            "prefetch_bytes",
+            "wasted_bytes",
+            "gpu_bytes",
+            "host_bytes",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]
@@ -88,47 +105,80 @@ class Stats:
     def __str__(self) -> str:
         if not self.layers:
             return f"all {self.resident_layers} MoE layers resident (cache >= num_experts): nothing to count"
-        timed = self.totals["stall_ns"] is not None
-        head = (
-            f"{'layer':>5} {'slots':>5} {'calls':>7} {'hits':>8} {'misses':>8} {'hit%':>6} {'evict':>7} "
-            f"{'prefetch':>8} {'pf-hit%':>7} {'wasted':>7} {'MB h2d':>9}"
-        ) + (f" {'wait us':>8} {'ensure us':>9}" if timed else "")
-        rows = [head, "-" * len(head)]
-
-        def row(label, slots, r):
-            per_call = (
-                f" {r['wait_ns'] / 1e3 / max(r['calls'], 1):>8.1f} {r['ensure_ns'] / 1e3 / max(r['calls'], 1):>9.1f}"
-                if timed else ""
-            )
-            return (
-                f"{label:>5} {slots:>7}{r['calls']:>6} {r['hits']:>8} {r['misses']:>8} {100 * r['hit_rate']:>6.1f} "
-                f"{r['evictions']:>7} {r['prefetched']:>8} {100 * r['prefetch_recall']:>7.1f} {r['wasted']:>7} "
-                f"{r['bytes_h2d'] / 1e6:>9.1f}" + per_call
-            )
-
-        for r in self.layers:
-            fields = {**vars(r), "hit_rate": r.hit_rate, "prefetch_recall": r.prefetch_recall}
-            rows.append(row(r.layer, f"{r.slots}/{r.experts}", fields))
         t = self.totals
-        rows.append("-" * len(head))
-        rows.append(row("all", "", t))
+        timed = t["stall_ns"] is not None
+        prefetched = t["prefetched"] > 0  # the prefetch columns only where a prefetch copied something
+        widths = {"layer": 5, "slots": 7, "calls": 7, "hits": 8, "misses": 8, "hit%": 6, "evict": 7}
+        widths |= {"prefetch": 8, "pf-recall%": 10, "wasted": 7} if prefetched else {}
+        widths |= {"MB h2d": 9}
+        widths |= {"wait us": 8, "ensure us": 9} if timed else {}
+
+        def line(cells: dict) -> str:
+            return " ".join(f"{cells[name]:>{w}}" for name, w in widths.items())
+
+        def row(label, slots, r: dict) -> str:
+            calls = max(r["calls"], 1)
+            return line(
+                {
+                    "layer": label,
+                    "slots": slots,
+                    "calls": r["calls"],
+                    "hits": r["hits"],
+                    "misses": r["misses"],
+                    "hit%": _percent(r["hit_rate"]),
+                    "evict": r["evictions"],
+                    "prefetch": r["prefetched"],
+                    "pf-recall%": _percent(r["prefetch_recall"]),
+                    "wasted": r["wasted"],
+                    "MB h2d": f"{r['bytes_h2d'] / 1e6:.1f}",
+                    "wait us": f"{r['wait_ns'] / 1e3 / calls:.1f}" if timed else "",
+                    "ensure us": f"{r['ensure_ns'] / 1e3 / calls:.1f}" if timed else "",
+                }
+            )
+
+        head = line({name: name for name in widths})
+        rows = [head, "-" * len(head)]
+        for r in self.layers:
+            rows.append(
+                row(
+                    r.layer,
+                    f"{r.slots}/{r.experts}",
+                    {**vars(r), "hit_rate": r.hit_rate, "prefetch_recall": r.prefetch_recall},
+                )
+            )
+        rows += ["-" * len(head), row("all", "", t)]
+        if not t["hits"] + t["misses"]:
+            rows.append("no expert looked up yet: no rates")
+        if prefetched:
+            rows.append("pf-recall%: routed experts found resident because a prefetch put them there (part of hit%)")
+        else:
+            rows.append("nothing prefetched (prefetch off, or it found nothing worth a copy): no prefetch columns")
         if t["prefetch_hits"]:
             rows.append(
                 "prefetch hits by predictor (an expert can have several): "
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
                 + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched for"
             )
-        rows.append(f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB")
+        rows.append(
+            f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB"
+        )
         if self.copy_ns and self.window_ns:
             rows.append(
                 f"prefetch gate: an expert's copy {self.copy_ns / 1e3:.1f} us, the compute a prefetch hid behind "
                 f"{self.window_ns / 1e3:.1f} us: open while {100 * self.min_precision:.0f}% of prefetches save a miss"
             )
         if timed:
-            rows.append("wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; deciding and copying misses")
+            rows.append(
+                "wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; deciding and copying misses"
+            )
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
         return "\n".join(rows)
+
+
+def _percent(share: float) -> str:
+    """A share as a percentage; "-" where nothing was counted (a share of zero lookups)."""
+    return "-" if math.isnan(share) else f"{100 * share:.1f}"
 
 
 def _nbytes(tensors) -> int:
@@ -139,7 +189,9 @@ def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, 
     if not caches:
         return Stats([], resident_layers)
     # the timer's two sums (zeros for an untimed cache) ride along with the counters
-    rows = torch.stack([torch.cat([c.counters, c.timer[2:] if c.timer.numel() else c.counters.new_zeros(2)]) for _, c in caches])
+    rows = torch.stack(
+        [torch.cat([c.counters, c.timer[2:] if c.timer.numel() else c.counters.new_zeros(2)]) for _, c in caches]
+    )
     rows = rows.tolist()  # the one host sync: stats are read on request, never inside a forward
     if reset:
         for _, c in caches:
@@ -148,12 +200,20 @@ def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, 
     layers = []
     for i, ((name, c), row) in enumerate(zip(caches, rows)):
         vals = dict(zip(COUNTERS, row))
-        wait, ensure = row[len(COUNTERS):] if c.timer.numel() else (None, None)
+        wait, ensure = row[len(COUNTERS) :] if c.timer.numel() else (None, None)
         gpu = _nbytes(b for n, b in c.named_buffers() if not n.startswith("host_"))
         layers.append(
             LayerStats(
-                layer=i, name=name, slots=c.num_slots, experts=c.num_experts, **vals, expert_bytes=c.expert_bytes,
-                gpu_bytes=gpu, host_bytes=_nbytes(c.hosts), wait_ns=wait, ensure_ns=ensure,
+                layer=i,
+                name=name,
+                slots=c.num_slots,
+                experts=c.num_experts,
+                **vals,
+                expert_bytes=c.expert_bytes,
+                gpu_bytes=gpu,
+                host_bytes=_nbytes(c.hosts),
+                wait_ns=wait,
+                ensure_ns=ensure,
             )
         )
     pace = caches[0][1].pace.cpu()  # a host sync on request (stats read-out), never inside a forward

@@ -26,8 +26,9 @@ KEYS = ("hits", "misses", "prefetched", "wasted", "prefetch_hits")
 
 
 def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int, new_tokens: int = 64) -> dict:
-    model = asyncmoe.from_pretrained(asyncmoe.demo_model_path(), cache=cache, dtype=torch.float32, device="cpu",
-                                     prefetch=plan)
+    model = asyncmoe.from_pretrained(
+        asyncmoe.demo_model_path(), cache=cache, dtype=torch.float32, device="cpu", prefetch=plan
+    )
     dec = asyncmoe.Decoder(model, 1, prompts[0].shape[1] + new_tokens + 1, graph=False)
     total = dict.fromkeys(KEYS, 0)
     for ids in prompts:
@@ -37,8 +38,13 @@ def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int,
         t = asyncmoe.stats(model).totals
         total = {k: total[k] + t[k] for k in KEYS}
     n, looked_up = new_tokens * len(prompts), total["hits"] + total["misses"]
-    return dict(hit_rate=total["hits"] / looked_up, misses=total["misses"] / n, prefetched=total["prefetched"] / n,
-                wasted=total["wasted"] / n, recall=total["prefetch_hits"] / looked_up)
+    return dict(
+        hit_rate=total["hits"] / looked_up,
+        misses=total["misses"] / n,
+        prefetched=total["prefetched"] / n,
+        wasted=total["wasted"] / n,
+        recall=total["prefetch_hits"] / looked_up,
+    )
 
 
 def main():
@@ -50,12 +56,19 @@ def main():
     prompts = [data[i * 997 : i * 997 + 32][None] for i in range(6)]
     print("| prefetch | hit rate | demand misses / token | prefetched / token | unused / token | recall |")
     print("|---|---|---|---|---|---|")
-    for label, plan in [("off", None), (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch()),
-                        ("gate+transition", asyncmoe.Prefetch(sources=("gate", "transition"))),
-                        ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"))),
-                        ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition")))]:
+    for label, plan in [
+        ("off", None),
+        (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch()),
+        ("gate+transition", asyncmoe.Prefetch(sources=("gate", "transition"))),
+        ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"))),
+        ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition"))),
+    ]:
         r = run(plan, prompts, cache)
-        print(f"| {label} | {r['hit_rate']:.1%} | {r['misses']:.2f} | {r['prefetched']:.2f} | {r['wasted']:.2f} | {r['recall']:.1%} |", flush=True)
+        print(
+            f"| {label} | {r['hit_rate']:.1%} | {r['misses']:.2f} | {r['prefetched']:.2f} | {r['wasted']:.2f} "
+            f"| {r['recall']:.1%} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

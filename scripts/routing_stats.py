@@ -47,9 +47,15 @@ def main():
 
     k = model.config.num_experts_per_tok
     rec = asyncmoe.record(model, gate=True)  # gate: layer l's router on layer l-1's MoE input
-    inputs = [[] for _ in rec.experts]  # each MoE layer's input [T, H], to score the gate further ahead than the runtime does
-    hooks = [m.register_forward_pre_hook(lambda _, a, kw, l=l: inputs[l].append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
-             for l, m in enumerate(rec.experts)]
+    inputs = [
+        [] for _ in rec.experts
+    ]  # each MoE layer's input [T, H], to score the gate further ahead than the runtime does
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda _, a, kw, l=l: inputs[l].append(a[0] if a else kw["hidden_states"]), with_kwargs=True
+        )
+        for l, m in enumerate(rec.experts)
+    ]
     with torch.no_grad(), rec:
         for row in batch:
             rec.new_sequence()
@@ -67,7 +73,10 @@ def main():
         return (a[..., :, None] == b[..., None, :]).any(-1).float().mean().item()
 
     print(f"model {path}: {trace.layers} MoE layers, {E} experts, top-{k}; {n} x {args.seq} validation tokens\n")
-    print(f"| layer | reuse (random {k / E:.1%}) | top-25% share (random 25%) | load entropy / log E | gate recall l-1 -> l (random {k / E:.1%}) |")
+    print(
+        f"| layer | reuse (random {k / E:.1%}) | top-25% share (random 25%) | load entropy / log E "
+        f"| gate recall l-1 -> l (random {k / E:.1%}) |"
+    )
     print("|---|---|---|---|---|")
     rows = []
     for l in range(trace.layers):
@@ -86,10 +95,14 @@ def main():
     x = [torch.cat(i) for i in inputs]
     print("\n| gate d layers ahead | recall of the k routed experts | its likeliest guess routed |\n|---|---|---|")
     for d in (1, 2, 3):
-        hits = torch.cat([
-            (gate_top(x[l - d], *rec.routers[l], k).indices[:, :, None] == ids.flatten(0, 1)[:, l, None, :]).any(-1).float()
-            for l in range(d, trace.layers)
-        ])  # [T * (L - d), k]
+        hits = torch.cat(
+            [
+                (gate_top(x[l - d], *rec.routers[l], k).indices[:, :, None] == ids.flatten(0, 1)[:, l, None, :])
+                .any(-1)
+                .float()
+                for l in range(d, trace.layers)
+            ]
+        )  # [T * (L - d), k]
         print(f"| {d} | {hits.mean().item():.1%} | {hits[:, 0].mean().item():.1%} |")
 
 

@@ -54,7 +54,9 @@ def train_tokenizer(texts: list[str], vocab: int) -> transformers.PreTrainedToke
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts, trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
 
@@ -68,10 +70,21 @@ def encode(tokenizer, texts: list[str]) -> torch.Tensor:
 
 def model_config(vocab: int) -> transformers.OlmoeConfig:
     return transformers.OlmoeConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=4, num_experts=64, num_experts_per_tok=8, max_position_embeddings=1024,
-        router_aux_loss_coef=0.01, output_router_logits=True, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=64,
+        num_experts_per_tok=8,
+        max_position_embeddings=1024,
+        router_aux_loss_coef=0.01,
+        output_router_logits=True,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
 
 
@@ -83,7 +96,9 @@ def evaluate(model, data: torch.Tensor, seq: int, batch: int, device) -> float:
     total, count = 0.0, 0
     for i in range(0, n, batch):
         logits = model(x[i : i + batch].to(device)).logits.float()
-        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y[i : i + batch].to(device).flatten(), reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), y[i : i + batch].to(device).flatten(), reduction="sum"
+        ).item()
         count += y[i : i + batch].numel()
     return total / count
 
@@ -95,14 +110,21 @@ def unigram_loss(train: torch.Tensor, val: torch.Tensor, vocab: int) -> float:
 
 
 def write_examples(model_dir: pathlib.Path) -> dict:
-    """Greedy and sampled generations from PROMPT, on the CPU in fp32 from the saved weights: any machine reproduces them."""
+    """Greedy and sampled generations from PROMPT, on the CPU in fp32 from the saved weights: any machine
+    reproduces them."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     greedy = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    sampled = model.generate(ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=tokenizer.eos_token_id)
-    examples = {"prompt": PROMPT, "greedy": tokenizer.decode(greedy[0]), "sampled (T=0.8, top-p 0.95, seed 0)": tokenizer.decode(sampled[0])}
+    sampled = model.generate(
+        ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=tokenizer.eos_token_id
+    )
+    examples = {
+        "prompt": PROMPT,
+        "greedy": tokenizer.decode(greedy[0]),
+        "sampled (T=0.8, top-p 0.95, seed 0)": tokenizer.decode(sampled[0]),
+    }
     (model_dir / "examples.json").write_text(json.dumps(examples, indent=1))
     return examples
 
@@ -132,7 +154,10 @@ def main():
     train_texts, val_texts = split(files)
     tokenizer = train_tokenizer(train_texts, args.vocab)
     train, val = encode(tokenizer, train_texts), encode(tokenizer, val_texts)
-    print(f"corpus: {len(files)} files of Python {sys.version.split()[0]}'s stdlib; {train.numel()} train / {val.numel()} validation tokens")
+    print(
+        f"corpus: {len(files)} files of Python {sys.version.split()[0]}'s stdlib; {train.numel()} train / "
+        f"{val.numel()} validation tokens"
+    )
 
     device = torch.device(args.device)
     model = transformers.OlmoeForCausalLM(model_config(len(tokenizer))).to(device)
@@ -140,7 +165,9 @@ def main():
     warmup = max(1, args.steps // 30)
     schedule = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
     g = torch.Generator().manual_seed(args.seed)
     log = []
     for step in range(args.steps):
@@ -148,7 +175,9 @@ def main():
         x = torch.stack([train[s : s + args.seq] for s in starts]).to(device)
         y = torch.stack([train[s + 1 : s + args.seq + 1] for s in starts]).to(device)
         with autocast:
-            out_ = model(x)  # y is x shifted by one already: the loss is ours, the router load-balancing loss transformers'
+            out_ = model(
+                x
+            )  # y is x shifted by one already: the loss is ours, the router load-balancing loss transformers'
             loss = torch.nn.functional.cross_entropy(out_.logits.float().flatten(0, 1), y.flatten())
             total = loss + model.config.router_aux_loss_coef * out_.aux_loss
         total.backward()
@@ -169,15 +198,29 @@ def main():
     tokenizer.save_pretrained(out)
     examples = write_examples(out)
     report = {
-        "command": " ".join(sys.argv), "seed": args.seed, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "corpus": f"{len(files)} .py files of Python {sys.version.split()[0]}'s standard library (PSF License v2), tests excluded",
-        "train_tokens": train.numel(), "validation_tokens": val.numel(), "steps": args.steps, "batch": args.batch, "seq": args.seq,
-        "tokens_seen": args.steps * args.batch * args.seq, "seconds": seconds,
-        "validation_loss": val_loss, "validation_perplexity": math.exp(val_loss),
-        "unigram_loss": base, "unigram_perplexity": math.exp(base), "log": log,
+        "command": " ".join(sys.argv),
+        "seed": args.seed,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "corpus": f"{len(files)} .py files of Python {sys.version.split()[0]}'s standard library (PSF License v2), "
+        "tests excluded",
+        "train_tokens": train.numel(),
+        "validation_tokens": val.numel(),
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_seen": args.steps * args.batch * args.seq,
+        "seconds": seconds,
+        "validation_loss": val_loss,
+        "validation_perplexity": math.exp(val_loss),
+        "unigram_loss": base,
+        "unigram_perplexity": math.exp(base),
+        "log": log,
     }
     (out / "training.json").write_text(json.dumps(report, indent=1))
-    print(f"validation perplexity {math.exp(val_loss):.2f} vs unigram {math.exp(base):.2f}; {seconds:.0f} s; model in {out}")
+    print(
+        f"validation perplexity {math.exp(val_loss):.2f} vs unigram {math.exp(base):.2f}; {seconds:.0f} s; "
+        f"model in {out}"
+    )
     print(examples["greedy"])
 
 

@@ -1,3 +1,4 @@
+import inspect
 import os
 
 import pytest
@@ -8,6 +9,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import transformers  # noqa: E402
+
+
+def _interpreter_index_for_numpy_2_4() -> None:
+    """Triton's interpreter before 3.7 (torch 2.11's triton 3.6) turns a scalar it holds as a one-element array into a
+    Python index with `int(array)`, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted"): every
+    kernel loop with a runtime bound then fails under TRITON_INTERPRET=1. Later Triton squeezes the array first;
+    so does this, where the interpreter is the older one."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or "int(self.handle.data)" not in inspect.getsource(patch):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_index_for_numpy_2_4()
 
 transformers.logging.set_verbosity_error()
 

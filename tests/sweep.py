@@ -10,20 +10,54 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 SMALL = {
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "num_hidden_layers": 2, "num_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 256, "num_local_experts": 8,
-    "num_experts": 8, "n_routed_experts": 8, "moe_num_experts": 8, "num_experts_per_tok": 2, "moe_topk": 2,
-    "moe_k": 2, "top_k_experts": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
-    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "sliding_window": 32, "n_shared_experts": 1, "num_shared_experts": 1, "pad_token_id": 0, "bos_token_id": 1,
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "num_local_experts": 8,
+    "num_experts": 8,
+    "n_routed_experts": 8,
+    "moe_num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "top_k_experts": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 32,
+    "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
     "eos_token_id": 2,
 }
-FILL_IF_NONE = ("head_dim", "moe_intermediate_size", "n_routed_experts", "num_experts", "num_experts_per_tok", "n_shared_experts")
+FILL_IF_NONE = (
+    "head_dim",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+)
 # Switches a generic shrink cannot guess: which layers are MoE / attention in hybrid families.
 EXTRA = {
     "gemma4": dict(enable_moe_block=True, moe_intermediate_size=32),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False),
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False
+    ),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "zaya": dict(num_experts_per_tok=1),  # the family only supports top-1
     "mimo_v2_flash": dict(head_dim=32, v_head_dim=32),

@@ -1,27 +1,20 @@
-"""The fused cache-step kernel against its plain-torch reference: every buffer equal after any sequence of calls.
+"""The fused cache-step kernel (kernels/cache_step.py) against its plain-torch reference (cache/algorithm.py):
+every buffer equal after any sequence of calls.
 
 On the CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest.py); on the GPU for real.
 """
-
-import os
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncmoe.cache import expert_cache
-from asyncmoe.cache.expert_cache import ExpertCache, num_waves
-from asyncmoe.cache.policies import POLICIES
+from asyncmoe.cache import algorithm
+from asyncmoe.cache.expert_cache import ExpertCache, expert_bytes, num_waves
+from asyncmoe.cache.policies import POLICIES, get_policy
+from asyncmoe.kernels import cache_step
 
-
-def devices():
-    out = []
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        out.append("cpu")
-    if torch.cuda.is_available():
-        out.append(pytest.param("cuda", marks=pytest.mark.cuda))
-    return out or [pytest.param("cpu", marks=pytest.mark.skip(reason="neither TRITON_INTERPRET=1 nor a GPU"))]
+from devices import assert_same, devices
 
 
 def pair(E, C, policy, device):
@@ -33,23 +26,11 @@ def run(cache, kind, args, use_kernel):
     c = cache
     if kind == "ensure":
         ids, wave = args
-        return expert_cache.ensure(
-            ids, wave, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, c.hosts, c.slots, use_kernel=use_kernel
-        )
+        return algorithm.ensure(ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
     scores, sources, budget = args
-    expert_cache.prefetch(
-        scores, sources, budget, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, c.hosts, c.slots,
-        use_kernel=use_kernel,
-    )
-
-
-def assert_same(kernel: ExpertCache, reference: ExpertCache):
-    for (name, a), (_, b) in zip(kernel.named_buffers(), reference.named_buffers()):
-        if name in ("scratch", "predicted", "nominated", "outcomes"):  # outcomes: float, compared by the predictor tests
-            continue
-        if name in ("expert_to_slot", "evicted_at"):  # the last row is the reference's trash row for masked writes
-            a, b = a[:-1], b[:-1]
-        assert torch.equal(a, b), f"{name}: kernel {a.tolist()} != reference {b.tolist()}"
+    c.predicted.copy_(scores)
+    c.nominated.copy_(sources)
+    algorithm.prefetch(budget, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
 
 
 def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]]):
@@ -78,7 +59,11 @@ def test_kernel_equals_reference(device, seed, E, data):
     k = data.draw(st.integers(1, min(4, E)))
     C = data.draw(st.integers(k, E))
     policy = data.draw(st.sampled_from(sorted(POLICIES)))
-    calls = data.draw(st.lists(st.tuples(st.sampled_from(["ensure", "ensure", "prefetch"]), st.integers(1, 7)), min_size=1, max_size=8))
+    calls = data.draw(
+        st.lists(
+            st.tuples(st.sampled_from(["ensure", "ensure", "prefetch"]), st.integers(1, 7)), min_size=1, max_size=8
+        )
+    )
     kernel, reference = pair(E, C, policy, device)
     for kind, args in script(seed, E, C, k, calls):
         args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -87,3 +72,35 @@ def test_kernel_equals_reference(device, seed, E, data):
         if kind == "ensure":
             assert torch.equal(got, want)
         assert_same(kernel, reference)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_launchers_plan_the_references_copies(device):
+    """`ensure_triton` and `prefetch_triton` return the copies the references plan: the same real pairs
+    (src, dst for i < count) and the same count; the gather copy then moves exactly those."""
+    E, C = 10, 3
+    kernel, reference = pair(E, C, "lru", device)
+    nbytes = expert_bytes(kernel.slots)
+    ids = torch.tensor([3, 7, 1, 3, 9], device=device)  # 4 experts over 3 slots: 2 waves, copying 3 then 1
+    copied = []
+    for wave in range(num_waves(ids.numel(), C, E)):
+        got, (src, dst, count) = cache_step.ensure_triton(
+            ids, wave, get_policy("lru").id, kernel.state, nbytes, algorithm.KERNEL_CONSTANTS
+        )
+        want, (rsrc, rdst, rcount) = algorithm.ensure_reference(ids, wave, get_policy("lru"), reference.state, nbytes)
+        n = int(rcount)
+        assert torch.equal(got, want) and int(count) == n
+        assert torch.equal(src[:n], rsrc[:n]) and torch.equal(dst[:n], rdst[:n])
+        copied.append(src[:n].tolist())
+    assert copied == [[1, 3, 7], [9]]  # misses in expert-id order, each wave at most C
+    for c in (kernel, reference):
+        c.predicted.copy_(torch.tensor([0.1, 0, 0, 0, 0, 0.5, 0.7, 0, 0, 0], device=device))
+        c.nominated.fill_(1)
+    src, dst, count = cache_step.prefetch_triton(
+        2, get_policy("lru").id, kernel.state, nbytes, algorithm.KERNEL_CONSTANTS
+    )
+    rsrc, rdst, rcount = algorithm.prefetch_reference(2, get_policy("lru"), reference.state, nbytes)
+    n = int(rcount)
+    assert int(count) == n == 2  # the two likeliest, none resident
+    assert sorted(src[:n].tolist()) == sorted(rsrc[:n].tolist()) == [5, 6] and torch.equal(dst[:n], rdst[:n])
+    assert_same(kernel, reference)

@@ -1,23 +1,14 @@
-"""The Triton gather-copy kernel against its plain-torch reference: on CPU under TRITON_INTERPRET=1, on the GPU for real."""
-
-import os
+"""The Triton gather-copy kernel (kernels/gather_copy.py) against its plain-torch reference: on the CPU under
+TRITON_INTERPRET=1, on the GPU for real."""
 
 import pytest
 import torch
 
 from asyncmoe.kernels.gather_copy import gather_copy_reference, gather_copy_triton
 
+from devices import devices
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
-interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def devices():
-    out = []
-    if interpreted:
-        out.append("cpu")
-    if torch.cuda.is_available():
-        out.append(pytest.param("cuda", marks=pytest.mark.cuda))
-    return out or [pytest.param("cpu", marks=pytest.mark.skip(reason="neither TRITON_INTERPRET=1 nor a GPU"))]
 
 
 def case(dtype, device, E=7, C=5, M=4, row=(3, 33), seed=0):

@@ -1,27 +1,30 @@
-"""Each custom op passes torch.library.opcheck: schema, fake, mutation declarations, aot dispatch."""
+"""The custom ops (ops.py): each passes torch.library.opcheck (schema, fake, mutation declarations, aot dispatch),
+each fake states the contract, and on a GPU `ensure` replays in a CUDA graph."""
 
 import pytest
 import torch
 
 from asyncmoe import ops
 from asyncmoe.cache.expert_cache import ExpertCache
+from asyncmoe.cache.state import GATE, TEMPORAL, TRANSITION, CacheState, Counter
+
+BITS = {"gate": GATE, "temporal": TEMPORAL, "transition": TRANSITION}
 
 
 def clone(ts):
     return [t.clone() for t in ts]  # opcheck runs the op several times on the same arguments
 
 
-def warm_cache(policy: str) -> ExpertCache:
-    cache = ExpertCache({"w": torch.randn(10, 4, 3), "b": torch.randn(10, 4)}, 4, policy)
+def warm_cache(policy: str, transitions_from: int = 0) -> ExpertCache:
+    cache = ExpertCache(
+        {"w": torch.randn(10, 4, 3), "b": torch.randn(10, 4)}, 4, policy, transitions_from=transitions_from
+    )
     ops.ensure(cache, torch.tensor([[0, 1], [2, 3]]), 0)  # a warm cache, so the ops also evict
     return cache
 
 
 def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
-    return (
-        ids, wave, False, False, cache.policy, cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state),
-        cache.counters.clone(), cache.timer.clone(), cache.pace.clone(), cache.hosts, clone(cache.slots),
-    )
+    return ids, wave, False, False, cache.policy, clone(cache.state), cache.hosts, clone(cache.slots)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
@@ -34,21 +37,31 @@ def test_ensure_opcheck(policy, wave):
 
 @pytest.mark.parametrize("predictors", ["gate", "temporal", "gate+temporal+transition"])
 def test_prefetch_opcheck(predictors):
-    cache = warm_cache("lru")
-    gate = torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0]) if "gate" in predictors else None
-    before, transitions = (torch.arange(10) % 3 == 0, torch.rand(10, 10)) if "transition" in predictors else (None, None)
-    args = (
-        gate, "temporal" in predictors, before, transitions, 2, 0, False, "lru", cache.predicted.clone(), cache.nominated.clone(),
-        cache.expert_to_slot.clone(), cache.slot_to_expert.clone(), clone(cache.state), cache.counters.clone(),
-        cache.outcomes.clone(), cache.pace.clone(), cache.hosts, clone(cache.slots),
-    )
+    transition = "transition" in predictors
+    cache = warm_cache("lru", transitions_from=10 if transition else 0)
+    cache.gate.copy_(torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0]))
+    if transition:
+        cache.transitions.copy_(torch.rand(10, 10))
+    bits = sum(BITS[p] for p in predictors.split("+"))
+    before = torch.arange(10) % 3 == 0 if transition else None
+    args = (bits, 2, 0, False, "lru", clone(cache.state), before, cache.hosts, clone(cache.slots))
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
+
+
+def test_the_prefetch_op_admits_into_the_target():
+    """`ops.prefetch` on the CPU runs inline: the gate's nominations are admitted into the cache it is given."""
+    cache = warm_cache("lru")
+    cache.gate.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.7, 0.0, 0.0, 0.1, 0.0]))
+    ops.prefetch(cache, GATE, 2)
+    assert cache.expert_to_slot[[5, 8]].ge(0).all() and cache.counters[Counter.PREFETCHED] == 2
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_gate_scores_opcheck(bias):
     x, weight = torch.randn(3, 8), torch.randn(10, 8)
-    torch.library.opcheck(torch.ops.asyncmoe.gate_scores.default, (x, weight, torch.randn(10) if bias else None, 4, torch.zeros(10)))
+    torch.library.opcheck(
+        torch.ops.asyncmoe.gate_scores.default, (x, weight, torch.randn(10) if bias else None, 4, torch.zeros(10))
+    )
 
 
 def test_observe_opcheck():
@@ -57,12 +70,77 @@ def test_observe_opcheck():
     torch.library.opcheck(torch.ops.asyncmoe.observe.default, (previous, routed, torch.rand(3, 4)))
 
 
-def test_fake_states_the_contract():
-    cache = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru")
-    args = ensure_args(cache, torch.zeros(3, 4, dtype=torch.int64), 0)
+def fake_args(args):
     mode = torch._subclasses.FakeTensorMode()
     fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-    args = tuple([fake(t) for t in a] if isinstance(a, list) else fake(a) for a in args)
+    return mode, tuple([fake(t) for t in a] if isinstance(a, list) else fake(a) for a in args)
+
+
+def test_fake_states_the_contract():
+    cache = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru")
+    mode, args = fake_args(ensure_args(cache, torch.zeros(3, 4, dtype=torch.int64), 0))
     with mode:
         with pytest.raises(Exception, match="top_k=4 exceeds the cache's 2 slots.*use cache>=4"):
             torch.ops.asyncmoe.ensure(*args)
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        (lambda s: s[:-1], f"state must hold the {len(CacheState._fields)} CacheState tensors"),
+        (lambda s: s._replace(pace=torch.zeros(2, dtype=torch.int64)), r"pace must be \[3\]"),
+        (lambda s: s._replace(timer=torch.zeros(2, dtype=torch.int64)), "timer must be empty"),
+    ],
+)
+def test_fake_checks_the_state(state, message):
+    cache = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru")
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    mode, args = fake_args((ids, 0, False, False, "lru", list(state(cache.state)), cache.hosts, cache.slots))
+    with mode:
+        with pytest.raises(Exception, match=message):
+            torch.ops.asyncmoe.ensure(*args)
+
+
+@pytest.mark.parametrize(
+    "bits, budget, before, message",
+    [
+        (GATE, 3, None, r"prefetch budget 3 must be in 1..2"),
+        (TRANSITION, 1, None, "the transition predictor needs routed_before"),
+        (TRANSITION, 1, torch.zeros(7, dtype=torch.bool), r"transitions must be \[7, 10\], got \(0, 10\)"),
+        (0, 1, None, "prefetch needs a predictor"),
+    ],
+)
+def test_prefetch_fake_checks_its_request(bits, budget, before, message):
+    cache = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru")
+    mode, args = fake_args((bits, budget, 0, False, "lru", list(cache.state), before, cache.hosts, cache.slots))
+    with mode:
+        with pytest.raises(Exception, match=message):
+            torch.ops.asyncmoe.prefetch(*args)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_ensure_replays_in_a_cuda_graph_with_new_routing():
+    """No host sync on the ensure path: captured once, replayed with routing the capture never saw."""
+    E, C = 16, 4
+    hosts = {"w": torch.randn(E, 64, 32, device="cuda")}
+    eager, graphed = ExpertCache(hosts, C, "lru"), ExpertCache(hosts, C, "lru")
+    ids = torch.zeros(2, 2, dtype=torch.int64, device="cuda")
+    out = torch.empty(2, 2, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.ensure(ExpertCache(hosts, C, "lru"), ids, 0)  # warm-up on a throwaway cache (lazy init, autotune)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ops.ensure(graphed, ids, 0))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        new = torch.rand(2, E, generator=g).topk(2, dim=-1).indices.cuda()
+        ids.copy_(new)
+        graph.replay()
+        want = ops.ensure(eager, new, 0)
+        assert torch.equal(out, want)
+        assert torch.equal(graphed.slot_to_expert, eager.slot_to_expert)
+        assert torch.equal(graphed.slot_w, eager.slot_w)
+    assert torch.equal(graphed.counters, eager.counters) and eager.counters[Counter.MISSES] > 4  # misses happened

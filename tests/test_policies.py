@@ -1,10 +1,12 @@
-"""Each policy evicts the expert it says it does; prefetched-but-unused slots go first."""
+"""Each policy (cache/policies.py) evicts the expert it says it does; prefetched-but-unused slots go first."""
 
 import pytest
 import torch
 
 from asyncmoe import ops
-from asyncmoe.cache.expert_cache import ExpertCache, admit
+from asyncmoe.cache.algorithm import admit
+from asyncmoe.cache.expert_cache import ExpertCache
+from asyncmoe.cache.policies import get_policy
 
 
 def cache_with(policy: str, E=8, C=3) -> ExpertCache:
@@ -48,12 +50,11 @@ def test_lfu_prefers_frequency_lru_prefers_recency():
 def test_prefetched_unused_slots_are_evicted_before_used_ones():
     cache = cache_with("lru")
     run(cache, [0], [1])
-    st = cache.slot_state
     # admit expert 5 as a prefetch would: resident but not yet used
     want = torch.zeros(8, dtype=torch.bool)
     want[5] = True
     nothing = torch.zeros(8, dtype=torch.bool)
-    admit(want, nothing, 1, "lru", cache.expert_to_slot, cache.slot_to_expert, st)
+    admit(want, nothing, 1, get_policy("lru"), cache.state)
     assert resident(cache) == {0, 1, 5}
     run(cache, [6])  # 5 is the newest by clock, yet unused: it goes, not 0 (the LRU used expert)
     assert resident(cache) == {0, 1, 6}

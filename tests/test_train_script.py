@@ -11,8 +11,23 @@ import transformers
 
 @pytest.mark.slow
 def test_training_script_smoke(tmp_path, monkeypatch):
-    argv = ["train_demo_model.py", "--out", str(tmp_path), "--steps", "3", "--batch", "2", "--seq", "32",
-            "--device", "cpu", "--max-files", "8", "--vocab", "512"]
+    argv = [
+        "train_demo_model.py",
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--device",
+        "cpu",
+        "--max-files",
+        "8",
+        "--vocab",
+        "512",
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path("scripts/train_demo_model.py", run_name="__main__")
     report = json.loads((tmp_path / "training.json").read_text())

@@ -1,6 +1,7 @@
-"""The per-layer expert cache: host store, slots, tables, policies, counters."""
+"""The per-layer expert cache: host store, slots, state, the algorithm, policies."""
 
-from .expert_cache import COUNTERS, ExpertCache
+from .expert_cache import ExpertCache
 from .policies import POLICIES
+from .state import COUNTERS, CacheState
 
-__all__ = ["COUNTERS", "ExpertCache", "POLICIES"]
+__all__ = ["COUNTERS", "CacheState", "ExpertCache", "POLICIES"]

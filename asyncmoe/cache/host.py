@@ -2,7 +2,8 @@
 
 Why not `Tensor.pin_memory()`: torch's caching host allocator rounds every block up to a power of
 two (a 604 MB request takes 1 GB), which on a 100 GB expert set wastes tens of GB. We allocate
-ordinary memory of the exact size and pin it in place with `cudaHostRegister`.
+ordinary memory of the exact size and pin it in place with `cudaHostRegister`
+(docs/decisions.md#pinned-in-place).
 
 Why a CUDA view: a CPU tensor among a compiled graph's inputs makes Inductor skip CUDA graphs, and
 torch ops refuse to mix devices. The driver maps registered memory into the GPU's address space;
@@ -64,8 +65,11 @@ class PinnedBlock:
         if nbytes:
             rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2))  # portable | mapped
             if rc != 0:
-                hint = "the OS refused to lock that much memory (check `ulimit -l` and free RAM)" if rc == 2 else (
-                    "see cudaError_t in the CUDA runtime documentation")
+                hint = (
+                    "the OS refused to lock that much memory (check `ulimit -l` and free RAM)"
+                    if rc == 2
+                    else ("see cudaError_t in the CUDA runtime documentation")
+                )
                 raise RuntimeError(f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA error {rc}: {hint}.")
             self.registered = True
 

@@ -1,51 +1,38 @@
 """Eviction policies: each turns the per-slot state into a keep score, higher = keep longer.
 
-All policies see the same state, kept up to date by the cache for every slot (C slots):
-  last_use [C] int64   clock of the last call that used the slot
-  born     [C] int64   clock when the slot's expert was admitted
-  freq     [C] int64   use count in units of 1/FREQ_UNIT, times 15/16 every call (an exponentially decayed
-                       count; integer so that the fused kernel and this reference agree bit for bit)
-  used     [C] bool    used since admitted; False for a prefetched expert nobody asked for yet
-  clock    [1] int64   calls so far
-and, for the predictor's bookkeeping (no policy reads them):
-  source   [C] int8    which predictors nominated a prefetched slot's expert (bits), 0 if ensure admitted it
-  routed   [E] bool    experts the last call routed to
-The cache ranks slots by tier first (empty < prefetched-unused < used < needed by a later wave of
-this call) and only then by the policy's score, so a wrong prefetch guess leaves before any expert
-that earned its place, and an expert needed now is never a victim.
+Every policy reads the same slot state (`CacheState.last_use`, `born`, `freq`, `clock`), kept up to date by
+the cache for every slot. The cache ranks slots by tier first (empty < prefetched-unused < used < needed by
+a later wave of this call < needed now) and only then by the policy's score, so a wrong prefetch guess
+leaves before any expert that earned its place, and an expert needed now is never a victim.
+
+Scores are integers (the frequency is fixed-point), so the fused kernel (kernels/cache_step.py), which
+computes the same scores from the constants below, and this reference agree bit for bit
+(docs/decisions.md#integer-policy-scores; LFRU is the default: #default-policy).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
+
+from .state import CacheState
 
 FREQ_UNIT = 256  # one use
 FREQ_DECAY_SHIFT = 4  # freq -= freq >> 4 each call: a use ~11 calls ago counts half
-
-
-class SlotState(NamedTuple):
-    last_use: torch.Tensor
-    born: torch.Tensor
-    freq: torch.Tensor
-    used: torch.Tensor
-    clock: torch.Tensor
-    source: torch.Tensor
-    routed: torch.Tensor
+LFRU_SHIFT = 20  # LFRU's fixed-point scale: (freq << 20) // (1 + age)
 
 
 class Policy:
     name: str
+    id: int  # the fused kernel's POLICY constant
 
-    def score(self, s: SlotState) -> torch.Tensor:
+    def score(self, s: CacheState) -> torch.Tensor:
         raise NotImplementedError
 
 
 class LRU(Policy):
     """Least recently used: the expert idle longest leaves first."""
 
-    name = "lru"
+    name, id = "lru", 0
 
     def score(self, s):
         return s.last_use
@@ -54,7 +41,7 @@ class LRU(Policy):
 class FIFO(Policy):
     """First in, first out: the expert admitted earliest leaves first, however popular."""
 
-    name = "fifo"
+    name, id = "fifo", 1
 
     def score(self, s):
         return s.born
@@ -63,26 +50,32 @@ class FIFO(Policy):
 class LFU(Policy):
     """Least frequently used, with the count decayed every call so yesterday's favourites fade."""
 
-    name = "lfu"
+    name, id = "lfu", 2
 
     def score(self, s):
         return s.freq
 
 
 class LFRU(Policy):
-    """Frequency × recency: the decayed count divided by (1 + calls since last use), in integers.
+    """Frequency x recency: the decayed count divided by (1 + calls since last use), in integers.
 
     A popular expert survives a short gap; one that was popular long ago does not hold a slot forever.
     """
 
-    name = "lfru"
+    name, id = "lfru", 3
 
     def score(self, s):
-        return (s.freq << 20) // (1 + s.clock - s.last_use)
+        return (s.freq << LFRU_SHIFT) // (1 + s.clock - s.last_use)
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU())}
-POLICY_IDS = {name: i for i, name in enumerate(POLICIES)}  # the fused kernel's POLICY constant
+# what the fused kernel receives as constexprs: each policy's id by name, and the integer scales
+POLICY_CONSTANTS = {
+    **{f"POLICY_{p.name.upper()}": p.id for p in POLICIES.values()},
+    "FREQ_UNIT": FREQ_UNIT,
+    "FREQ_SHIFT": FREQ_DECAY_SHIFT,
+    "LFRU_SHIFT": LFRU_SHIFT,
+}
 
 
 def get_policy(name: str) -> Policy:

@@ -1,9 +1,8 @@
 """One cache decision (`ensure` or `prefetch`) of one layer in one Triton program.
 
-The plain-torch reference is `asyncmoe.cache.expert_cache.ensure` / `.prefetch`: about ninety small
-kernels per call, ~190 µs per layer inside a CUDA graph on an H200 (measured: OLMoE shape, cache 32,
-8.0 ms/token against 4.1 resident, docs/results/2026-11-29). Here the same decision is one launch:
-E and C are at most a few hundred, so one program holds a layer's tables in registers.
+Reference: `asyncmoe.cache.algorithm.ensure_reference` / `prefetch_reference`, about ninety small torch
+kernels per call; here the same decision is one launch (docs/decisions.md#fused-cache-step): E and C are
+at most a few hundred, so one program holds a layer's tables in registers.
 
 Ranking without argsort: every slot gets a unique int64 key (tier << 59 | policy score << 12 | slot)
 and `tl.sort` orders the keys; the victims are the first `count` keys and carry their slot in the low
@@ -11,7 +10,8 @@ bits, so no gather from registers is needed. Per-expert flags that slots must lo
 `scratch` buffer, with a barrier (one program: the barrier orders its threads' global memory).
 
 Bit-identical to the reference (tested under TRITON_INTERPRET=1 and on the GPU): integer policy
-scores, the same tie-breaks (lower slot / expert id first).
+scores, the same tie-breaks (lower slot / expert id first). Counter indices, policy ids and the
+integer scales arrive as constexprs from the reference's own definitions (`constants`).
 Dims: E experts, C slots, P = T*k routed pairs, M planned copies.
 """
 
@@ -34,13 +34,60 @@ if triton is not None:
     # Triton compiles a scalar argument equal to 0 or 1 as a Python constant; `wave` must stay a tensor scalar
     @triton.jit(do_not_specialize=["wave", "n_pairs", "E", "C", "M"])
     def _cache_step(
-        ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
-        pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
-        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr, evicted_at_ptr,
-        wave_of_ptr, counters_ptr, scratch_ptr, src_ptr, dst_ptr, count_ptr,  # scratch [E] i32: per-expert flags
-        wave, E, C, M, expert_bytes,
-        POLICY: tl.constexpr, PREFETCH: tl.constexpr, N_COUNTERS: tl.constexpr, FREQ_UNIT: tl.constexpr, FREQ_SHIFT: tl.constexpr,
-        BE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr,
+        ids_ptr,
+        n_pairs,
+        out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
+        pred_ptr,
+        nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
+        e2s_ptr,
+        s2e_ptr,
+        last_use_ptr,
+        born_ptr,
+        freq_ptr,
+        used_ptr,
+        clock_ptr,
+        source_ptr,
+        routed_ptr,
+        evicted_at_ptr,
+        wave_of_ptr,
+        counters_ptr,
+        scratch_ptr,
+        src_ptr,
+        dst_ptr,
+        count_ptr,  # scratch [E] i32: per-expert flags
+        wave,
+        E,
+        C,
+        M,
+        expert_bytes,
+        POLICY: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        POLICY_LRU: tl.constexpr,
+        POLICY_FIFO: tl.constexpr,
+        POLICY_LFU: tl.constexpr,
+        POLICY_LFRU: tl.constexpr,
+        FREQ_UNIT: tl.constexpr,
+        FREQ_SHIFT: tl.constexpr,
+        LFRU_SHIFT: tl.constexpr,
+        CALLS: tl.constexpr,
+        HITS: tl.constexpr,
+        MISSES: tl.constexpr,
+        EVICTIONS: tl.constexpr,
+        BYTES_H2D: tl.constexpr,
+        PREFETCHED: tl.constexpr,
+        WASTED: tl.constexpr,
+        PREFETCH_HITS: tl.constexpr,
+        HITS_GATE: tl.constexpr,
+        HITS_TEMPORAL: tl.constexpr,
+        HITS_TRANSITION: tl.constexpr,
+        PREFETCH_TIMELY: tl.constexpr,
+        PREFETCH_VICTIMS: tl.constexpr,
+        N_COUNTERS: tl.constexpr,
+        N_SOURCES: tl.constexpr,
+        BE: tl.constexpr,
+        BC: tl.constexpr,
+        BP: tl.constexpr,
+        BK: tl.constexpr,
     ):
         e = tl.arange(0, BE)
         emask = e < E
@@ -63,7 +110,7 @@ if triton is not None:
             later = ((e2s >= 0) & (pred > 0) & emask).to(tl.int32)
         else:
             # the call's experts: a later wave reads them from wave 0's plan (-1: not needed); wave 0 scans the
-            # pairs, an [E, BP] comparison a block (117 us a wave for 16,384 pairs on Qwen3's shape, H200)
+            # pairs, an [E, BP] comparison a block (docs/decisions.md#later-waves-skip-the-pair-scan)
             kept = tl.load(wave_of_ptr + e, mask=emask, other=-1)
             need = (kept >= 0).to(tl.int32)
             if wave == 0:
@@ -75,7 +122,10 @@ if triton is not None:
             need = tl.where(emask, need, 0)
             # wave 0 ranks the needed experts, resident ones first, and keeps each one's wave for the later waves
             first = need & (e2s >= 0).to(tl.int32)
-            rank = tl.where(first != 0, tl.cumsum(first, axis=0), tl.sum(first, axis=0) + tl.cumsum(need - first, axis=0)) - 1
+            rank = (
+                tl.where(first != 0, tl.cumsum(first, axis=0), tl.sum(first, axis=0) + tl.cumsum(need - first, axis=0))
+                - 1
+            )
             planned = tl.where(need != 0, rank // C, -1).to(tl.int64)
             wave_of = tl.where(wave == 0, planned, kept)
             tl.store(wave_of_ptr + e, wave_of, mask=emask & (wave == 0))
@@ -84,10 +134,12 @@ if triton is not None:
             tl.store(routed_ptr + e, need != 0, mask=emask)
             # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
             evicted_at = tl.load(evicted_at_ptr + e, mask=emask, other=-1)
-            victims = tl.where(wave == 0, tl.sum(((need != 0) & (e2s < 0) & (evicted_at == clock - 1)).to(tl.int64), axis=0), 0)
+            victims = tl.where(
+                wave == 0, tl.sum(((need != 0) & (e2s < 0) & (evicted_at == clock - 1)).to(tl.int64), axis=0), 0
+            )
         tl.store(scratch_ptr + e, now * 2 + later, mask=emask)
 
-        # --- misses first, in expert-id order, then the other experts (src is defined for all M, as in the reference) ---
+        # --- misses first, in expert-id order, then the other experts (src defined for all M, as in the reference) ---
         missing = now & (e2s < 0).to(tl.int32)
         count = tl.sum(missing, axis=0)
         other = tl.where(emask, 1 - missing, 0)
@@ -103,14 +155,15 @@ if triton is not None:
         last_use = tl.load(last_use_ptr + c, mask=cmask, other=0)
         born = tl.load(born_ptr + c, mask=cmask, other=0)
         freq = tl.load(freq_ptr + c, mask=cmask, other=0)
-        if POLICY == 0:  # ids: asyncmoe.cache.policies.POLICY_IDS (lru, fifo, lfu, lfru)
+        if POLICY == POLICY_LRU:
             score = last_use
-        elif POLICY == 1:
+        elif POLICY == POLICY_FIFO:
             score = born
-        elif POLICY == 2:
+        elif POLICY == POLICY_LFU:
             score = freq
         else:
-            score = (freq << 20) // (1 + clock - last_use)
+            tl.static_assert(POLICY == POLICY_LFRU)
+            score = (freq << LFRU_SHIFT) // (1 + clock - last_use)
         key = (tier.to(tl.int64) << 59) | (score << _SLOT_BITS) | c
         key = tl.where(cmask, key, (1 << 62))
         order = tl.sort(key)  # victims first
@@ -142,10 +195,12 @@ if triton is not None:
         # --- counters; ensure also records the uses ---
         evictions = tl.sum(evicted.to(tl.int64), axis=0)
         n_wasted = tl.sum(wasted.to(tl.int64), axis=0)
-        k = tl.arange(0, 16)
+        k = tl.arange(0, BK)
         if PREFETCH:
-            add = tl.where(k == 3, evictions, 0) + tl.where(k == 4, count.to(tl.int64) * expert_bytes, 0)
-            add += tl.where(k == 5, count, 0) + tl.where(k == 6, n_wasted, 0)
+            add = tl.where(k == EVICTIONS, evictions, 0) + tl.where(
+                k == BYTES_H2D, count.to(tl.int64) * expert_bytes, 0
+            )
+            add += tl.where(k == PREFETCHED, count, 0) + tl.where(k == WASTED, n_wasted, 0)
         else:
             s2e = tl.load(s2e_ptr + c, mask=cmask, other=-1)
             flag = tl.load(scratch_ptr + tl.maximum(s2e, 0), mask=cmask & (s2e >= 0), other=0)
@@ -161,13 +216,21 @@ if triton is not None:
             tl.store(freq_ptr + c, freq - (freq >> FREQ_SHIFT) + hit.to(tl.int64) * FREQ_UNIT, mask=cmask)
             calls = tl.full([], 0, tl.int64) + (wave == 0)  # wave may arrive as a Python int or a scalar tensor
             n_now = tl.sum(now.to(tl.int64), axis=0)
-            add = tl.where(k == 0, calls, 0) + tl.where(k == 1, n_now - count, 0) + tl.where(k == 2, count, 0)
-            add += tl.where(k == 3, evictions, 0) + tl.where(k == 4, count.to(tl.int64) * expert_bytes, 0)
-            add += tl.where(k == 6, n_wasted, 0) + tl.where(k == 7, tl.sum(first_use.to(tl.int64), axis=0), 0)
-            for b in tl.static_range(3):
+            add = (
+                tl.where(k == CALLS, calls, 0) + tl.where(k == HITS, n_now - count, 0) + tl.where(k == MISSES, count, 0)
+            )
+            add += tl.where(k == EVICTIONS, evictions, 0) + tl.where(
+                k == BYTES_H2D, count.to(tl.int64) * expert_bytes, 0
+            )
+            add += tl.where(k == WASTED, n_wasted, 0) + tl.where(
+                k == PREFETCH_HITS, tl.sum(first_use.to(tl.int64), axis=0), 0
+            )
+            tl.static_assert((HITS_TEMPORAL == HITS_GATE + 1) & (HITS_TRANSITION == HITS_GATE + 2) & (N_SOURCES == 3))
+            for b in tl.static_range(N_SOURCES):  # hits by nominator: HITS_GATE + source bit
                 hits_b = tl.sum((first_use & ((source & (1 << b)) != 0)).to(tl.int64), axis=0)
-                add += tl.where(k == 8 + b, hits_b, 0)
-            add += tl.where(k == 11, tl.sum(timely.to(tl.int64), axis=0), 0) + tl.where(k == 12, victims, 0)
+                add += tl.where(k == HITS_GATE + b, hits_b, 0)
+            add += tl.where(k == PREFETCH_TIMELY, tl.sum(timely.to(tl.int64), axis=0), 0)
+            add += tl.where(k == PREFETCH_VICTIMS, victims, 0)
             # slot of each routed pair in this wave, -1 for other waves'
             for p0 in range(0, n_pairs, BP):
                 p = p0 + tl.arange(0, BP)
@@ -180,34 +243,63 @@ if triton is not None:
         tl.store(counters_ptr + k, counters + add, mask=k < N_COUNTERS)
 
 
-def cache_step(
-    ids: torch.Tensor | None,  # ensure: [P] routed experts; prefetch: None
-    pred: torch.Tensor | None,  # prefetch: [E] scores; ensure: None
-    nominated: torch.Tensor | None,  # prefetch: [E] source bits
-    wave: int,
-    policy_id: int,
-    max_new: int,
-    expert_to_slot, slot_to_expert, state: list[torch.Tensor], evicted_at, wave_of, counters, scratch,
-    expert_bytes: int, freq_unit: int, freq_shift: int,
-):
-    """Launch one decision; returns (slot per pair [P] or None, src [M], dst [M], count [1]) for the copy."""
-    last_use, born, freq, used, clock, source, routed = state
-    E, C = expert_to_slot.numel() - 1, slot_to_expert.numel()
-    dev = expert_to_slot.device
+def ensure_triton(ids: torch.Tensor, wave: int, policy_id: int, s, expert_bytes: int, constants: dict):
+    """`ensure`'s decision for the routed experts `ids` [P] on the cache state `s` (a `CacheState`):
+    (slot of each pair [P], (src [M], dst [M], count [1])) with M = min(C, E, P)."""
+    E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
+    out, *copies = _launch(ids, None, wave, policy_id, min(C, E, ids.numel()), s, expert_bytes, constants)
+    return out, tuple(copies)
+
+
+def prefetch_triton(budget: int, policy_id: int, s, expert_bytes: int, constants: dict):
+    """`prefetch`'s decision from `s.predicted` and `s.nominated`: (src [budget], dst [budget], count [1])."""
+    _, *copies = _launch(None, True, 0, policy_id, budget, s, expert_bytes, constants)
+    return tuple(copies)
+
+
+def _launch(ids, prefetch, wave, policy_id, max_new, s, expert_bytes, constants):
+    E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
+    dev = s.expert_to_slot.device
     src = torch.empty(max_new, dtype=torch.int64, device=dev)
     dst = torch.empty(max_new, dtype=torch.int64, device=dev)
     count = torch.empty(1, dtype=torch.int64, device=dev)
-    prefetch = ids is None
     ids = torch.empty(0, dtype=torch.int64, device=dev) if prefetch else ids
     out = torch.empty_like(ids)
-    pred = torch.empty(0, device=dev) if pred is None else pred
-    nominated = torch.empty(0, dtype=torch.int8, device=dev) if nominated is None else nominated
     n_pairs = ids.numel()
     _cache_step[(1,)](
-        ids, n_pairs, out, pred, nominated, expert_to_slot, slot_to_expert, last_use, born, freq, used, clock,
-        source, routed, evicted_at, wave_of, counters, scratch, src, dst, count, wave, E, C, max_new, expert_bytes,
-        POLICY=policy_id, PREFETCH=prefetch, N_COUNTERS=counters.numel(), FREQ_UNIT=freq_unit, FREQ_SHIFT=freq_shift,
-        BE=triton.next_power_of_2(E), BC=triton.next_power_of_2(C),
-        BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024), num_warps=4,
+        ids,
+        n_pairs,
+        out,
+        s.predicted,
+        s.nominated,
+        s.expert_to_slot,
+        s.slot_to_expert,
+        s.last_use,
+        s.born,
+        s.freq,
+        s.used,
+        s.clock,
+        s.source,
+        s.routed,
+        s.evicted_at,
+        s.wave_of,
+        s.counters,
+        s.scratch,
+        src,
+        dst,
+        count,
+        wave,
+        E,
+        C,
+        max_new,
+        expert_bytes,
+        POLICY=policy_id,
+        PREFETCH=bool(prefetch),
+        **constants,
+        BE=triton.next_power_of_2(E),
+        BC=triton.next_power_of_2(C),
+        BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024),
+        BK=triton.next_power_of_2(constants["N_COUNTERS"]),
+        num_warps=4,
     )
     return (None if prefetch else out), src, dst, count

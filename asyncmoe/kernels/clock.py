@@ -20,6 +20,10 @@ try:
 except ImportError:  # non-Linux
     triton = None
 
+# The layouts the kernels below write (the cache's `timer` and `pace` use them: cache/state.py)
+START, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3  # a timer [4]: two stamps, then two sums of ns
+STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` call
+
 if triton is not None:
 
     @triton.jit
@@ -31,31 +35,29 @@ if triton is not None:
         tl.store(times_ptr + AT, _now())
 
     @triton.jit
-    def _lap(times_ptr):
+    def _lap(times_ptr, START: tl.constexpr, WAITED: tl.constexpr, WAIT_NS: tl.constexpr, ENSURE_NS: tl.constexpr):
         now = _now()
-        start, mid = tl.load(times_ptr), tl.load(times_ptr + 1)
-        tl.store(times_ptr + 2, tl.load(times_ptr + 2) + (mid - start))
-        tl.store(times_ptr + 3, tl.load(times_ptr + 3) + (now - mid))
-
+        start, mid = tl.load(times_ptr + START), tl.load(times_ptr + WAITED)
+        tl.store(times_ptr + WAIT_NS, tl.load(times_ptr + WAIT_NS) + (mid - start))
+        tl.store(times_ptr + ENSURE_NS, tl.load(times_ptr + ENSURE_NS) + (now - mid))
 
     @triton.jit
-    def _window(pace_ptr):
-        start = tl.load(pace_ptr)
-        tl.store(pace_ptr + 1, tl.where(start > 0, _now() - start, 0))  # no stamp yet: nothing measured
+    def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
+        start = tl.load(pace_ptr + STAMP)
+        tl.store(pace_ptr + WINDOW, tl.where(start > 0, _now() - start, 0))  # no stamp yet: nothing measured
 
 
 def stamp(times: torch.Tensor, at: int) -> None:
-    """times[at] = the GPU clock (ns) when the stream gets here. `times` [4] int64 on CUDA: two stamps, two sums."""
+    """times[at] = the GPU clock (ns) when the stream gets here (`times` int64 on CUDA)."""
     _stamp[(1,)](times, AT=at, num_warps=1)
 
 
 def lap(times: torch.Tensor) -> None:
-    """times[2] += times[1] - times[0]; times[3] += now - times[1] (ns)."""
-    _lap[(1,)](times, num_warps=1)
+    """times[WAIT_NS] += times[WAITED] - times[START]; times[ENSURE_NS] += now - times[WAITED] (ns)."""
+    _lap[(1,)](times, START=START, WAITED=WAITED, WAIT_NS=WAIT_NS, ENSURE_NS=ENSURE_NS, num_warps=1)
 
 
 def window(pace: torch.Tensor) -> None:
-    """pace[1] = now - pace[0] (ns): the compute a prefetch issued at the stamp pace[0] had to hide behind, this
-    call's (the last call's shape is the next one's: a decode step's, not the prompt's). `pace` [3] int64 on CUDA
-    (see `providers.link`)."""
-    _window[(1,)](pace, num_warps=1)
+    """pace[WINDOW] = now - pace[STAMP] (ns): the compute a prefetch issued at the stamp had to hide behind, this
+    call's (the last call's shape is the next one's: a decode step's, not the prompt's; see `providers.link`)."""
+    _window[(1,)](pace, STAMP=STAMP, WINDOW=WINDOW, num_warps=1)

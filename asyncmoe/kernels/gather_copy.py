@@ -10,7 +10,7 @@ program per planned block (M rows' worth; those past `count` return at once), th
 compute waits for the copy anyway. `programs=P` caps the grid: a prefetch running beside the
 compute then holds P programs' worth of SMs instead of flooding every SM with copy programs that
 the compute stream's kernels would queue behind; a few dozen programs keep enough loads in flight
-to fill the link.
+to fill the link (docs/decisions.md#copy-programs).
 
 Dims: E experts, C slots, M planned copies.
 """
@@ -62,7 +62,7 @@ if triton is not None:
             tl.store(dst_ptr + d * row_elems + offs, x, mask=mask)
 
 
-BLOCK_BYTES = 32768  # per block; 12.6 MB experts -> ~400 blocks each
+BLOCK_BYTES = 32768  # per block; 12.6 MB experts -> ~400 blocks each (docs/decisions.md#gather-copy-blocks)
 NUM_WARPS = 4
 
 

@@ -25,45 +25,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import predict as predict_kernels
+from .. import kernels
+from ..cache.state import GATE, SOURCES
+from ..kernels import scores as score_kernels
 
-SOURCES = ("gate", "temporal", "transition")  # bit i of a slot's `source`: nominated by SOURCES[i]
-GATE, TEMPORAL, TRANSITION = 1, 2, 4
 MIN_SUPPORT = 0.3  # the mean temporal/transition score an expert needs to be prefetched (see `combine`)
+TRANSITION_DECAY = 0.99  # per call: transitions seen ~70 calls ago count half
 
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Prefetch settings. `sources`: the predictors (default the gate alone: below);
-    `per_token`: experts each token nominates (default: the model's top-k);
-    `budget`: most experts admitted per target layer per call; `depth`: layers ahead;
-    `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block,
-    which floods the SMs the compute needs).
+    """Prefetch settings. `sources`: the predictors; `per_token`: experts each token nominates (default:
+    the model's top-k); `budget`: most experts admitted per target layer per call; `depth`: layers ahead;
+    `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block, which
+    floods the SMs the compute needs).
 
-    Why a budget of one expert: a layer's prefetch has one layer's compute to hide behind, and the
-    next layer's own misses queue behind whatever it copies. On the H200 at batch 1 one OLMoE expert
-    (12.6 MB, 0.25 ms at 51 GB/s) about fills one layer's compute (0.26 ms). Replaying the embedded
-    model's recorded routing and gate at the OLMoE shape (docs/results/2026-11-30, sixth session),
-    budgets 1 / 2 / top-k (8) gave 16.2 / 17.3 / 19.0 ms/token at cache 16 against 17.6 without
-    prefetch, and 9.05 / 9.63 / 9.90 against 9.48 at cache 32.
-
-    Why not temporal by default: what the target routed last call is resident (it was just used), so
-    temporal never nominates an expert to copy; its only effect is that `prefetch` keeps those experts
-    from eviction, and where they fill the slots (cache near top-k) the gate's prefetch then evicts by
-    the policy alone, which may take one the gate nominated (without temporal only those are kept).
-    On the embedded model's recorded trace (8192 tokens, `asyncmoe.trace.simulate`) gate + temporal +
-    transition leaves 4.0% more misses per token than gate + transition at cache 8 of 64, top-8 (28.24
-    against 27.15), 1.3% at top-6 (18.08 against 17.85), and 0.0-0.7% at caches 12-32; on the H200
-    at the OLMoE shape replaying that trace, 24.42 against 23.69 ms/token at cache 8 (3.0%).
-
-    Why not transition by default: beside the gate at a budget of one it decided no admission on the
-    embedded trace (the gate's nomination comes first; the same misses either way), and alone its
-    scores stay under MIN_SUPPORT there (on the suite's synthetic Mixtral trace, which has the embedded
-    model's cross-layer lift, they pass it for 0.13 fetches per token at 2 of 8 slots, 0.95% of the
-    routed experts: docs/routing.md); what it does cost is its `observe` and scoring each call. On the H200 (same run)
-    the gate alone moved the same bytes with the same hits as gate + transition at caches 8 and 16,
-    and was 0.5% faster at 16 (16.10 against 16.19 ms/token, faster in each of 5 rounds), equal at 8
-    (docs/results/2026-11-30, eighteenth session)."""
+    The defaults, the gate alone and one expert a layer, are measured in docs/decisions.md#prefetch-budget
+    and docs/decisions.md#prefetch-sources: a layer's prefetch has one layer's compute to hide behind, and
+    temporal's nominations are resident already.
+    """
 
     sources: tuple[str, ...] = ("gate",)
     depth: int = 1
@@ -78,8 +58,10 @@ class Prefetch:
         if self.depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
         if self.depth > 1 and set(self.sources) == {"gate"}:
-            raise ValueError(f"prefetch depth {self.depth} needs temporal or transition in sources: the gate predicts only "
-                             f"the next layer (its router on this layer's input)")
+            raise ValueError(
+                f"prefetch depth {self.depth} needs temporal or transition in sources: the gate predicts only "
+                f"the next layer (its router on this layer's input)"
+            )
         if self.budget < 1:
             raise ValueError(f"prefetch budget must be >= 1 (experts per layer per call), got {self.budget}")
         if self.copy_programs is not None and self.copy_programs < 1:
@@ -87,15 +69,26 @@ class Prefetch:
 
 
 def gate_scores(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    per_token: int,
+    out: torch.Tensor,
     use_kernel: bool | None = None,
 ) -> None:
-    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> out [E].
+    """x [T, H] (layer l's MoE input), weight [E, H] (layer l+1's router) -> out [E]: the Triton kernel for a
+    decode-sized call on CUDA, the reference otherwise."""
+    fits = x.shape[0] <= score_kernels.MAX_TOKENS
+    if (kernels.available(x) if use_kernel is None else use_kernel) and fits:
+        score_kernels.gate_scores_triton(x, weight, bias, per_token, out)
+    else:
+        gate_scores_reference(x, weight, bias, per_token, out)
 
-    On CUDA a decode-sized call is one Triton launch (kernels.predict) that writes `out`; this is its reference."""
-    if (predict_kernels.use_kernels(x) if use_kernel is None else use_kernel) and x.shape[0] <= predict_kernels.MAX_TOKENS:
-        predict_kernels.gate_scores(x, weight, bias, per_token, out)
-        return
+
+def gate_scores_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor
+) -> None:
+    """Each token's top `per_token` probabilities under the router, averaged over the tokens, into `out` [E]."""
     top = gate_top(x, weight, bias, per_token)
     torch.mean(top_scores(top.indices, top.values, weight.shape[0]), dim=0, out=out)
 
@@ -131,11 +124,8 @@ def combine(parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.
     """[(source bit, scores [E])] -> (score [E], bits of the sources that nominated each expert [E] int8).
 
     The gate's nominations rank first (score 1 + gate score); after them come the experts that the
-    other predictors back with a mean score of at least MIN_SUPPORT. Why not a plain mean of all: on
-    the embedded model's held-out text (cache 16 of 64, measured on the CPU) the mean left 10.96
-    demand misses per token and fetched 23.8 experts per token, 11.9 of them never used; the gate
-    alone 9.75 and 17.7 (6.7 unused): the weaker predictors (28% of their fetches used) spent the
-    budget and evicted what the gate had fetched. Gate first with this threshold: 9.84 and 18.3 (6.9).
+    other predictors back with a mean score of at least MIN_SUPPORT, so the weaker predictors do not
+    spend the budget on what the gate would not fetch (docs/decisions.md#combine-gate-first).
     """
     gate = [s for bit, s in parts if bit == GATE]
     others = [(bit, s) for bit, s in parts if bit != GATE]
@@ -150,3 +140,16 @@ def combine(parts: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.
         score = torch.where(gate[0] > 0, 1 + gate[0], score)
         sources = sources | torch.where(gate[0] > 0, GATE, 0).to(torch.int8)
     return score, sources
+
+
+def observe(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, use_kernel: bool | None = None):
+    """Learn expert transitions online: the Triton kernel on CUDA, the reference elsewhere."""
+    if kernels.available(transitions) if use_kernel is None else use_kernel:
+        score_kernels.observe_triton(previous, routed, transitions, TRANSITION_DECAY)
+    else:
+        observe_reference(previous, routed, transitions)
+
+
+def observe_reference(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor) -> None:
+    """transitions [E', E] decays once and adds (routed at the previous layer [E']) x (routed here [E])."""
+    transitions.mul_(TRANSITION_DECAY).add_(previous[:, None].float() * routed[None, :].float())

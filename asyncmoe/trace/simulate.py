@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..cache import expert_cache
-from ..cache.expert_cache import COUNTERS, ExpertCache
+from ..cache import algorithm
+from ..cache.expert_cache import ExpertCache
+from ..cache.state import COUNTERS, GATE, TEMPORAL, TRANSITION
 from ..predict import predictors
+from ..predict.prefetch import Request, predict_and_prefetch
 from .format import Trace
 
 SIMULABLE = ("gate", "temporal", "transition")  # gate: from a trace that recorded its nominations
@@ -57,10 +59,12 @@ class Simulation:
         moved = misses + sum(r.prefetched for r in self.layers)
         belady = sum(r.belady_misses for r in self.layers)
         self.totals = {
-            "tokens": self.tokens, "lookups": lookups,
+            "tokens": self.tokens,
+            "lookups": lookups,
             "hit_rate": 1 - misses / lookups if lookups else float("nan"),
             "belady_hit_rate": 1 - belady / lookups if lookups else float("nan"),
-            "misses_per_token": misses / self.tokens, "belady_misses_per_token": belady / self.tokens,
+            "misses_per_token": misses / self.tokens,
+            "belady_misses_per_token": belady / self.tokens,
             "prefetched_per_token": sum(r.prefetched for r in self.layers) / self.tokens,
             "prefetch_recall": sum(r.prefetch_hits for r in self.layers) / lookups if lookups else float("nan"),
             "bytes_per_token": moved * self.expert_bytes / self.tokens,
@@ -71,37 +75,48 @@ class Simulation:
         return json.dumps({"cache": self.cache, "policy": self.policy, "prefetch": list(self.prefetch), **self.totals})
 
     def __str__(self) -> str:
-        head = f"{'layer':>5} {'hit%':>6} {'belady%':>8} {'miss/tok':>9} {'prefetch/tok':>13} {'pf-hit%':>8}"
-        rows = [f"cache {self.cache} slots, policy {self.policy}, prefetch {'+'.join(self.prefetch) or 'off'}, "
-                f"{self.tokens} tokens", head, "-" * len(head)]
+        head = f"{'layer':>5} {'hit%':>6} {'belady%':>8} {'miss/tok':>9} {'prefetch/tok':>13} {'pf-recall%':>10}"
+        rows = [
+            f"cache {self.cache} slots, policy {self.policy}, prefetch {'+'.join(self.prefetch) or 'off'}, "
+            f"{self.tokens} tokens",
+            head,
+            "-" * len(head),
+        ]
         for i, r in enumerate(self.layers):
             rows.append(
                 f"{i:>5} {100 * r.hits / r.lookups:>6.1f} {100 * (1 - r.belady_misses / r.lookups):>8.1f} "
-                f"{r.misses / self.tokens:>9.2f} {r.prefetched / self.tokens:>13.2f} {100 * r.prefetch_hits / r.lookups:>8.1f}"
+                f"{r.misses / self.tokens:>9.2f} {r.prefetched / self.tokens:>13.2f} "
+                f"{100 * r.prefetch_hits / r.lookups:>10.1f}"
             )
         t = self.totals
-        rows += ["-" * len(head), f"{'all':>5} {100 * t['hit_rate']:>6.1f} {100 * t['belady_hit_rate']:>8.1f} "
-                 f"{t['misses_per_token']:>9.2f} {t['prefetched_per_token']:>13.2f} {100 * t['prefetch_recall']:>8.1f}"]
+        rows += [
+            "-" * len(head),
+            f"{'all':>5} {100 * t['hit_rate']:>6.1f} {100 * t['belady_hit_rate']:>8.1f} "
+            f"{t['misses_per_token']:>9.2f} {t['prefetched_per_token']:>13.2f} {100 * t['prefetch_recall']:>10.1f}",
+        ]
         if self.expert_bytes:
-            rows.append(f"bytes per token: {t['bytes_per_token'] / 1e6:.1f} MB (Belady floor {t['belady_bytes_per_token'] / 1e6:.1f} MB)")
+            rows.append(
+                f"bytes per token: {t['bytes_per_token'] / 1e6:.1f} MB "
+                f"(Belady floor {t['belady_bytes_per_token'] / 1e6:.1f} MB)"
+            )
         return "\n".join(rows)
 
 
-def _step(ids_t, gate_t, caches, transitions, prefetch: tuple[str, ...], budget: int):
+def _step(ids_t, gate_t, caches, prefetch: tuple[str, ...], budget: int):
     """One token through every layer: what the providers do in a forward, minus the weights.
     gate_t [L, E]: the recorded gate predictor's scores for each layer (with "gate")."""
+    bits = (GATE if "gate" in prefetch else 0) | (TEMPORAL if "temporal" in prefetch else 0)
+    bits |= TRANSITION if "transition" in prefetch else 0
     for l, c in enumerate(caches):
-        expert_cache.ensure(ids_t[l : l + 1], 0, c.policy, c.expert_to_slot, c.slot_to_expert, c.state, c.counters, [], [])
+        algorithm.ensure(ids_t[l : l + 1], 0, c.policy, c.state, [], [])
         if "transition" in prefetch and l > 0:
-            expert_cache.observe(caches[l - 1].routed, c.routed, transitions[l])
+            predictors.observe(caches[l - 1].routed, c.routed, c.transitions)
         if prefetch and l + 1 < len(caches):
             t = caches[l + 1]
+            if "gate" in prefetch:
+                t.gate.copy_(gate_t[l + 1])
             before = c.routed if "transition" in prefetch else None
-            expert_cache.predict_and_prefetch(
-                gate_t[l + 1] if "gate" in prefetch else None, "temporal" in prefetch, before, transitions[l + 1] if before is not None else None, budget,
-                t.policy, t.predicted, t.nominated, t.expert_to_slot, t.slot_to_expert, t.state, t.counters, [], [],
-                t.outcomes, t.pace,
-            )
+            predict_and_prefetch(Request(bits, budget, t.policy), t.state, before, [], [])
 
 
 def simulate(
@@ -110,13 +125,19 @@ def simulate(
     policy: str = "lfru",
     prefetch: tuple[str, ...] = (),
     budget: int = predictors.Prefetch.budget,
-    expert_bytes: int = 0,
+    expert_bytes: int | None = None,
     compiled: bool = True,
 ) -> Simulation:
-    """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound."""
+    """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound.
+    `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded model's, in the format
+    its cache stored; 0 where the trace has none)."""
+    if expert_bytes is None:
+        expert_bytes = trace.expert_bytes or 0
     if "gate" in prefetch and trace.gate_ids is None:
-        raise ValueError("the gate predictor needs hidden states, and this trace did not record what it predicted; "
-                         "record one with asyncmoe.record(model, gate=True), or simulate temporal and transition")
+        raise ValueError(
+            "the gate predictor needs hidden states, and this trace did not record what it predicted; "
+            "record one with asyncmoe.record(model, gate=True), or simulate temporal and transition"
+        )
     unknown = set(prefetch) - set(SIMULABLE)
     if unknown:
         raise ValueError(f"unknown predictors {sorted(unknown)}; simulable: {', '.join(SIMULABLE)}")
@@ -126,8 +147,7 @@ def simulate(
         raise ValueError(f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}")
     E, L = trace.num_experts, trace.layers
     budget = min(budget, cache)
-    caches = [ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy) for _ in range(L)]
-    transitions = [torch.zeros(E, E) for _ in range(L)]
+    caches = [ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, transitions_from=E) for _ in range(L)]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
     gate = gate_scores(trace) if "gate" in prefetch else None
@@ -135,13 +155,20 @@ def simulate(
     # one process needs more of them than dynamo's default recompile limit of 8, a hard error under fullgraph
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         for t in range(trace.tokens):
-            step(ids[t], None if gate is None else gate[t], caches, transitions, tuple(prefetch), budget)
+            step(ids[t], None if gate is None else gate[t], caches, tuple(prefetch), budget)
     index = {name: i for i, name in enumerate(COUNTERS)}
     layers = []
     for l, c in enumerate(caches):
         n = c.counters.tolist()  # host read-out after the run (CPU tensors; no device involved)
-        layers.append(LayerResult(n[index["hits"]], n[index["misses"]], n[index["prefetched"]], n[index["prefetch_hits"]],
-                                  belady_misses(trace.ids[:, l], min(cache, E))))
+        layers.append(
+            LayerResult(
+                n[index["hits"]],
+                n[index["misses"]],
+                n[index["prefetched"]],
+                n[index["prefetch_hits"]],
+                belady_misses(trace.ids[:, l], min(cache, E)),
+            )
+        )
     return Simulation(cache, policy, tuple(prefetch), trace.tokens, expert_bytes, layers)
 
 

@@ -1,38 +1,25 @@
-"""Routing traces: record, replay, simulate; the simulator against plain LRU and a brute-force optimum."""
+"""The offline simulator (trace/simulate.py): the runtime's own counters from a recorded trace, plain LRU, the
+Belady bound against a brute-force optimum, the predictors on the embedded model's trace, the compiled step,
+and the `asyncmoe simulate` command."""
 
 import copy
 import functools
 import itertools
 import json
-import pathlib
-import time
 from collections import OrderedDict
 
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import asyncmoe
 from asyncmoe.cli import main
 from asyncmoe.trace import Trace
-from asyncmoe.integrations.transformers import find_experts, find_router
-from asyncmoe.predict import predictors
-from asyncmoe.trace.simulate import belady_misses, gate_scores, simulate
+from asyncmoe.trace.simulate import belady_misses, simulate
 
 from models import tiny
-
-
-def demo_trace(tokens: int) -> Trace:
-    """The embedded model's first `tokens` held-out tokens of routing, with what its gate predicted."""
-    demo = Trace.load(pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz")
-    return Trace(demo.ids[:tokens], demo.num_experts, gate_ids=demo.gate_ids[:tokens], gate_probs=demo.gate_probs[:tokens])
-
-
-def random_trace(seed, N=120, L=3, E=12, k=2, skew=1.3):
-    rng = np.random.default_rng(seed)
-    p = 1 / np.arange(1, E + 1) ** skew
-    ids = np.stack([np.stack([rng.choice(E, k, replace=False, p=p / p.sum()) for _ in range(L)]) for _ in range(N)])
-    return Trace(ids, E)
+from traces import demo_trace, random_trace
 
 
 @torch.no_grad()
@@ -40,26 +27,6 @@ def decode_like(model, tokens):
     """One token per call, as decoding does: the calls the simulator replays one by one."""
     for t in tokens:
         model(torch.tensor([[t]]), use_cache=False)
-
-
-def test_format_round_trip(tmp_path):
-    tr = random_trace(0)
-    tr.starts = np.array([0, 50])
-    tr.save(tmp_path / "t.npz")
-    back = Trace.load(tmp_path / "t.npz")
-    assert np.array_equal(back.ids, tr.ids) and back.num_experts == 12 and back.starts.tolist() == [0, 50]
-    with pytest.raises(ValueError, match=r"must lie in \[0, num_experts=4\)"):
-        Trace(np.full((2, 1, 1), 7), 4)
-    np.savez(tmp_path / "bad.npz", x=np.zeros(3))
-    with pytest.raises(ValueError, match="not an asyncmoe trace"):
-        Trace.load(tmp_path / "bad.npz")
-    gate_ids = np.where(np.arange(3)[None, :, None] == 0, -1, tr.ids[:, :, :1])  # [N, L, 1], none for layer 0
-    gated = Trace(tr.ids, 12, gate_ids=gate_ids, gate_probs=np.full(gate_ids.shape, 0.5))
-    gated.save(tmp_path / "g.npz")
-    back = Trace.load(tmp_path / "g.npz")
-    assert np.array_equal(back.gate_ids, gate_ids) and np.array_equal(back.gate_probs, np.full(gate_ids.shape, 0.5))
-    with pytest.raises(ValueError, match=r"gate_ids \(120, 2, 1\) and gate_probs \(120, 2, 1\) must both be"):
-        Trace(tr.ids, 12, gate_ids=gate_ids[:, :2], gate_probs=np.zeros((120, 2, 1)))
 
 
 def test_record_then_simulate_gives_the_runtimes_own_counters(tmp_path):
@@ -75,22 +42,6 @@ def test_record_then_simulate_gives_the_runtimes_own_counters(tmp_path):
     sim = simulate(trace, cache=4, policy="lru", compiled=False)
     runtime = asyncmoe.stats(model)
     assert [(r.hits, r.misses) for r in sim.layers] == [(r.hits, r.misses) for r in runtime.layers]
-
-
-def test_replay_routes_exactly_by_the_trace():
-    trace = random_trace(1, N=40, L=1, E=16, k=2)  # one trace layer: every model layer replays it
-    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace)
-    tokens = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(1)).tolist()
-    with asyncmoe.record(model) as rec:
-        decode_like(model, tokens)
-    got = rec.trace.ids  # [50, 2, 2]: wraps after 40 tokens
-    want = np.concatenate([trace.ids, trace.ids[:10]])[:, 0]
-    assert np.array_equal(got[:, 0], want) and np.array_equal(got[:, 1], want)
-
-
-def test_replay_needs_matching_shape():
-    with pytest.raises(ValueError, match=r"routes 2 of 16 experts but the trace has 2 of 12"):
-        asyncmoe.compile(tiny("olmoe"), cache=4, replay=random_trace(0))
 
 
 def plain_lru_misses(ids: np.ndarray, cache: int) -> int:
@@ -112,15 +63,15 @@ def test_lru_equals_a_plain_ordered_dict_lru(seed):
     """With one expert per token LRU is unambiguous; the simulator must match OrderedDict exactly."""
     trace = random_trace(seed, N=300, L=2, E=10, k=1)
     sim = simulate(trace, cache=4, policy="lru", compiled=False)
-    assert [r.misses for r in sim.layers] == [plain_lru_misses(trace.ids[:, l], 4) for l in range(2)]
+    assert [r.misses for r in sim.layers] == [plain_lru_misses(trace.ids[:, layer], 4) for layer in range(2)]
 
 
 def test_lru_with_several_experts_per_token_stays_close_to_ordered_dict():
     """k > 1: experts used by the same token tie on recency; asyncmoe breaks ties by slot, OrderedDict by order."""
     trace = random_trace(5, N=400, L=2, E=16, k=3)
     sim = simulate(trace, cache=6, policy="lru", compiled=False)
-    for l, r in enumerate(sim.layers):
-        assert abs(r.misses - plain_lru_misses(trace.ids[:, l], 6)) <= 0.05 * r.lookups
+    for layer, r in enumerate(sim.layers):
+        assert abs(r.misses - plain_lru_misses(trace.ids[:, layer], 6)) <= 0.05 * r.lookups
 
 
 def brute_force_misses(ids: np.ndarray, cache: int) -> int:
@@ -140,9 +91,11 @@ def brute_force_misses(ids: np.ndarray, cache: int) -> int:
             options = [frozenset(k) for k in kept if len(set(k) - need) < cache]
         else:
             evict = max(0, len(missing) - (cache - len(resident)))
-            options = [resident | need] if evict == 0 else [
-                (resident - set(out)) | need for out in itertools.combinations(sorted(resident - need), evict)
-            ]
+            options = (
+                [resident | need]
+                if evict == 0
+                else [(resident - set(out)) | need for out in itertools.combinations(sorted(resident - need), evict)]
+            )
         return len(missing) + min(best(t + 1, r) for r in options)
 
     return best(0, frozenset())
@@ -175,38 +128,6 @@ def test_belady_bounds_every_policy(seed):
             assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"]
 
 
-def test_record_gate_is_the_gate_predictors_view():
-    """Recorded with gate=True, layer l's gate arrays are what the runtime's gate predictor scores from layer
-    l-1's MoE input: each token's top-k experts of layer l's router, with their probabilities."""
-    model = tiny("olmoe")
-    inputs = []
-    first, second = [m for _, m in find_experts(model)]
-    first.register_forward_pre_hook(lambda m, a, kw: inputs.append(a[0] if a else kw["hidden_states"]), with_kwargs=True)
-    with torch.no_grad(), asyncmoe.record(model, gate=True) as rec:
-        model(torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2)))
-    trace = rec.trace
-    assert (trace.gate_ids[:, 0] == -1).all()
-    weight, bias = find_router(model, *find_experts(model)[1])
-    want = torch.zeros(trace.num_experts)
-    with torch.no_grad():
-        predictors.gate_scores(inputs[0], weight, bias, trace.top_k, want, use_kernel=False)
-    got = torch.zeros(12, trace.num_experts).scatter_(1, torch.as_tensor(trace.gate_ids[:, 1]), torch.as_tensor(trace.gate_probs[:, 1]))
-    torch.testing.assert_close(got.mean(0), want)
-
-
-def test_replay_feeds_the_recorded_gate_to_the_gate_predictor():
-    """A model replaying a trace predicts with the trace's recorded gate, not with its own router."""
-    recorded = tiny("olmoe", seed=3)
-    with torch.no_grad(), asyncmoe.record(recorded, gate=True) as rec:
-        decode_like(recorded, [5, 9, 17])
-    trace = rec.trace
-    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",)))
-    _, second = find_experts(model)[1]
-    decode_like(model, [1])  # the first layer's prefetch scores the second for trace row 0
-    torch.testing.assert_close(second.asyncmoe.cache.gate, gate_scores(trace)[0, 1])
-    assert gate_scores(trace)[0, 1].sum() > 0
-
-
 def test_the_default_prefetch_is_the_gate_alone():
     """Temporal nominates what the target routed last call, which is resident: it copies nothing. Its nominations
     are kept from eviction, so at a cache of top-k slots, which they fill, the gate's prefetch evicts by the
@@ -215,7 +136,14 @@ def test_the_default_prefetch_is_the_gate_alone():
     cost its update each call (predictors.Prefetch)."""
     trace = demo_trace(512)
     misses = {}
-    for sources in (("gate",), ("gate", "transition"), ("gate", "temporal", "transition"), ("temporal",), ("transition",), ()):
+    for sources in (
+        ("gate",),
+        ("gate", "transition"),
+        ("gate", "temporal", "transition"),
+        ("temporal",),
+        ("transition",),
+        (),
+    ):
         sim = simulate(trace, cache=trace.top_k, prefetch=sources, compiled=False)
         misses[sources] = sim.totals["misses_per_token"]
         if sources in (("temporal",), ("transition",)):
@@ -239,30 +167,60 @@ def test_simulate_the_recorded_gate():
     assert wide.totals["misses_per_token"] < one.totals["misses_per_token"] < 0.9 * plain.totals["misses_per_token"]
 
 
-def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_limit(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # as if 8 configurations had run before
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prefetch=("oracle",)), r"unknown predictors \['oracle'\]; simulable: gate, temporal, transition"),
+        (dict(cache=1), r"cache=1 is below the trace's top_k=2; use cache>=2"),
+    ],
+)
+def test_simulate_refuses_what_it_cannot_run(bad, message):
+    with pytest.raises(ValueError, match=message):
+        simulate(random_trace(0, N=5), **{"cache": 4, "compiled": False, **bad})
+
+
+def test_the_compiled_step_counts_as_the_uncompiled_and_compiles_once():
+    """The step over every layer compiles to one graph that every token replays: no recompile as the routing, the
+    cache contents and the clock change (`error_on_recompile` makes one an error), and it counts exactly what the
+    uncompiled step counts."""
+    trace = random_trace(3, N=40, L=3, E=16, k=2)
+    eager = simulate(trace, cache=5, compiled=False)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = simulate(trace, cache=5)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert compiled.layers == eager.layers and compiled.totals == eager.totals
+
+
+def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_limit():
     trace = random_trace(0, N=20, L=2, E=16, k=2)
-    for cache in (4, 6):  # the second compiles a second graph of `_step`
-        sim = simulate(trace, cache=cache)
-        assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"] > 0
-
-
-@pytest.mark.slow
-def test_simulator_speed_one_core():
-    torch.set_num_threads(1)
-    trace = random_trace(3, N=1200, L=4, E=64, k=8)
-    simulate(Trace(trace.ids[:5], 64), cache=16)  # compile
-    start = time.perf_counter()
-    sim = simulate(trace, cache=16)
-    per_minute = sim.totals["lookups"] / (time.perf_counter() - start) * 60
-    print(f"\nsimulator: {per_minute / 1e6:.2f} M expert lookups per minute on one core (Belady included)")
-    assert per_minute >= 1e6
+    with torch._dynamo.config.patch(recompile_limit=1):  # as if 8 configurations had run before
+        for cache in (4, 6):  # the second compiles a second graph of `_step`
+            sim = simulate(trace, cache=cache)
+            assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"] > 0
+        assert torch._dynamo.config.recompile_limit == 1  # simulate's own raise of the limit ends with it
 
 
 def test_cli_simulate_json(tmp_path, capsys):
     random_trace(0).save(tmp_path / "t.npz")
-    assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "4", "--prefetch", "temporal", "--expert-bytes", "1000",
-                 "--json", "--no-compile"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                str(tmp_path / "t.npz"),
+                "--cache",
+                "4",
+                "--prefetch",
+                "temporal",
+                "--expert-bytes",
+                "1000",
+                "--json",
+                "--no-compile",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert {"hit_rate", "belady_hit_rate", "misses_per_token", "bytes_per_token"} <= set(out)
     assert out["belady_hit_rate"] >= out["hit_rate"] and out["bytes_per_token"] > 0

@@ -1,0 +1,82 @@
+"""The tensors of one layer's cache that the ops read and write, as one named structure.
+
+Dims: E experts of this layer, E' experts of the previous cached layer, C slots.
+
+A custom op takes a flat `list[Tensor]`; `CacheState._make(tensors)` names them again in one place
+(`asyncmoe.ops`), so the algorithm, the kernels and the predictors read fields by name. The fields
+that are small vectors of different things (`counters`, `pace`, `timer`, `outcomes`) are indexed by
+the named constants below, which the Triton kernels receive as constexprs: one definition each.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NamedTuple
+
+from torch import Tensor
+
+from ..kernels import clock
+
+
+class Counter(IntEnum):
+    """Indices of `CacheState.counters` [len(Counter)] int64, summed over calls on the device."""
+
+    CALLS = 0  # calls served (a call in waves counts once)
+    HITS = 1
+    MISSES = 2
+    EVICTIONS = 3
+    BYTES_H2D = 4  # every byte copied host -> slots, prefetches included
+    PREFETCHED = 5  # experts a prefetch admitted
+    WASTED = 6  # prefetched experts evicted before any use
+    PREFETCH_HITS = 7  # routed experts found resident because a prefetch put them there
+    HITS_GATE = 8  # ... by the predictor that nominated them (bit i of `source`: SOURCES[i])
+    HITS_TEMPORAL = 9
+    HITS_TRANSITION = 10
+    PREFETCH_TIMELY = 11  # prefetch hits in the very call the prefetch was for
+    PREFETCH_VICTIMS = 12  # experts a prefetch evicted that the next call needed: hits the prefetch cost
+
+
+COUNTERS = tuple(c.name.lower() for c in Counter)
+SOURCES = ("gate", "temporal", "transition")  # the predictors; bit i of a slot's `source`: nominated by SOURCES[i]
+GATE, TEMPORAL, TRANSITION = 1, 2, 4  # their bits
+
+# `pace` [3] int64, one tensor shared by every linked layer: a GPU-clock stamp (ns) taken before the first layer's
+# prefetch, the compute that prefetch hid behind in the last call (ns), and one expert's copy (ns); 0: not measured
+PACE_STAMP, PACE_WINDOW, PACE_COPY = clock.STAMP, clock.WINDOW, 2
+# `timer` [4] int64 (stall timing; empty when off): two GPU-clock stamps, then the summed ns waited for the
+# prefetch and spent in `ensure`'s own decision and copies
+TIMER_START, TIMER_WAITED, TIMER_WAIT_NS, TIMER_ENSURE_NS = clock.START, clock.WAITED, clock.WAIT_NS, clock.ENSURE_NS
+# `outcomes` [4] float32, the prefetch gate's evidence: decayed (wasted, paid) prefetches, then the (wasted, paid)
+# totals it last read from the counters
+WASTED, PAID, SEEN_WASTED, SEEN_PAID = 0, 1, 2, 3
+
+# what the kernels receive as constexprs, by the names they use
+COUNTER_CONSTANTS = {**{c.name: int(c) for c in Counter}, "N_COUNTERS": len(Counter), "N_SOURCES": len(SOURCES)}
+PACE_CONSTANTS = {"PACE_STAMP": PACE_STAMP, "PACE_WINDOW": PACE_WINDOW, "PACE_COPY": PACE_COPY}
+
+
+class CacheState(NamedTuple):
+    """Everything the ops read or write of one layer's cache but the expert weights (host store and slots)."""
+
+    expert_to_slot: Tensor  # [E+1] int64, -1: not resident; row E is a trash row that absorbs masked writes
+    slot_to_expert: Tensor  # [C] int64, -1: empty
+    last_use: Tensor  # [C] int64: clock of the last call that used the slot
+    born: Tensor  # [C] int64: clock when the slot's expert was admitted
+    freq: Tensor  # [C] int64: decayed use count, in units of 1/FREQ_UNIT (policies.py)
+    used: Tensor  # [C] bool: used since admitted (False: a prefetched expert nobody asked for yet)
+    clock: Tensor  # [1] int64: waves served so far
+    source: (
+        Tensor  # [C] int8: bits of the predictors that nominated a prefetched slot's expert, 0 if ensure admitted it
+    )
+    routed: Tensor  # [E] bool: experts the last call routed to
+    counters: Tensor  # [len(Counter)] int64
+    evicted_at: Tensor  # [E+1] int64: clock of the prefetch that last evicted each expert, -1: none
+    wave_of: Tensor  # [E] int64: this call's wave of each expert, -1: not needed
+    scratch: Tensor  # [E] int32: the fused kernel's per-expert flags
+    gate: Tensor  # [E] float32: the gate predictor's scores, written on the compute stream by the layer before
+    predicted: Tensor  # [E] float32: the side stream's combined prediction
+    nominated: Tensor  # [E] int8: its sources
+    outcomes: Tensor  # [4] float32: the prefetch gate's evidence (WASTED, PAID, SEEN_WASTED, SEEN_PAID)
+    transitions: Tensor  # [E', E] float32: decayed (expert at the previous layer -> here) counts; [0, E] if unused
+    timer: Tensor  # [4] int64 (TIMER_*), or [0] when stall timing is off
+    pace: Tensor  # [3] int64 (PACE_*), shared by the linked layers

@@ -1,0 +1,97 @@
+"""Routing replayed from a trace: each experts module routed by a trace layer instead of its router.
+
+The router's work still runs (realistic cost); a forward pre-hook rewrites the routed ids, so hooks
+registered later (a trace recorder) see the ids actually used. A trace recorded with the gate
+predictor's nominations also feeds them to the provider of the layer (`feed_replayed_gate`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..predict import predictors
+from ..providers import CachedProvider
+from ..trace.format import Trace
+from .transformers import PROVIDER, find_experts, num_experts, top_k_of
+
+
+class Replay(nn.Module):
+    """Routes one experts module by a trace layer instead of its router, whose work still runs (realistic cost).
+
+    A device-side cursor walks the trace's tokens (wrapping at its end), so a captured graph replays it too.
+    With the trace's gate arrays (`gate_ids`, `gate_probs` [N, g]) it also says what the gate predictor
+    predicted for this layer when the trace was recorded (`predict`).
+    """
+
+    def __init__(self, ids: torch.Tensor, gate_ids: torch.Tensor | None = None, gate_probs: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("ids", ids, persistent=False)  # [N, k]
+        self.register_buffer("cursor", torch.zeros(1, dtype=torch.int64, device=ids.device), persistent=False)
+        self.register_buffer("gate_ids", gate_ids, persistent=False)
+        self.register_buffer("gate_probs", gate_probs, persistent=False)
+
+    def rows(self, tokens: int) -> torch.Tensor:
+        return (self.cursor + torch.arange(tokens, device=self.ids.device)) % self.ids.shape[0]
+
+    def forward(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        rows = self.rows(top_k_index.shape[0])
+        self.cursor.add_(top_k_index.shape[0])
+        return self.ids[rows].to(top_k_index.dtype)
+
+    def predict(self, tokens: int, per_token: int, out: torch.Tensor) -> None:
+        """The recorded gate predictor's scores for this layer's next `tokens` rows into `out` [E], as
+        `predictors.gate_scores` scores: each token's top `per_token` probabilities, averaged over tokens."""
+        rows = self.rows(tokens)
+        scores = predictors.top_scores(self.gate_ids[rows, :per_token], self.gate_probs[rows, :per_token], out.shape[0])
+        torch.mean(scores, dim=0, out=out)
+
+
+def _replay_hook(module, args, kwargs):
+    """A forward pre-hook, so that hooks registered later (a trace recorder) see the ids actually used."""
+    if len(args) > 1:
+        return (args[0], module.asyncmoe_replay(args[1]), *args[2:]), kwargs
+    return args, {**kwargs, "top_k_index": module.asyncmoe_replay(kwargs["top_k_index"])}
+
+
+def install_replay(experts: list[tuple[str, nn.Module]], trace: Trace, device: torch.device) -> None:
+    """Model MoE layer i replays trace layer i % trace.layers; expert count and top-k must match. A layer
+    whose trace layer is 0 gets no recorded gate scores (nothing predicted trace layer 0 from the one before)."""
+    for i, (name, m) in enumerate(experts):
+        E, k = num_experts(m), top_k_of(m.config)
+        if trace.num_experts != E or (k is not None and trace.top_k != k):
+            raise ValueError(
+                f"{name} routes {k} of {E} experts but the trace has {trace.top_k} of {trace.num_experts}: "
+                "replay needs the same number of experts and top-k"
+            )
+        layer = i % trace.layers
+        gate = (
+            []
+            if trace.gate_ids is None
+            else [
+                torch.as_tensor(trace.gate_ids[:, layer]).to(device=device, dtype=torch.int64),
+                torch.as_tensor(trace.gate_probs[:, layer]).to(device=device, dtype=torch.float32),
+            ]
+        )
+        m.asyncmoe_replay = Replay(torch.as_tensor(trace.ids[:, layer]).to(device=device, dtype=torch.int64), *gate)
+        m.register_forward_pre_hook(_replay_hook, with_kwargs=True)
+        feed_replayed_gate(m)
+
+
+def feed_replayed_gate(m: nn.Module) -> None:
+    """Let the gate predictor of the layer before score a replayed layer by the trace's recorded gate."""
+    provider, replay = getattr(m, PROVIDER, None), getattr(m, "asyncmoe_replay", None)
+    if isinstance(provider, CachedProvider) and replay is not None and replay.gate_ids is not None:
+        provider.replayed_gate = replay.predict
+
+
+def replay_routing(model: nn.Module, trace: Trace, device: torch.device | str) -> None:
+    """Route every MoE layer of `model` (asyncmoe-compiled or not) by `trace` instead of its router; see `Replay`."""
+    install_replay(find_experts(model), trace, torch.device(device))
+
+
+def rewind_replay(model: nn.Module) -> None:
+    """Start every replayed layer at the trace's first token again (eager; a captured graph keeps the cursors)."""
+    for _, m in find_experts(model):
+        if hasattr(m, "asyncmoe_replay"):
+            m.asyncmoe_replay.cursor.zero_()

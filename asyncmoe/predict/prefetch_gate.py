@@ -1,0 +1,60 @@
+"""The prefetch gate: per target layer, stop prefetching while its prefetches do not save misses.
+
+A copy that is never used still holds the link and the SMs, and the layer's `ensure` waits for it, so a
+layer whose predictions miss (a random-weight router, routing replayed from a trace the gate predictor
+cannot see) must stop. The evidence is a decayed count of the prefetches that saved a miss (used by the
+very call they were fetched for, less any expert they evicted that the same call needed) against the
+rest, fed by the growth of the layer's counters. The gate opens while the share that saved a miss is at
+least copy / (copy + window): a used prefetch hides at most the compute beside it (the window), a wasted
+one holds the link for a whole copy; never below MIN_PRECISION. A closed layer still explores: it keeps
+its likeliest prediction every `explore_period` calls, so the estimate can recover.
+Why each number: docs/decisions.md#prefetch-gate (the anchors below are in that file).
+
+`gate_prefetch` is the reference; the fused kernel (`kernels/scores.py`) runs the same rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.state import PACE_COPY, PACE_WINDOW, PAID, SEEN_PAID, SEEN_WASTED, WASTED, CacheState, Counter
+
+MIN_PRECISION = 0.5  # a wasted copy costs about what a used one saves where a copy fits the window (#gate-precision)
+OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls (#outcome-decay)
+EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, times the stride (#exploring)
+
+
+def gate_precision(pace: torch.Tensor) -> torch.Tensor:
+    """The share of prefetches that must save a miss for the gate to stay open: copy / (copy + window) from
+    `pace`, never below MIN_PRECISION, which is also the answer while the pace is unmeasured (the CPU)."""
+    copy, window = pace[PACE_COPY].float(), pace[PACE_WINDOW].float()
+    measured = (copy > 0) & (window > 0)
+    return torch.where(measured, (copy / (copy + window)).clamp(min=MIN_PRECISION), MIN_PRECISION)
+
+
+def explore_period(pace: torch.Tensor) -> torch.Tensor:
+    """Every how many calls a gated layer explores: EXPLORE_EVERY, times copy // window where a copy outlasts
+    the compute it hides behind, so that exploring costs at most ~1/EXPLORE_EVERY of the compute however long
+    a copy. Unmeasured (the CPU): a stride of 1."""
+    copy, window = pace[PACE_COPY], pace[PACE_WINDOW]
+    stride = torch.where((copy > 0) & (window > 0), (copy // window.clamp(min=1)).clamp(min=1), 1)
+    return EXPLORE_EVERY * stride
+
+
+def gate_prefetch(s: CacheState) -> None:
+    """Zero the target's predictions `s.predicted` (so nothing is admitted) while its prefetches are mostly
+    wasted, but for the likeliest non-resident expert on an exploring call. Calls are counted by the `calls`
+    counter (the clock counts waves); a call with none counted yet (after a stats reset) does not explore."""
+    c = s.counters
+    saved = c[Counter.PREFETCH_TIMELY] - c[Counter.PREFETCH_VICTIMS]  # used by their call, less the hits they cost
+    seen = torch.stack([c[Counter.PREFETCHED] - saved, saved]).float()  # (wasted, paid) so far
+    fresh_outcomes = (seen - s.outcomes[SEEN_WASTED : SEEN_PAID + 1]).clamp(min=0)
+    s.outcomes[WASTED : PAID + 1].mul_(OUTCOME_DECAY).add_(fresh_outcomes)
+    s.outcomes[SEEN_WASTED : SEEN_PAID + 1].copy_(seen)
+    wasted, used = s.outcomes[WASTED], s.outcomes[PAID]
+    on = (used + 1) >= gate_precision(s.pace) * (used + wasted + 2)  # with no evidence yet: on
+    fresh = s.predicted.masked_fill(s.expert_to_slot[:-1] >= 0, 0)
+    likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
+    calls = c[Counter.CALLS]
+    explore = ~on & (calls > 0) & (calls % explore_period(s.pace) == 0)
+    s.predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))

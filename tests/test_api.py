@@ -1,0 +1,242 @@
+"""The public entry points (api.py): a compiled model against the unmodified transformers model (the reference)
+for the families users run most, on the CPU and the GPU; under torch.compile; compile's arguments; stats."""
+
+import copy
+import functools
+import pathlib
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+import asyncmoe
+from asyncmoe.cache.policies import POLICIES
+from asyncmoe.integrations.transformers import find_experts
+from asyncmoe.trace import Trace
+
+from models import FAMILIES, NUM_EXPERTS, TOP_K, tiny
+
+CACHES = [TOP_K, NUM_EXPERTS // 4, NUM_EXPERTS]  # heaviest eviction, a quarter, resident
+SHAPES = [(1, 1), (4, 33), (4, 1), (1, 33), (4, 1), (1, 1)]  # (batch, prompt length); cache state carries over
+
+
+@functools.cache
+def reference(family, dtype=torch.float32, device="cpu"):
+    return tiny(family, dtype=dtype, device=device)
+
+
+@functools.cache
+def exact(family):
+    model = tiny(family, dtype=torch.float64, device="cuda")
+    model.set_experts_implementation("batched_mm")  # grouped_mm has no float64 CUDA kernel
+    return model
+
+
+def cases():
+    for family in FAMILIES:
+        for cache in CACHES:
+            for policy in sorted(POLICIES) if cache < NUM_EXPERTS else ["lfru"]:  # resident: no policy
+                yield family, cache, policy
+
+
+@pytest.mark.parametrize("family, cache, policy", list(cases()))
+@torch.no_grad()
+def test_logits_equal_unmodified(family, cache, policy):
+    ref = reference(family)
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=cache, policy=policy, prefetch=True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{family}{cache}{policy}".encode()))
+    for batch, length in SHAPES:
+        ids = torch.randint(0, ref.config.vocab_size, (batch, length), generator=g)
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+        assert diff <= 1e-5, f"{family} cache={cache} {policy} batch={batch} len={length}: max |diff| {diff:.2e}"
+    if cache < NUM_EXPERTS:  # the cache really worked: experts were copied and evicted
+        s = asyncmoe.stats(model)
+        assert s.totals["misses"] > 0 and s.totals["evictions"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cache", CACHES)
+@torch.no_grad()
+def test_greedy_generate_identical(family, cache):
+    """asyncmoe's `generate` gives the unmodified model's greedy tokens, or parts from them only where the
+    reference's own two best logits tie to the 1e-5 the logits agree to: there a 6e-8 difference picks the other,
+    both greedy (qwen3_moe at caches 2 and 4: an exact fp32 tie at the 5th new token on an AVX512 CPU),
+    and what follows is no longer comparable."""
+    ref = reference(family)
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=True)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, ref.config.vocab_size, (2, 6), generator=g)
+    kw = dict(
+        max_new_tokens=20,
+        do_sample=False,
+        min_new_tokens=20,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    want, got = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert got.sequences.shape == want.sequences.shape
+    for b, (w, o) in enumerate(zip(want.sequences[:, 6:], got.sequences[:, 6:], strict=True)):
+        parted = (w != o).nonzero()
+        if len(parted):
+            t = parted[0].item()
+            logits = want.logits[t][b]  # [vocab]: the reference's at the step where the two part
+            gap = (logits[w[t]] - logits[o[t]]).item()
+            assert gap <= 1e-5, f"{family} cache={cache}: sequence {b} parts at new token {t}, {gap:.2e} below the best"
+
+
+def gpu_cases():
+    for family in FAMILIES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for cache in CACHES:
+                for policy in sorted(POLICIES) if cache < NUM_EXPERTS and dtype == torch.float32 else ["lfru"]:
+                    yield family, dtype, cache, policy
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family, dtype, cache, policy", list(gpu_cases()))
+@torch.no_grad()
+def test_logits_match_unmodified_on_gpu(family, dtype, cache, policy):
+    ref = reference(family, dtype, "cuda")
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=cache, policy=policy)
+    g = torch.Generator().manual_seed(3)
+    for batch, length in SHAPES:
+        ids = torch.randint(0, 128, (batch, length), generator=g).cuda()
+        ours, theirs = model(ids).logits, ref(ids).logits
+        if dtype == torch.float32:
+            assert (ours - theirs).abs().max().item() <= 1e-5
+        else:  # bf16: as close to the fp64 model as the unmodified bf16 model is
+            truth = exact(family)(ids).logits
+            ours_err = (ours.double() - truth).abs().max().item()
+            their_err = (theirs.double() - truth).abs().max().item()
+            assert ours_err <= 1.5 * their_err + 1e-3, f"asyncmoe {ours_err:.3e} vs unmodified {their_err:.3e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_greedy_generate_identical_on_gpu_fp32(family):
+    ref = reference(family, torch.float32, "cuda")
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(7)).cuda()
+    kw = dict(
+        max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids)
+    )
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, dtype, tol", [("olmoe", torch.float32, 1e-5), ("gpt_oss", torch.bfloat16, None)])
+@torch.no_grad()
+def test_fullgraph_compile_matches_without_recompiling(family, dtype, tol):
+    """torch.compile(fullgraph=True): no graph break, equal to eager, no recompiles as routing changes."""
+    ref = tiny(family, dtype=dtype)
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=True)
+    eager = asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=True)
+    compiles = 0
+
+    def counting_inductor(gm, example_inputs):
+        nonlocal compiles
+        compiles += 1
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=counting_inductor)
+    cache = find_experts(model)[0][1].asyncmoe.cache
+    contents = set()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ids = torch.randint(0, 128, (2, 6), generator=g)
+        out = compiled(ids, use_cache=False).logits
+        want = eager(ids, use_cache=False).logits
+        if tol is None:  # bf16: the compiled graph may fuse differently; hold it to eager's own error vs fp32
+            exact = ref.float()(ids, use_cache=False).logits
+            ref.to(dtype)
+            tol = 2 * (want.float() - exact).abs().max().item() + 1e-2
+        assert (out.float() - want.float()).abs().max().item() <= tol
+        contents.add(tuple(cache.slot_to_expert.tolist()))
+    assert compiles == 1, f"recompiled: {compiles} graphs for one input shape"
+    assert len(contents) > 1, "routing never changed the cache contents: the test proves nothing"
+    if dtype == torch.float32:  # same routing, same cache decisions (bf16 rounding may flip a near-tie)
+        assert asyncmoe.stats(model).totals["misses"] == asyncmoe.stats(eager).totals["misses"]
+
+
+def test_stats_of_uncompiled_model():
+    with pytest.raises(ValueError, match="not asyncmoe-compiled"):
+        asyncmoe.stats(tiny("mixtral"))
+
+
+def test_stats_of_a_resident_model_count_nothing():
+    model = asyncmoe.compile(tiny("mixtral"), cache=NUM_EXPERTS)
+    s = asyncmoe.stats(model)
+    assert s.layers == [] and s.resident_layers == 2 and "all 2 MoE layers resident" in str(s)
+
+
+@torch.no_grad()
+def test_stats_reset_zeroes_the_counters():
+    model = asyncmoe.compile(tiny("olmoe"), cache=4)
+    model(torch.randint(0, 128, (1, 5)))
+    assert asyncmoe.stats(model, reset=True).totals["misses"] > 0
+    assert asyncmoe.stats(model).totals["misses"] == 0
+
+
+@torch.no_grad()
+def test_the_default_prefetch_is_off_on_the_cpu_and_true_turns_it_on():
+    """On the CPU nothing runs beside a copy, so the default (prefetch=None) is off there; True turns it on."""
+    ids = torch.randint(0, 128, (1, 1), generator=torch.Generator().manual_seed(0))
+    default = asyncmoe.compile(tiny("qwen3_moe", num_hidden_layers=4), cache=4)
+    on = asyncmoe.compile(tiny("qwen3_moe", num_hidden_layers=4), cache=4, prefetch=True)
+    for _ in range(10):
+        default(ids)
+        on(ids)
+    assert all(m.asyncmoe.plan is None for _, m in find_experts(default))
+    assert all(m.asyncmoe.plan == asyncmoe.Prefetch() for _, m in find_experts(on))
+    assert asyncmoe.stats(default).totals["prefetched"] == 0
+    assert asyncmoe.stats(on).totals["prefetched"] > 0
+
+
+def small_trace(num_experts=NUM_EXPERTS) -> Trace:
+    rng = np.random.default_rng(0)
+    return Trace(np.stack([rng.choice(num_experts, (2, TOP_K), replace=False) for _ in range(30)]), num_experts)
+
+
+@pytest.mark.parametrize("as_path", [str, pathlib.Path])
+@torch.no_grad()
+def test_replay_takes_the_path_of_a_trace(tmp_path, as_path):
+    trace = small_trace()
+    trace.save(tmp_path / "t.npz")
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=as_path(tmp_path / "t.npz"))
+    with asyncmoe.record(model) as rec:
+        for t in range(5):
+            model(torch.tensor([[t]]), use_cache=False)
+    assert np.array_equal(rec.trace.ids, trace.ids[:5])
+
+
+def test_replay_of_a_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"replay=.*nope.npz.*no such trace file"):
+        asyncmoe.compile(tiny("olmoe"), cache=4, replay=tmp_path / "nope.npz")
+
+
+@pytest.mark.parametrize("content", [b"hello, not a trace\n", b"", b"PK\x03\x04 a truncated zip"])
+def test_replay_of_a_file_that_is_not_a_trace(tmp_path, content):
+    """A clear ValueError naming replay=, and none of numpy's advice to unpickle the file (`allow_pickle`): a trace
+    never holds pickled data, and loading an untrusted pickle runs its code."""
+    (tmp_path / "bad.npz").write_bytes(content)
+    with pytest.raises(ValueError, match=r"replay=.*bad.npz.* is not an asyncmoe trace") as info:
+        asyncmoe.compile(tiny("olmoe"), cache=4, replay=tmp_path / "bad.npz")
+    assert "allow_pickle" not in str(info.value) and "pickle" not in str(info.value)
+
+
+def test_replay_of_the_wrong_type():
+    with pytest.raises(
+        TypeError, match="replay must be an asyncmoe.trace.Trace or the path of its .npz file, got dict"
+    ):
+        asyncmoe.compile(tiny("olmoe"), cache=4, replay={"ids": 1})
+
+
+def test_compile_returns_the_same_model():
+    model = tiny("olmoe")
+    assert asyncmoe.compile(model, cache=4) is model

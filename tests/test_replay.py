@@ -1,0 +1,76 @@
+"""Routing replayed from a trace (integrations/replay.py): every layer routes exactly by it, shapes must match,
+the recorded gate feeds the gate predictor, and an uncompiled model replays and rewinds too."""
+
+import numpy as np
+import pytest
+import torch
+
+import asyncmoe
+from asyncmoe.integrations.replay import Replay, replay_routing, rewind_replay
+from asyncmoe.integrations.transformers import find_experts
+from asyncmoe.trace.simulate import gate_scores
+
+from models import tiny
+from traces import random_trace
+
+
+@torch.no_grad()
+def decode_like(model, tokens):
+    """One token per call, as decoding does."""
+    for t in tokens:
+        model(torch.tensor([[t]]), use_cache=False)
+
+
+def test_replay_routes_exactly_by_the_trace():
+    trace = random_trace(1, N=40, L=1, E=16, k=2)  # one trace layer: every model layer replays it
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace, prefetch=True)
+    tokens = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    with asyncmoe.record(model) as rec:
+        decode_like(model, tokens)
+    got = rec.trace.ids  # [50, 2, 2]: wraps after 40 tokens
+    want = np.concatenate([trace.ids, trace.ids[:10]])[:, 0]
+    assert np.array_equal(got[:, 0], want) and np.array_equal(got[:, 1], want)
+
+
+def test_replay_needs_matching_shape():
+    with pytest.raises(ValueError, match=r"routes 2 of 16 experts but the trace has 2 of 12"):
+        asyncmoe.compile(tiny("olmoe"), cache=4, replay=random_trace(0))
+
+
+def test_replay_feeds_the_recorded_gate_to_the_gate_predictor():
+    """A model replaying a trace predicts with the trace's recorded gate, not with its own router."""
+    recorded = tiny("olmoe", seed=3)
+    with torch.no_grad(), asyncmoe.record(recorded, gate=True) as rec:
+        decode_like(recorded, [5, 9, 17])
+    trace = rec.trace
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",)))
+    _, second = find_experts(model)[1]
+    decode_like(model, [1])  # the first layer's prefetch scores the second for trace row 0
+    torch.testing.assert_close(second.asyncmoe.cache.gate, gate_scores(trace)[0, 1])
+    assert gate_scores(trace)[0, 1].sum() > 0
+
+
+def test_an_uncompiled_model_replays_and_rewinds():
+    trace = random_trace(2, N=30, L=2, E=16, k=2)
+    model = tiny("olmoe")
+    replay_routing(model, trace, "cpu")
+    runs = []
+    for _ in range(2):
+        with asyncmoe.record(model) as rec:
+            decode_like(model, range(12))
+        runs.append(rec.trace.ids)
+        rewind_replay(model)
+        assert all(m.asyncmoe_replay.cursor.item() == 0 for _, m in find_experts(model))
+    assert np.array_equal(runs[0], trace.ids[:12]) and np.array_equal(runs[1], runs[0])
+
+
+def test_replay_walks_its_cursor_and_predicts_the_recorded_gate():
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    gate_ids, gate_probs = torch.tensor([[1, 2], [3, -1], [0, 1]]), torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]])
+    replay = Replay(ids, gate_ids, gate_probs)
+    out = torch.zeros(4)
+    replay.predict(2, 2, out)  # rows 0 and 1, before the forward moves the cursor
+    assert out.tolist() == pytest.approx([0, 0.3, 0.2, 0.45])
+    assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int64)), ids[:2])
+    assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int32)), torch.tensor([[4, 5], [0, 1]], dtype=torch.int32))
+    assert replay.cursor.item() == 4  # wraps at the trace's end
