@@ -16,7 +16,8 @@ from .predict import Prefetch
 PROMPT = "def fibonacci(n):\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one
 PREFETCH = {"auto": None, "on": True, "off": False}  # --prefetch -> from_pretrained(prefetch=...)
-QUANTIZE = {"none": None, "fp8": "fp8", "dequantize": "dequantize"}  # --quantize -> from_pretrained(quantize=...)
+# --quantize -> from_pretrained(quantize=...)
+QUANTIZE = {"none": None, "fp8": "fp8", "mxfp4": "mxfp4", "int4": "int4", "dequantize": "dequantize"}
 # what asyncmoe raises for bad input, with a message written for the user: one line, no traceback
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, MemoryError)
 
@@ -341,8 +342,8 @@ def _parser() -> Parser:
     slots, tokens = _at_least(1), _at_least(1)
     cache = "GPU slots per MoE layer, or a GPU-memory budget for all layers' slots (6GiB, 6GB, 512MiB)"
     quantize = (
-        "store the experts as block-wise fp8 (half of bf16's bytes per copy); none: the checkpoint's own "
-        "format (fp8 experts of an fp8 checkpoint stay fp8)"
+        "store the experts as block-wise fp8 (half of bf16's bytes per copy), mxfp4 or int4 (about a quarter); "
+        "none: the checkpoint's own format (an fp8 or mxfp4 checkpoint's experts stay as stored)"
     )
     policy = "eviction policy: lru, lfu, lfru or fifo"
     device = "where the model runs: auto (cuda when available, else cpu), cpu, cuda or cuda:N"
@@ -353,7 +354,7 @@ def _parser() -> Parser:
 
     p = command("demo", "run a MoE model with a small expert cache next to the fully resident model")
     p.add_argument("--cache", type=_cache, default=16, help=cache + " (of 64 experts)")
-    p.add_argument("--quantize", default="none", choices=["none", "fp8"], help=quantize)
+    p.add_argument("--quantize", default="none", choices=["none", "fp8", "mxfp4", "int4"], help=quantize)
     p.add_argument("--policy", default="lfru", help=policy)
     p.add_argument("--tokens", type=tokens, default=64, help="tokens to generate")
     p.add_argument("--prompt", type=_prompt, default=PROMPT, help="text the model continues (default: %(default)r)")

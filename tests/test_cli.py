@@ -220,6 +220,12 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         main(["demo", "--device", "cpu"])
 
 
+@pytest.mark.parametrize("quantize", ["int4", "mxfp4"])
+def test_demo_with_4_bit_experts(quantize, capsys):
+    assert main(["demo", "--tokens", "3", "--cache", "16", "--quantize", quantize, "--device", "cpu"]) == 0
+    assert f"16/64 experts cached, {quantize} experts" in capsys.readouterr().out
+
+
 def test_demo_with_fp8_experts_and_a_budget(capsys):
     assert main(["demo", "--tokens", "4", "--cache", "3MiB", "--quantize", "fp8", "--device", "cpu"]) == 0
     out = capsys.readouterr().out

@@ -167,10 +167,11 @@ def test_quantize_none_keeps_the_models_dtype():
     assert all(t.dtype == torch.float32 for _, m in find_experts(ours) for t in m.asyncmoe.cache.slots)
 
 
+@pytest.mark.parametrize("quantize", ["fp8", "int4"])
 @torch.no_grad()
-def test_fullgraph_compile_of_a_quantized_model():
+def test_fullgraph_compile_of_a_quantized_model(quantize):
     model = tiny("olmoe")
-    ours = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize="fp8", device="cpu")
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cpu")
     ids = torch.randint(3, 128, (2, 1))
     want = ours(ids).logits
     compiled = torch.compile(ours, fullgraph=True)
