@@ -46,6 +46,8 @@ from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 
 from baselines import accelerate_offload, seed_lru
+from oracle import oracle
+from oracle import parse as parse_oracle
 from shapes import SHAPES, random_model, routing_shape
 from synthetic import synthetic
 
@@ -106,6 +108,16 @@ FULL_RUNS = {  # each shape in one run: its rows compare within one process, and
         (["mixtral-8x7b-24l"], ["trace"], ["prompt2048"], PROMPT_LARGE),
     ],
 }
+# Overlap apart from prediction (oracle.py): the shapes whose trace records a gate, every prefetch's nominations
+# right (`oracle`) or right with probability q, against the recorded gate and no prefetch, in one run
+LINK = [
+    (
+        SHAPES_1,
+        ["trace", "oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"],
+        ["b1"],
+        {**RESIDENT, "asyncmoe-graph": [0.25], "asyncmoe-graph-prefetch": [0.25]},
+    )
+]
 # decode (steps, rounds) by batch: above batch 1 a step copies most of each layer's experts (0.1-1.1 s a step here)
 FULL_TIMING = {1: (32, 5), 8: (8, 3), 32: (8, 3)}
 
@@ -138,6 +150,7 @@ PROFILES = {
         [
             (["tiny"], ["router", "trace"], ["b1"], EVERY_B1),
             (["tiny"], ["router", "trace"], ["prompt32"], EVERY_PROMPT),
+            (["tiny"], ["oracle-q0.8"], ["b1"], {**RESIDENT, "asyncmoe-eager": [0.25]}),
         ],
         {1: (4, 2)},
         2,
@@ -149,6 +162,7 @@ PROFILES = {
     ),
     **{name: expand(groups, FULL_TIMING, 5) for name, groups in FULL_RUNS.items()},
     "full": expand([group for groups in FULL_RUNS.values() for group in groups], FULL_TIMING, 5),
+    "link": expand(LINK, FULL_TIMING, 5),
 }
 
 
@@ -272,13 +286,17 @@ def prompt(shape: str, batch: int, length: int = PROMPT, seed: int | None = None
 
 
 @functools.cache
-def trace_for(shape: str) -> Trace:
+def trace_for(shape: str, routing: str = "trace") -> Trace:
     """The routing a `trace` case replays, mapped onto the shape so:
     64 experts, top-8 (OLMoE): the embedded model's held-out routing as recorded, with what its gate predictor
     predicted (so the prefetch systems' gate predicts as it did on the trained model, not from the random router);
     64 experts, top-k < 8 (DeepSeek-V2-Lite): the same, each token's first k ids (router order: its top-k);
     other shapes: a synthetic trace with the embedded model's reuse, skew and cross-layer lift
-    (benchmarks/synthetic.py), no gate."""
+    (benchmarks/synthetic.py), no gate. `oracle` and `oracle-q0.8` routings: the same routing with the oracle's
+    gate arrays (oracle.py)."""
+    q = parse_oracle(routing)
+    if q is not None:
+        return oracle(trace_for(shape), q)
     experts, k = routing_shape(shape)
     if experts == 64 and k <= 8:
         demo = Trace.load(DEMO_TRACE)
@@ -336,8 +354,8 @@ def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
         return model
     _held.clear()  # one model in memory at a time
     model = build(kind, shape, cache)
-    if routing == "trace":
-        replay_routing(model, trace_for(shape), DEVICE)
+    if routing != "router":
+        replay_routing(model, trace_for(shape, routing), DEVICE)
     _held[key] = model
     return model
 
@@ -486,7 +504,7 @@ def test_decode(benchmark, case, request):
         assert s.totals["misses"] > 0 or cache >= batch * k  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
-    if routing == "trace" and cache < experts:
+    if routing != "router" and cache < experts:
         info["belady_bytes_per_token"] = (
             belady_misses_per_step(trace_for(shape), batch, cache) * len(find_experts(model)) * expert_bytes(model)
         )
