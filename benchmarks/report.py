@@ -126,7 +126,61 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
                 f"- {r['shape']}, trace, prompt 2048, {r['cache']}/{r['experts']}, {r['system']}: "
                 f"{r['speedup_vs_seed']:.1f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}"
             )
+    out += format_targets(table, prefill)
     return ["", "Targets for the cases of this run:", "", *out] if out else []
+
+
+FORMAT_TARGETS = {"fp8": 0.55, "mxfp4": 0.35, "int4": 0.35}  # at most this times bf16's time at equal GPU memory
+
+
+def format_targets(table: list[dict], prefill: list[dict]) -> list[str]:
+    """Quantized experts against bf16 in the same run: decode at the GPU memory of the same bf16 slots within
+    FORMAT_TARGETS of bf16's time; fully resident no slower than the unmodified bf16 model; a prompt at the same
+    slots within 1.3x bf16's."""
+
+    def ok(met):
+        return "met" if met else "**missed**"
+
+    def base(r):
+        return r["system"].removesuffix("-" + r["format"])
+
+    out = []
+    for r in table:
+        if r.get("format") not in FORMAT_TARGETS or r["shape"].startswith("tiny"):
+            continue
+        group = [d for d in table if (d["shape"], d["routing"], d["batch"]) == (r["shape"], r["routing"], r["batch"])]
+        case = f"{r['shape']}, {r['routing']}, batch {r['batch']}, {r['system']} {r['cache']}/{r['experts']}"
+        if r["cache"] >= r["experts"]:
+            other = next((d for d in group if d["system"] == "unmodified"), None)
+            if other:
+                ratio = r["ms_per_token"] / other["ms_per_token"]
+                out.append(f"- {case}: {ratio:.2f}x the unmodified bf16 model, at most 1.00: {ok(ratio <= 1.0)}")
+            continue
+        bf16 = r.get("memory_of_bf16_slots")
+        other = next(
+            (d for d in group if d["system"] == base(r) and d["cache"] == bf16 and "memory_of_bf16_slots" not in d),
+            None,
+        )
+        if other:
+            ratio, most = r["ms_per_token"] / other["ms_per_token"], FORMAT_TARGETS[r["format"]]
+            out.append(
+                f"- {case}: {ratio:.2f}x bf16's time at the GPU memory of its {bf16} slots, at most {most}: "
+                f"{ok(ratio <= most)}"
+            )
+    for r in prefill:
+        if r.get("format") not in FORMAT_TARGETS or r["shape"].startswith("tiny"):
+            continue
+        key = (r["shape"], r["routing"], r["prompt"], base(r), r["cache"])
+        other = next(
+            (d for d in prefill if (d["shape"], d["routing"], d["prompt"], d["system"], d["cache"]) == key), None
+        )
+        if other:
+            ratio = r["ms_per_prefill"] / other["ms_per_prefill"]
+            out.append(
+                f"- {r['shape']}, {r['routing']}, prompt {r['prompt']}, {r['system']} {r['cache']}/{r['experts']}: "
+                f"{ratio:.2f}x bf16's at the same slots, at most 1.3: {ok(ratio <= 1.3)}"
+            )
+    return out
 
 
 def prefill_rows(data: dict) -> list[dict]:
@@ -315,7 +369,10 @@ def write(json_path: pathlib.Path) -> list[pathlib.Path]:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--profile", help="the suite's profile: smoke, quick, full-1, full-2, full-3 or full (the default)")
+    p.add_argument(
+        "--profile",
+        help="the profile: smoke, quick, full-1, full-2, full-3, full (the default), link, formats-1 or formats-2",
+    )
     p.add_argument("--quick", action="store_true", help="--profile quick")
     p.add_argument("--out", default="docs/results", help="the folder the JSON, table and plots go to")
     p.add_argument("-k", default=None, help="only the profile's cases that pytest -k selects")

@@ -5,6 +5,8 @@ random_model("olmoe-1b-7b", torch.bfloat16, "cuda")
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import transformers
 
@@ -108,7 +110,37 @@ SHAPES = {  # (config class, config); random weights, real shapes
             num_key_value_heads=8,
         ),
     ),
+    "gpt-oss-20b": (  # 38.2 GB of bf16 experts, 24 MoE layers; released with MXFP4 experts
+        "GptOssConfig",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            sliding_window=128,
+        ),
+    ),
 }
+
+
+def config(shape: str) -> transformers.PretrainedConfig:
+    config_cls, kw = SHAPES[shape]
+    return getattr(transformers, config_cls)(**kw, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+
+
+@functools.cache
+def dense_experts(shape: str) -> tuple[int, int]:
+    """(MoE layers, bytes of one expert in bf16), read off the model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config(shape), dtype=torch.bfloat16)
+    experts = find_experts(model)
+    _, m = experts[0]
+    return len(experts), sum(p[0].numel() * p.element_size() for p in m.parameters(recurse=False))
 
 
 def routing_shape(shape: str) -> tuple[int, int]:
@@ -121,11 +153,9 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device | str) -> 
     """The same weights every time (seeded init on `device`), built as a checkpoint load builds a model
     (`from_config(dtype=...)` keeps the rotary tables fp32; `.to(bf16)` would not). Random routers send
     every token to the same few experts, so they are widened (std 1) to spread tokens."""
-    config_cls, kw = SHAPES[shape]
-    config = getattr(transformers, config_cls)(**kw, pad_token_id=0, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config(shape), dtype=dtype).eval()
     with torch.no_grad():
         for name, m in find_experts(model):
             find_router(model, name, m)[0].normal_(0, 1.0)

@@ -48,7 +48,7 @@ from asyncmoe.trace.simulate import belady_misses
 from baselines import accelerate_offload, seed_lru
 from oracle import oracle
 from oracle import parse as parse_oracle
-from shapes import SHAPES, random_model, routing_shape
+from shapes import SHAPES, dense_experts, random_model, routing_shape
 from synthetic import synthetic
 
 CUDA = torch.cuda.is_available()
@@ -57,6 +57,7 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 
 DEMO_TRACE = pathlib.Path(__file__).parent / "traces" / "demo_val.npz"
 GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
+FORMATS = ("fp8", "mxfp4", "int4")  # an asyncmoe system's experts in host memory and the slots: `asyncmoe-graph-fp8`
 
 # A profile is groups of cases: (shapes, routings, batches `b8` or prompts `prompt2048`, {system: cache fractions}).
 # A fraction of a layer's experts is cached in GPU slots (`slots`); 1.0 holds them all, the unmodified model's.
@@ -118,6 +119,29 @@ LINK = [
         {**RESIDENT, "asyncmoe-graph": [0.25], "asyncmoe-graph-prefetch": [0.25]},
     )
 ]
+# Quantized experts against bf16, in two runs: batch-1 decode with every format given the GPU memory of 16 of 64
+# bf16 slots (`mem0.25`), and each fully resident; a 2048-token prompt in fp8 and bf16 at the same 16 slots, and a
+# GPT-OSS-20B-shaped model in MXFP4 (the format it ships in) at 8 of its 32 experts beside it unmodified in bf16
+MEM = "mem0.25"
+FORMAT_RUNS = {
+    "formats-1": [
+        (
+            SHAPES_1,
+            ["trace"],
+            ["b1"],
+            {
+                **RESIDENT,
+                "asyncmoe-graph-prefetch": [0.25],
+                **{f"asyncmoe-graph-prefetch-{f}": [MEM] for f in FORMATS},
+                **{f"asyncmoe-graph-{f}": [1.0] for f in FORMATS},
+            },
+        )
+    ],
+    "formats-2": [
+        (SHAPES_1, ["trace"], ["prompt2048"], {**RESIDENT, "asyncmoe-eager": [0.25], "asyncmoe-eager-fp8": [0.25]}),
+        (["gpt-oss-20b"], ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph-prefetch-mxfp4": [0.25]}),
+    ],
+}
 # decode (steps, rounds) by batch: above batch 1 a step copies most of each layer's experts (0.1-1.1 s a step here)
 FULL_TIMING = {1: (32, 5), 8: (8, 3), 32: (8, 3)}
 
@@ -151,6 +175,8 @@ PROFILES = {
             (["tiny"], ["router", "trace"], ["b1"], EVERY_B1),
             (["tiny"], ["router", "trace"], ["prompt32"], EVERY_PROMPT),
             (["tiny"], ["oracle-q0.8"], ["b1"], {**RESIDENT, "asyncmoe-eager": [0.25]}),
+            (["tiny"], ["trace"], ["b1"], {"asyncmoe-eager-fp8": [MEM], "asyncmoe-eager-mxfp4": [1.0]}),
+            (["tiny"], ["trace"], ["prompt32"], {"asyncmoe-eager-int4": [0.25]}),
         ],
         {1: (4, 2)},
         2,
@@ -161,6 +187,7 @@ PROFILES = {
         5,
     ),
     **{name: expand(groups, FULL_TIMING, 5) for name, groups in FULL_RUNS.items()},
+    **{name: expand(groups, {1: (32, 5)}, 3) for name, groups in FORMAT_RUNS.items()},
     "full": expand([group for groups in FULL_RUNS.values() for group in groups], FULL_TIMING, 5),
     "link": expand(LINK, FULL_TIMING, 5),
 }
@@ -193,15 +220,34 @@ def prompt_rounds(p: dict, system: str) -> int:
     return {"seed": 1, "accelerate": 2}.get(system, p["prompt_rounds"])
 
 
-def slots(shape: str, fraction: float) -> int:
+def slots(shape: str, fraction: float | str) -> int:
+    """Slots per layer of a cache `fraction` of the experts; for `mem<f>`, the bf16 slots whose memory it gets."""
     experts, k = routing_shape(shape)
-    return max(k, round(fraction * experts))
+    f = float(fraction.removeprefix("mem")) if isinstance(fraction, str) else fraction
+    return max(k, round(f * experts))
+
+
+def cache_arg(shape: str, fraction: float | str) -> int | str:
+    """`asyncmoe.compile`'s cache for a case: slots per layer, or for `mem<f>` the GPU-memory budget of that
+    fraction of the experts in bf16 (`cache="...B"`), which a quantized format fills with more slots."""
+    if not isinstance(fraction, str):
+        return slots(shape, fraction)
+    layers, expert_bytes = dense_experts(shape)
+    return f"{slots(shape, fraction) * expert_bytes * layers}B"
+
+
+def split_format(system: str) -> tuple[str, str | None]:
+    """`asyncmoe-graph-prefetch-fp8` -> ("asyncmoe-graph-prefetch", "fp8"); a system without one -> (system, None)."""
+    base, _, fmt = system.rpartition("-")
+    return (base, fmt) if fmt in FORMATS else (system, None)
 
 
 def case_id(case: tuple, prefill: bool = False) -> str:
-    """The case's pytest id: `olmoe-1b-7b-trace-seed-cache0.25-b1` (a decode case), `...-prompt512` (prefill)."""
+    """The case's pytest id: `olmoe-1b-7b-trace-seed-cache0.25-b1` (a decode case), `...-prompt512` (prefill),
+    `...-asyncmoe-graph-prefetch-fp8-mem0.25-b1` (a quantized system given the memory of 25% in bf16)."""
     shape, routing, system, fraction, size = case
-    return "-".join([shape, routing, system, f"cache{fraction:g}", size_name(prefill, size)])
+    cache = fraction if isinstance(fraction, str) else f"cache{fraction:g}"
+    return "-".join([shape, routing, system, cache, size_name(prefill, size)])
 
 
 def pytest_generate_tests(metafunc):
@@ -213,7 +259,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("prefill_case", cases, ids=[case_id(c, prefill=True) for c in cases])
 
 
-def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
+def build(kind: str, shape: str, cache: int | str) -> torch.nn.Module:
     """A fresh model of `kind` (a system, or `model_key`'s kind), the same weights every time: one at a time in
     memory. The last model is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B
     shape a run was killed for host memory: 57 GB of host experts waiting for the cycle collector beside the
@@ -233,7 +279,8 @@ def build(kind: str, shape: str, cache: int) -> torch.nn.Module:
         return accelerate_offload.install(model, DEVICE)
     if kind == "seed":
         return seed_lru.install(model, cache, DEVICE)
-    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=kind.endswith("prefetch"))
+    base, fmt = split_format(kind)
+    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=base.endswith("prefetch"), quantize=fmt)
 
 
 class ChunkedPrefill(asyncmoe.Decoder):
@@ -316,27 +363,25 @@ def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:
 
 
 def model_key(case: tuple) -> tuple:
-    """What a case's model is built from: (kind, shape, routing, cache slots). asyncmoe's eager and graph systems
-    run one model; the unmodified model and accelerate have no cache. Cases of one key share a build (`make`)
+    """What a case's model is built from: (kind, shape, routing, cache: slots or budget). asyncmoe's eager and graph
+    systems run one model; the unmodified model and accelerate have no cache. Cases of one key share a build (`make`)
     and run one after another (conftest.py orders them so)."""
     shape, routing, system, fraction, _ = case
     kind = model_kind(system)
-    return kind, shape, routing, 0 if kind in ("unmodified", "accelerate") else slots(shape, fraction)
+    return kind, shape, routing, 0 if kind in ("unmodified", "accelerate") else cache_arg(shape, fraction)
 
 
 def model_kind(system: str) -> str:
-    """What a system's model is built as: asyncmoe's eager and graph systems run one model."""
-    return (
-        "asyncmoe-prefetch"
-        if system.endswith("prefetch")
-        else ("asyncmoe" if system.startswith("asyncmoe") else system)
-    )
+    """What a system's model is built as: asyncmoe's eager and graph systems run one model (per format)."""
+    base, fmt = split_format(system)
+    kind = "asyncmoe-prefetch" if base.endswith("prefetch") else ("asyncmoe" if base.startswith("asyncmoe") else base)
+    return kind if fmt is None else f"{kind}-{fmt}"
 
 
 _held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key
 
 
-def make(kind: str, shape: str, routing: str, cache: int) -> torch.nn.Module:
+def make(kind: str, shape: str, routing: str, cache: int | str) -> torch.nn.Module:
     """The model of `model_key`: built when the key changes, else the last one with its caches emptied and its
     trace rewound, so a case starts as on a fresh build. A build, mostly moving the experts into host memory,
     is 5-70 s at these shapes on the H200 (its `setup_s` in each result)."""
@@ -428,6 +473,21 @@ def expert_bytes(model: torch.nn.Module) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
+def slots_of(model: torch.nn.Module, shape: str, fraction: float | str) -> int:
+    """Slots per layer of the built model: what its budget gave (`mem<f>`), else the fraction's."""
+    cached = [p for _, m in find_experts(model) if isinstance(p := getattr(m, PROVIDER, None), CachedProvider)]
+    return cached[0].cache.num_slots if cached and isinstance(fraction, str) else slots(shape, fraction)
+
+
+def format_info(system: str, shape: str, fraction: float | str) -> dict:
+    """A case's expert format, and for a budget (`mem<f>`) the bf16 slots whose GPU memory its slots were given."""
+    fmt = split_format(system)[1]
+    info = {"format": fmt or str(DTYPE).removeprefix("torch.")}
+    if isinstance(fraction, str):
+        info["memory_of_bf16_slots"] = slots(shape, fraction)
+    return info
+
+
 def warmup_rounds(system: str, prefill: bool) -> int:
     """Untimed rounds before a case's timed ones: one, except the seed's prompts. The seed's prompt is n / chunk
     forwards, so its first round is warm after the first of them: a warm-up round would only add minutes (token
@@ -437,15 +497,15 @@ def warmup_rounds(system: str, prefill: bool) -> int:
 
 def test_decode(benchmark, case, request):
     shape, routing, system, fraction, batch = case
-    if system in GPU_ONLY and not CUDA:
+    if split_format(system)[0] in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
     steps, rounds = decode_timing(profile(request.config), system, batch)
     experts, k = routing_shape(shape)
-    cache = slots(shape, fraction)
     want = reference(request, shape, routing)[0][batch][:, : PROMPT + steps + 1]
     start = time.perf_counter()
     model = make(*model_key(case))
     setup_s = time.perf_counter() - start
+    cache = slots_of(model, shape, fraction)
     if (
         CUDA
     ):  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
@@ -484,6 +544,7 @@ def test_decode(benchmark, case, request):
         steps=steps,
         device=torch.cuda.get_device_name() if CUDA else "cpu",
         dtype=str(DTYPE),
+        **format_info(system, shape, fraction),
         ms_per_token=statistics.median(benchmark.stats.stats.data) * 1e3 / steps,
         tokens_agree=agree,
         setup_s=setup_s,
@@ -510,7 +571,7 @@ def test_decode(benchmark, case, request):
         )
     info["wall_s"] = time.perf_counter() - start  # the whole case, its build and warm-up included
     benchmark.extra_info.update(info)
-    if DTYPE == torch.float32:
+    if DTYPE == torch.float32 and split_format(system)[1] is None:  # quantized weights: near, not equal
         assert agree == steps + 1, f"{system}: tokens part from the unmodified model's after {agree}"
 
 
@@ -518,14 +579,14 @@ def test_prefill(benchmark, prefill_case, request):
     """One prompt of `n` tokens. The seed cannot take more distinct experts than slots in one call, so it
     takes the prompt in chunks of `seed_chunk` tokens; everything else runs the prompt in one forward."""
     shape, routing, system, fraction, n = prefill_case
-    if system in GPU_ONLY and not CUDA:
+    if split_format(system)[0] in GPU_ONLY and not CUDA:
         pytest.skip(f"{system} needs a CUDA GPU")
     experts, k = routing_shape(shape)
-    cache = slots(shape, fraction)
     want = reference(request, shape, routing)[1][n]
     start = time.perf_counter()
     model = make(*model_key(prefill_case))
     setup_s = time.perf_counter() - start
+    cache = slots_of(model, shape, fraction)
     dec = decoder_for(system, shape, 1, cache)(model, 1, n + 1, graph=False)
     ids = prompt(shape, 1, n, seed=n)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
@@ -559,6 +620,7 @@ def test_prefill(benchmark, prefill_case, request):
         tokens_per_s=n / ms * 1e3,
         device=torch.cuda.get_device_name() if CUDA else "cpu",
         dtype=str(DTYPE),
+        **format_info(system, shape, fraction),
         first_token_agrees=bool(torch.equal(first.cpu(), want)),
         setup_s=setup_s,
     )
@@ -570,7 +632,7 @@ def test_prefill(benchmark, prefill_case, request):
         benchmark.extra_info["bytes_per_prefill"] = bytes_moved
         assert bytes_moved > 0  # a prompt routes to more experts than the cache holds: it must copy
     benchmark.extra_info["wall_s"] = time.perf_counter() - start
-    if DTYPE == torch.float32:
+    if DTYPE == torch.float32 and split_format(system)[1] is None:
         assert torch.equal(first.cpu(), want), f"{system}: the first new token differs from the unmodified model's"
 
 

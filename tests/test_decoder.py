@@ -7,10 +7,11 @@ import time
 
 import pytest
 import torch
+from transformers import masking_utils
 
 import asyncmoe
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.runtime.decoder import CHECK_EVERY
+from asyncmoe.runtime.decoder import CHECK_EVERY, capturable_masks, eager_mask
 
 from models import NUM_EXPERTS, TOP_K, tiny
 
@@ -251,6 +252,28 @@ def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tens
     return worst
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_capturable_eager_mask_is_transformers_own(window):
+    causal = masking_utils.causal_mask_function
+    fn = causal if window is None else masking_utils.sliding_window_causal_mask_function(window)
+    kw = dict(batch_size=2, q_length=1, kv_length=9, q_offset=5, mask_function=fn, dtype=torch.bfloat16)
+    padded = dict(kw, q_length=4, q_offset=0, attention_mask=torch.tensor([[1] * 9, [0, 0] + [1] * 7]).bool())
+    for args in (kw, padded):
+        torch.testing.assert_close(eager_mask(**args), masking_utils.eager_mask(**args), rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_capturable_masks_change_no_output_and_are_undone():
+    model = tiny("gpt_oss")  # eager attention, sliding-window layers
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    want = model(ids).logits
+    before = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["eager"]
+    with capturable_masks():
+        assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is eager_mask
+        torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=0)
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["eager"] is before
+
+
 # batch 4 needs cache >= 4*top_k to capture in one wave (test_capture_needs_slots_for_the_whole_batch); at
 # cache = top_k and E/4 its steps capture their waves (waves=True)
 CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K), (4, TOP_K), (4, NUM_EXPERTS // 4)]
@@ -259,10 +282,8 @@ CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K), (4, TOP_K), (4, NUM_
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch, cache", CASES)
 @pytest.mark.parametrize("kind", ["random", "repeated"])
-# GPT-OSS is left out: transformers 5.17 builds its sliding-window mask with a host->GPU copy, so even
-# the unmodified model cannot be captured by hand ("Cannot copy between CPU and CUDA tensors during
-# CUDA graph capture", seen on the H200); its experts layout is covered in eager tests.
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v3"])
+# GPT-OSS: eager attention with sliding windows, captured through `capturable_masks`
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 @torch.no_grad()
 def test_graph_replay_equals_eager_fp32(family, kind, batch, cache):
     ref = tiny(family, device="cuda")

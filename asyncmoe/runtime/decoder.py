@@ -11,6 +11,7 @@ Dims: B batch, L prompt length, N max length, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from torch import nn
+from transformers import masking_utils
 
 from ..integrations.transformers import PROVIDER, find_experts, top_k_of
 from ..providers import CachedProvider
@@ -116,6 +118,29 @@ def check_capturable(model: nn.Module, batch_size: int) -> None:
             )
 
 
+def eager_mask(*, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    """transformers' eager-attention mask (0 where attended, the dtype's minimum elsewhere), built from a zero made
+    on the device: transformers 5.17 makes it with `torch.tensor(0.0, device=...)`, a host-to-device copy that a
+    CUDA graph cannot capture, so eager-attention models (GPT-OSS) would not capture."""
+    kwargs.pop("allow_is_causal_skip", None)
+    mask = masking_utils.sdpa_mask(allow_is_causal_skip=False, **kwargs)
+    if mask is None:
+        return None
+    return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+
+@contextlib.contextmanager
+def capturable_masks():
+    """While a step is warmed up and captured, eager attention takes its mask from `eager_mask`."""
+    masks = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
+    before = masks["eager"]
+    masks["eager"] = eager_mask
+    try:
+        yield
+    finally:
+        masks["eager"] = before
+
+
 CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
 
 
@@ -198,13 +223,14 @@ class Decoder:
             self.pos.zero_()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: KV allocation, cuBLAS handles, Triton compiles
-                for _ in range(2):
+            with capturable_masks():
+                with torch.cuda.stream(side):  # warm-up: KV allocation, cuBLAS handles, Triton compiles
+                    for _ in range(2):
+                        self._step(*key)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
                     self._step(*key)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._step(*key)
             self._graphs[key] = graph
         return self._graphs[key]
 
