@@ -425,9 +425,10 @@ def references(shape: str, routing: str, batches: tuple[tuple[int, int], ...], p
 def case_of(item) -> tuple[tuple, bool] | None:
     """A collected item's case and whether it is a prefill case; None for the suite's other tests."""
     params = item.callspec.params if hasattr(item, "callspec") else {}
-    if "case" in params:
-        return params["case"], False
-    return (params["prefill_case"], True) if "prefill_case" in params else None
+    for name, prefill in (("case", False), ("prefill_case", True)):
+        if isinstance(params.get(name), tuple):  # a profile without such cases parametrizes with pytest's NOTSET
+            return params[name], prefill
+    return None
 
 
 def collected(request) -> list[tuple[tuple, bool]]:

@@ -3,6 +3,7 @@ full profile's runs are the full profile, and benchmarks/README.md lists exactly
 
 import pathlib
 import re
+import types
 
 import pytest
 from test_latency import (
@@ -11,6 +12,7 @@ from test_latency import (
     FULL_RUNS,
     PROFILES,
     case_id,
+    case_of,
     seed_raises,
     slots,
 )
@@ -79,3 +81,10 @@ def test_readme_lists_each_run_and_its_seconds_fit_the_run(run):
     rows = readme_rows(run)
     assert sorted(i for i, _ in rows) == sorted(case_id(c, prefill) for c, prefill in cases(PROFILES[run]))
     assert START_S + sum(s for _, s in rows) <= 0.9 * RUN_LIMIT_S
+
+
+def test_a_profile_without_prefill_cases_collects():
+    """pytest parametrizes an empty case list with a placeholder that is no case (`link`, `formats-1`)."""
+    item = types.SimpleNamespace(callspec=types.SimpleNamespace(params={"prefill_case": object()}))
+    assert case_of(item) is None
+    assert all(PROFILES[name]["decode"] or PROFILES[name]["prefill"] for name in PROFILES)

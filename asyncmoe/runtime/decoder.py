@@ -22,6 +22,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import masking_utils
+from transformers.cache_utils import StaticLayer
 
 from ..integrations.transformers import PROVIDER, find_experts, top_k_of
 from ..providers import CachedProvider
@@ -141,6 +142,15 @@ def capturable_masks():
         masks["eager"] = before
 
 
+def static_cache(model: nn.Module, max_length: int) -> transformers.StaticCache:
+    """transformers' StaticCache with every sliding-window layer kept whole. A sliding layer decides on the host
+    whether it is full (then it rolls its keys), so a step captured before the window fills would write past it
+    once it has; a whole layer, read through the model's own sliding-window mask, attends to the same keys."""
+    kv = transformers.StaticCache(config=model.config, max_cache_len=max_length)
+    kv.layers = [StaticLayer(max_cache_len=max_length) if layer.is_sliding else layer for layer in kv.layers]
+    return kv
+
+
 CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
 
 
@@ -175,7 +185,7 @@ class Decoder:
         self.graphed = self.device.type == "cuda" if graph is None else graph
         if self.graphed and not waves:
             check_capturable(model, batch_size)
-        self.kv = transformers.StaticCache(config=model.config, max_cache_len=max_length)
+        self.kv = static_cache(model, max_length)
         # the KV cache's keyword: `past_key_values` up to transformers 5.2x, then `cache`
         self._kv_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         i64 = dict(dtype=torch.long, device=self.device)
