@@ -12,8 +12,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--profile",
         metavar="NAME",
-        help="the latency suite's cases: smoke, quick, full-1, full-2, "
-        "full-3 or full (test_latency.py; benchmarks/README.md lists the full profile)",
+        help="the latency suite's cases: smoke, quick, full-1, full-2, full-3, full, link, formats-1 or "
+        "formats-2 (test_latency.py; benchmarks/README.md lists them)",
     )
     parser.addoption("--quick", action="store_true", help="--profile quick: the OLMoE shape at batch 1, ~150 s")
     parser.addoption(

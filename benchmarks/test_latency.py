@@ -7,12 +7,14 @@
 Profiles (`--profile`; benchmarks/README.md lists the full profile's cases, what each answers and takes):
 `smoke` the tiny shape, every system, a few steps (the only profile on the CPU); `quick` (`--quick`) the OLMoE shape,
 batch 1, trace routing, 25% of the experts cached and all of them, ~150 s on the H200; `full-1`, `full-2`, `full-3`
-the full profile, one run of under 10 minutes each; `full` all three in one process (the default on a GPU).
+the full profile, one run of under 10 minutes each; `full` all three in one process (the default on a GPU);
+`link` oracle and noisy gate arrays; `formats-1`, `formats-2` quantized experts against bf16.
 
 Systems: `unmodified` the transformers model fully resident (CUDA graph on the GPU); `accelerate` experts
 offloaded to the CPU by accelerate's hooks (GPU only); `seed` a host-side LRU of GPU slots
 (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and `asyncmoe-graph-prefetch`
-(GPU only; the latter is what `asyncmoe.compile` gives by default). Each decode case times greedy steps after the
+(GPU only; the latter is what `asyncmoe.compile` gives by default); an asyncmoe system with a format's suffix
+(`asyncmoe-graph-prefetch-fp8`) quantizes its experts so (`quantize=`). Each decode case times greedy steps after the
 same prompt (prefill excluded); each prefill case one prompt. `extra_info` holds tokens/s, hit rate, prefetch
 recall, bytes moved per token, `setup_s`, the seconds the case's model took to build and install (near 0 where
 the last case's model was reused: `make`), and `wall_s`, the whole case's. In fp32 (the CPU) every system's
