@@ -12,18 +12,21 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 } 2>&1 | tee "$OUT/env.txt"
 # one process per test file: a CUDA error is sticky and would fail every later test of the process.
 # PARALLEL=1 runs the files side by side (one GPU is big enough; saves device time, not for timings)
+# each file's log joins $OUT/pytest.txt as it finishes, whole (flock), so a run stopped by a time limit keeps them
 run_tests() {
-  python3 -m pytest -q -rs -s -p no:cacheprovider -m cuda "$1" "${@:2}" > "/tmp/pytest.$(basename "$1").txt" 2>&1
+  log="/tmp/pytest.$(basename "$1").txt"
+  python3 -m pytest -q -rs -s -p no:cacheprovider -m cuda "$1" "${@:2}" > "$log" 2>&1
   rc=$?  # 5: pytest collected nothing, the file only names CUDA (a CPU test of an error message)
-  echo "pytest $1 exit: $rc$([ $rc = 5 ] && echo ' (no cuda-marked tests)')" >> "/tmp/pytest.$(basename "$1").txt"
+  echo "pytest $1 exit: $rc$([ $rc = 5 ] && echo ' (no cuda-marked tests)')" >> "$log"
+  if command -v flock > /dev/null; then flock "$OUT/pytest.txt" -c "cat '$log' >> '$OUT/pytest.txt'"; else cat "$log" >> "$OUT/pytest.txt"; fi
 }
 # files with CUDA tests: marked directly, or through a shared `devices()` parametrization (test_cache_step.py)
+: > "$OUT/pytest.txt"
 FILES=$(for f in ${TESTS:-tests/test_*.py}; do grep -qE "cuda|devices\(\)" "$f" && echo "$f"; done)
 for f in $FILES; do
   if [ "${PARALLEL:-0}" = 1 ]; then run_tests "$f" "$@" & else run_tests "$f" "$@"; fi
 done
 wait
-for f in $FILES; do cat "/tmp/pytest.$(basename "$f").txt"; done > "$OUT/pytest.txt"
 grep -a "exit:\| passed\| failed" "$OUT/pytest.txt"
 for script in ${BENCH:-}; do
   echo "== $script"
