@@ -23,7 +23,7 @@ from .cache import algorithm
 from .cache.expert_cache import ExpertCache
 from .cache.state import COUNTERS, PACE_STAMP, TIMER_START, TIMER_WAITED, TRANSITION, CacheState
 from .formats import FP8, scale_shape
-from .kernels import clock, fp8_gemv, gemv4
+from .kernels import clock, dequant_mm, fp8_gemv, gemv4
 from .predict import predictors
 from .predict.prefetch import Request, predict_and_prefetch
 
@@ -275,6 +275,37 @@ def _(x, w, scale, slots, block_rows, block_cols, transposed):
 def fp8_matmul(x: Tensor, w: Tensor, scale: Tensor, slots: Tensor, block: tuple[int, int], transposed: bool) -> Tensor:
     """`asyncmoe::fp8_gemv`: x [S, K], the slots' fp8 weights w [C, R, Q] and scales -> [S, N]."""
     return torch.ops.asyncmoe.fp8_gemv(x, w.view(torch.uint8), scale, slots, block[0], block[1], transposed)
+
+
+@torch.library.custom_op("asyncmoe::dequant_mm", mutates_args=())
+def _dequant_mm(
+    x: Tensor, w: Tensor, scales: Tensor, offs: Tensor, kind: str, block_rows: int, block_cols: int, transposed: bool
+) -> Tensor:
+    """A prompt's expert matmul from quantized slots, rows sorted by slot (kernels/dequant_mm.py): out [S, N],
+    row r = x[r] @ dequantize(w[its slot])^T, the slot's rows ending at `offs`. fp8 weights as their bytes (uint8);
+    `block_*` and `transposed` are fp8's (4-bit slots are always [C, N, K/2])."""
+    if kind == "fp8":
+        w = w.view(FP8)
+    return dequant_mm.dequant_mm(x, w, scales, offs, kind, (block_rows, block_cols), transposed)
+
+
+@_dequant_mm.register_fake
+def _(x, w, scales, offs, kind, block_rows, block_cols, transposed):
+    S, K = x.shape
+    torch._check(kind in dequant_mm.KINDS, lambda: f"dequant_mm kind must be one of {dequant_mm.KINDS}, got {kind!r}")
+    torch._check(w.dtype == torch.uint8, lambda: f"dequant_mm takes quantized weights as bytes (uint8), got {w.dtype}")
+    torch._check(offs.shape == (w.shape[0],), lambda: f"offs must be [{w.shape[0]}] (one per slot), got {offs.shape}")
+    fp8 = kind == "fp8"
+    inputs = (w.shape[1] if transposed else w.shape[2]) if fp8 else 2 * w.shape[2]
+    torch._check(K == inputs, lambda: f"x has {K} inputs, the weights {tuple(w.shape)} take {inputs}")
+    N = (w.shape[2] if transposed else w.shape[1]) if fp8 else w.shape[1]
+    return x.new_empty(S, N)
+
+
+def dequant_matmul(x: Tensor, w: Tensor, scales: Tensor, offs: Tensor, fmt, transposed: bool) -> Tensor:
+    """`asyncmoe::dequant_mm` for a format object (formats.Fp8, Mxfp4 or Int4)."""
+    block = getattr(fmt, "block", (1, 1))
+    return torch.ops.asyncmoe.dequant_mm(x, w.view(torch.uint8), scales, offs, fmt.name, *block, transposed)
 
 
 @torch.library.custom_op("asyncmoe::gemv4", mutates_args=())
