@@ -3,8 +3,9 @@
 A decode step is the model's forward on one token per sequence with a `StaticCache` (every asyncmoe
 op included: ensure, prefetch on the side stream, the copies), the choice of the next token, the
 padding of finished sequences and the bookkeeping of the position, all on the device; the host only
-replays. Eager Python costs six times the graph's time on an OLMoE-shaped model (DESIGN.md), so
-without the graph no offload scheme gets near the resident ceiling.
+replays. Eager decode steps take 2.3-2.4x the graph's time on the OLMoE shape at 16 of 64 slots (the
+quick profile, docs/results/quick-before-after.md), so without the graph no offload scheme gets near the
+resident ceiling.
 
 Dims: B batch, L prompt length, N max length, V vocabulary.
 """
