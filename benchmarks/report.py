@@ -79,13 +79,14 @@ def rows(data: dict) -> list[dict]:
 TARGET_SHAPES = ("olmoe-1b-7b", "deepseek-v2-lite")
 
 
+def ok(met: bool) -> str:
+    return "met" if met else "**missed**"
+
+
 def targets(table: list[dict], prefill: list[dict]) -> list[str]:
     """The targets, for the cases this run has: on the OLMoE and DeepSeek-V2-Lite shapes with trace routing,
     at batch 1 and cache 25% within 1.25x the Belady floor and >= 50x faster than accelerate; at batch 32
     and for a 2048-token prompt, faster than the seed at the same cache."""
-
-    def ok(met):
-        return "met" if met else "**missed**"
 
     out = []
     for r in table:
@@ -137,9 +138,6 @@ def format_targets(table: list[dict], prefill: list[dict]) -> list[str]:
     """Quantized experts against bf16 in the same run: decode at the GPU memory of the same bf16 slots within
     FORMAT_TARGETS of bf16's time; fully resident no slower than the unmodified bf16 model; a prompt at the same
     slots within 1.3x bf16's."""
-
-    def ok(met):
-        return "met" if met else "**missed**"
 
     def base(r):
         return r["system"].removesuffix("-" + r["format"])

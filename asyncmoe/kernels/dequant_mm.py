@@ -20,6 +20,8 @@ from ..formats import dequantize_fp8, dequantize_int4, dequantize_mxfp4
 try:
     import triton
     import triton.language as tl
+
+    from .gemv4 import nibble_weights
 except ImportError:  # non-Linux
     triton = None
 
@@ -46,7 +48,7 @@ def dequant_mm_reference(
     dense = dequantized(kind, w, scales, block, transposed, x.dtype)  # [C, N, K]
     out = x.new_zeros(x.shape[0], dense.shape[1])
     start = 0
-    for c, end in enumerate(offs.tolist()):
+    for c, end in enumerate(offs.tolist()):  # a host sync: the reference runs eagerly, off the GPU and any graph
         out[start:end] = (x[start:end].float() @ dense[c].float().T).to(x.dtype)
         start = end
     return out
@@ -75,19 +77,6 @@ if triton is not None:
         q = tl.load(w_base + n[:, None] * w_n + k[None, :] * w_k, mask=mask, other=0.0).to(tl.float32)
         sc = tl.load(s_base + (n[:, None] // BLOCK_SN) * s_n + (k[None, :] // BLOCK_SK) * s_k, mask=mask, other=0.0)
         return (q * sc).to(dtype)
-
-    @triton.jit
-    def _nibbles(byte, sc, nibble: tl.constexpr, MXFP4: tl.constexpr, dtype):
-        code = (byte >> (4 * nibble)) & 15
-        if MXFP4:  # e2m1: sign, 2 exponent bits, 1 mantissa bit
-            mag = code & 7
-            e = mag >> 1
-            m = (mag & 1).to(tl.float32)
-            value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-            value = tl.where(code >= 8, -value, value)
-        else:
-            value = (code - 8).to(tl.float32)
-        return (value * sc).to(dtype)
 
     @triton.jit
     def _dot(acc, xs, wt, IEEE: tl.constexpr):  # [BM, BK] x [BN, BK] -> acc [BM, BN]
@@ -154,7 +143,7 @@ if triton is not None:
                         sc = sc.to(tl.float32)
                     xmask = rmask[:, None] & bmask[None, :]
                     for nibble in tl.static_range(2):
-                        wt = _nibbles(byte, sc, nibble, KIND == 1, dtype)
+                        wt = nibble_weights(byte, sc, nibble, KIND == 1, dtype)
                         xs = tl.load(x_ptr + rows[:, None] * K + 2 * b[None, :] + nibble, mask=xmask, other=0.0)
                         acc = _dot(acc, xs, wt, IEEE)
             out = out_ptr + rows[:, None] * N + n[None, :]

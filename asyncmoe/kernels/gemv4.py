@@ -39,6 +39,21 @@ def gemv4_reference(
 if triton is not None:
 
     @triton.jit
+    def nibble_weights(byte, sc, nibble: tl.constexpr, MXFP4: tl.constexpr, dtype):
+        """The weights in one nibble of each byte (0: low, the even inputs), scaled and rounded to `dtype`
+        as the reference's dequantized weight is: e2m1 by its bits, or the integer less 8."""
+        code = (byte >> (4 * nibble)) & 15
+        if MXFP4:  # e2m1: sign, 2 exponent bits, 1 mantissa bit
+            mag = code & 7
+            e = mag >> 1
+            m = (mag & 1).to(tl.float32)
+            value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+            value = tl.where(code >= 8, -value, value)
+        else:
+            value = (code - 8).to(tl.float32)
+        return (value * sc).to(dtype)
+
+    @triton.jit
     def _gemv4(
         x_ptr,
         w_ptr,
@@ -72,16 +87,7 @@ if triton is not None:
                 sc = sc.to(tl.float32)
             x_type = x_ptr.dtype.element_ty
             for nibble in tl.static_range(2):
-                code = (byte >> (4 * nibble)) & 15
-                if MXFP4:  # e2m1: sign, 2 exponent bits, 1 mantissa bit
-                    mag = code & 7
-                    e = mag >> 1
-                    m = (mag & 1).to(tl.float32)
-                    value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-                    value = tl.where(code >= 8, -value, value)
-                else:
-                    value = (code - 8).to(tl.float32)
-                weight = (value * sc).to(x_type).to(tl.float32)  # the dequantized weight, as the reference's
+                weight = nibble_weights(byte, sc, nibble, MXFP4, x_type).to(tl.float32)
                 xs = tl.load(x_ptr + pair * K + 2 * b + nibble, mask=bmask, other=0.0).to(tl.float32)
                 acc += tl.sum(weight * xs[None, :], axis=1)
         tl.store(out_ptr + pair * N + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
