@@ -69,6 +69,22 @@ def test_greedy_tokens_equal_the_reference_in_generate_and_the_decoder(checkpoin
     assert torch.equal(asyncmoe.Decoder(ours, 1, 80).generate(ids, 64).tokens, want)
 
 
+@pytest.mark.cuda
+@torch.no_grad()
+def test_greedy_tokens_equal_the_reference_on_the_gpu(checkpoint):
+    """fp32 activations through the fp8 GEMV kernel: eager, the Decoder's graph and generate give the reference's
+    64 greedy tokens (dequantized weights, transformers' own compute; TF32 off, as by default)."""
+    family, model, path = checkpoint
+    ours = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cuda")
+    reference = dequantized(model, BLOCK).cuda()
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(2)).cuda()
+    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    want = reference.generate(ids, **kw)
+    assert torch.equal(ours.generate(ids, **kw), want)
+    assert torch.equal(asyncmoe.Decoder(ours, 1, 80, graph=False).generate(ids, 64).tokens, want)
+    assert torch.equal(asyncmoe.Decoder(ours, 1, 80, graph=True).generate(ids, 64).tokens, want)
+
+
 def test_dequantize_loads_the_experts_in_the_compute_dtype(checkpoint):
     family, model, path = checkpoint
     ours = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu", quantize="dequantize")
