@@ -71,7 +71,9 @@ class FourBit:
         ]
 
     def quantize(self, w: torch.Tensor, transposed: bool) -> list[torch.Tensor]:
-        return list(self._quantize(w.transpose(-2, -1) if transposed else w))
+        """[packed, scales], contiguous: the kernels read them in the stored order (a transposed module's weight
+        would otherwise leave them strided)."""
+        return [t.contiguous() for t in self._quantize(w.transpose(-2, -1) if transposed else w)]
 
     def dequantize(self, tensors: list[torch.Tensor], dtype: torch.dtype, transposed: bool) -> torch.Tensor:
         dense = self._dequantize(*tensors, dtype)  # [..., N, K]

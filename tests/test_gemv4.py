@@ -47,3 +47,16 @@ def test_fake_states_the_contract():
     fakes = [mode.from_tensor(t) for t in (x[:, :100], packed, scales, slots)]
     with mode, pytest.raises(Exception, match=r"x has 100 inputs"):
         torch.ops.asyncmoe.gemv4(*fakes, "int4")
+
+
+@pytest.mark.parametrize("fmt", [Mxfp4(), Int4(32)], ids=lambda f: f.name)
+def test_a_transposed_modules_weights_quantize_contiguous(fmt):
+    """GPT-OSS stores [E, K, N]: its 4-bit tensors are [E, N, K/2] and [E, N, K/G] in that order, which the kernel
+    reads; a strided pair is refused rather than read as if it were contiguous."""
+    packed, scales = fmt.quantize(torch.randn(2, 96, 8), transposed=True)
+    assert packed.is_contiguous() and scales.is_contiguous()
+    x, slots = torch.randn(3, 96), torch.tensor([0, 1, 1])
+    want = x[:, None, :] @ fmt.dequantize([packed, scales], torch.float32, transposed=True)[slots]
+    torch.testing.assert_close(gemv4_triton(x, packed, scales, slots, fmt.name), want[:, 0], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="pass contiguous tensors"):
+        gemv4_triton(x, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, slots, fmt.name)

@@ -97,6 +97,8 @@ BN, BK = 16, 256  # a program's outputs and the inputs per step: 2 KB of packed 
 
 
 def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
+    if not (packed.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("gemv4 reads packed weights and scales in their stored order: pass contiguous tensors")
     S, K = x.shape
     N = packed.shape[1]
     x = x.contiguous()
