@@ -7,9 +7,12 @@ The module's layout flags say how its weights are stored and combined; we honour
 module's own `_apply_gate`'s business. Routing weights are applied and summed over k in the same
 order and precision as transformers' own backends, so outputs match the unmodified model.
 
-Quantized slots (formats: fp8, mxfp4, int4): at decode sizes each projection is one fused dequantizing GEMV
-over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); a prompt's many pairs dequantize the slots to the
-compute dtype once and take the dense path, which reads each expert once for all its tokens.
+Quantized slots (formats: fp8, mxfp4, int4), by pairs per slot, each path the fastest measured there
+(docs/decisions.md#quantized-matmul-by-pairs-per-slot): few pairs (decode), one fused dequantizing GEMV per
+projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, 4-bit slots go through the fused grouped
+kernel (`asyncmoe::dequant_mm`: pairs sorted by slot, weights dequantized tile by tile in registers), and fp8 slots,
+or 4-bit ones at a long prompt's hundreds of pairs a slot, are dequantized to the compute dtype once and take
+the dense path.
 
 Dims: T tokens, H hidden, k top-k, S = T*k (token, expert) pairs, C slots.
 Slot id -1 marks a pair served by another wave: its output row is garbage, to be masked by the caller.
@@ -26,7 +29,9 @@ from .formats import Format, Fp8
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GATHER_BYTES = 256 * 2**20  # the gather path copies each pair's expert weights; bound that per chunk
 DEQUANT_BYTES = 128 * 2**20  # float32 temporaries of the prompt path's dequantization, per step
-GEMV_PAIRS = 64  # up to this many pairs the fused GEMV (docs/decisions.md#decode-gemv-below-64-pairs)
+# pairs per slot up to which a path is the fastest (docs/decisions.md#quantized-matmul-by-pairs-per-slot)
+GEMV_PAIRS_PER_SLOT = {"fp8": 16, "mxfp4": 4, "int4": 4}
+FUSED_PAIRS_PER_SLOT = 128  # 4-bit: the fused grouped kernel up to here, dequantize + the dense path above
 
 
 def layer_weight_names(experts) -> tuple[str, str | None, str, str | None]:
@@ -59,9 +64,19 @@ def routed_outputs(
 def _quantized(experts, x, slots, weights, fmt: Format):
     up, up_bias, down, down_bias = layer_weight_names(experts)
     t = experts.is_transposed
-    if slots.numel() > GEMV_PAIRS:  # a prompt: dequantize each slot once, then the dense path
-        dense = {n: _dequantized(fmt, weights[n], weights[n + fmt.suffix], x.dtype, t) for n in (up, down)}
-        return routed_outputs(experts, x, slots, {**weights, **dense})
+    pairs, C = slots.numel(), weights[up].shape[0]  # shapes only: the path is fixed under capture and tracing
+    if pairs <= GEMV_PAIRS_PER_SLOT[fmt.name] * C:
+        return _gemv(experts, x, slots, weights, fmt)
+    if not isinstance(fmt, Fp8) and pairs <= FUSED_PAIRS_PER_SLOT * C:
+        return _fused(experts, x, slots, weights, fmt)
+    dense = {n: _dequantized(fmt, weights[n], weights[n + fmt.suffix], x.dtype, t) for n in (up, down)}
+    return routed_outputs(experts, x, slots, {**weights, **dense})
+
+
+def _gemv(experts, x, slots, weights, fmt: Format):
+    """One dequantizing GEMV per projection over the routed slots: each pair reads its expert's bytes once."""
+    up, up_bias, down, down_bias = layer_weight_names(experts)
+    t = experts.is_transposed
     idx = slots.reshape(-1)  # [S]
 
     def linear(inp, name, bias):
@@ -75,6 +90,22 @@ def _quantized(experts, x, slots, weights, fmt: Format):
     h = linear(x.repeat_interleave(slots.shape[1], dim=0), up, up_bias)
     h = linear(_activate(experts, h), down, down_bias)
     return _finish(experts, h)
+
+
+def _fused(experts, x, slots, weights, fmt: Format):
+    """Pairs sorted by slot, one fused grouped dequantizing matmul per projection (`asyncmoe::dequant_mm`): each
+    weight tile is read once per tile of its slot's rows and no dequantized copy of the slots is written."""
+    up, up_bias, down, down_bias = layer_weight_names(experts)
+    perm, offs, row_slot = _by_slot(slots, weights[up].shape[0])
+
+    def linear(inp, name, bias):
+        out = torch.ops.asyncmoe.dequant_mm(inp, weights[name], weights[name + fmt.suffix], offs, fmt.name)
+        return out if bias is None else out + weights[bias][row_slot]
+
+    h = linear(x[perm // slots.shape[1]], up, up_bias)
+    h = linear(_activate(experts, h), down, down_bias)
+    h = _finish(experts, h)
+    return torch.empty_like(h).index_copy_(0, perm, h)
 
 
 def _dequantized(fmt: Format, w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, transposed: bool):
@@ -93,16 +124,20 @@ def _finish(experts, h: torch.Tensor) -> torch.Tensor:
     return experts.post_expert_norm(h) if getattr(experts, "has_post_expert_norm", False) else h
 
 
-def _grouped(experts, x, slots, w_up, b_up, w_down, b_down):
-    """Sort pairs by slot, one grouped GEMM per projection; pairs of other waves sort last and are skipped."""
-    T, k = slots.shape
-    C = w_up.shape[0]
+def _by_slot(slots: torch.Tensor, C: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs [T, k] sorted by slot: (perm [S], offs [C] int32 the end of each slot's rows, row_slot [S]); pairs of
+    other waves (-1) sort last, past offs[-1]."""
     key = torch.where(slots.reshape(-1) >= 0, slots.reshape(-1), C)  # [S]; C = not in this wave
     key_sorted, perm = torch.sort(key, stable=True)
-    counts = torch.zeros(C + 1, dtype=torch.int32, device=x.device)
+    counts = torch.zeros(C + 1, dtype=torch.int32, device=slots.device)
     counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = counts[:C].cumsum(0, dtype=torch.int32)  # [C]
-    row_slot = key_sorted.clamp(max=C - 1)
+    return perm, counts[:C].cumsum(0, dtype=torch.int32), key_sorted.clamp(max=C - 1)
+
+
+def _grouped(experts, x, slots, w_up, b_up, w_down, b_down):
+    """Sort pairs by slot, one grouped GEMM per projection; pairs of other waves sort last and are skipped."""
+    k = slots.shape[1]
+    perm, offs, row_slot = _by_slot(slots, w_up.shape[0])
 
     def linear(inp, w, b):
         out = _grouped_mm(inp.to(w.dtype), w if experts.is_transposed else w.transpose(-2, -1), offs=offs)

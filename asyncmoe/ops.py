@@ -278,34 +278,20 @@ def fp8_matmul(x: Tensor, w: Tensor, scale: Tensor, slots: Tensor, block: tuple[
 
 
 @torch.library.custom_op("asyncmoe::dequant_mm", mutates_args=())
-def _dequant_mm(
-    x: Tensor, w: Tensor, scales: Tensor, offs: Tensor, kind: str, block_rows: int, block_cols: int, transposed: bool
-) -> Tensor:
-    """A prompt's expert matmul from quantized slots, rows sorted by slot (kernels/dequant_mm.py): out [S, N],
-    row r = x[r] @ dequantize(w[its slot])^T, the slot's rows ending at `offs`. fp8 weights as their bytes (uint8);
-    `block_*` and `transposed` are fp8's (4-bit slots are always [C, N, K/2])."""
-    if kind == "fp8":
-        w = w.view(FP8)
-    return dequant_mm.dequant_mm(x, w, scales, offs, kind, (block_rows, block_cols), transposed)
+def _dequant_mm(x: Tensor, w: Tensor, scales: Tensor, offs: Tensor, kind: str) -> Tensor:
+    """A prompt's expert matmul from 4-bit slots (`kind` "mxfp4" or "int4"), rows sorted by slot
+    (kernels/dequant_mm.py): out [S, N], row r = x[r] @ dequantize(w[its slot])^T, the slot's rows ending at `offs`."""
+    return dequant_mm.dequant_mm(x, w, scales, offs, kind)
 
 
 @_dequant_mm.register_fake
-def _(x, w, scales, offs, kind, block_rows, block_cols, transposed):
+def _(x, w, scales, offs, kind):
     S, K = x.shape
     torch._check(kind in dequant_mm.KINDS, lambda: f"dequant_mm kind must be one of {dequant_mm.KINDS}, got {kind!r}")
-    torch._check(w.dtype == torch.uint8, lambda: f"dequant_mm takes quantized weights as bytes (uint8), got {w.dtype}")
+    torch._check(w.dtype == torch.uint8, lambda: f"dequant_mm takes packed 4-bit weights (uint8), got {w.dtype}")
     torch._check(offs.shape == (w.shape[0],), lambda: f"offs must be [{w.shape[0]}] (one per slot), got {offs.shape}")
-    fp8 = kind == "fp8"
-    inputs = (w.shape[1] if transposed else w.shape[2]) if fp8 else 2 * w.shape[2]
-    torch._check(K == inputs, lambda: f"x has {K} inputs, the weights {tuple(w.shape)} take {inputs}")
-    N = (w.shape[2] if transposed else w.shape[1]) if fp8 else w.shape[1]
-    return x.new_empty(S, N)
-
-
-def dequant_matmul(x: Tensor, w: Tensor, scales: Tensor, offs: Tensor, fmt, transposed: bool) -> Tensor:
-    """`asyncmoe::dequant_mm` for a format object (formats.Fp8, Mxfp4 or Int4)."""
-    block = getattr(fmt, "block", (1, 1))
-    return torch.ops.asyncmoe.dequant_mm(x, w.view(torch.uint8), scales, offs, fmt.name, *block, transposed)
+    torch._check(K == 2 * w.shape[2], lambda: f"x has {K} inputs, the weights {tuple(w.shape)} take {2 * w.shape[2]}")
+    return x.new_empty(S, w.shape[1])
 
 
 @torch.library.custom_op("asyncmoe::gemv4", mutates_args=())

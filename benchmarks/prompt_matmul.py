@@ -1,6 +1,6 @@
-"""A prompt's expert matmul from quantized slots, two ways: dequantize every slot to bf16 and run the dense grouped
-GEMM (what a quantized layer does above `experts.GEMV_PAIRS` pairs), against the fused grouped dequantizing kernel
-(`kernels/dequant_mm.py`); and, at few pairs, the decode GEMV against both, to place the crossover.
+"""A quantized layer's expert matmul three ways, to place each path's range (`experts.GEMV_PAIRS_PER_SLOT`,
+`experts.FUSED_PAIRS_PER_SLOT`): the decode GEMV (each pair reads its expert), the fused grouped dequantizing
+kernel (`kernels/dequant_mm.py`, 4-bit), and every slot dequantized to bf16 then the dense grouped GEMM.
 
     python benchmarks/prompt_matmul.py --out prompt_matmul.json     # GPU
 
@@ -52,7 +52,7 @@ def projections(shape: str) -> list[tuple[str, torch.Size, bool]]:
 
 
 def variants(x, w, scales, offs, fmt, transposed: bool) -> dict:
-    """The three ways to compute one projection of a wave whose rows are sorted by slot, `offs` their ends."""
+    """The ways to compute one projection of a wave whose rows are sorted by slot, `offs` their ends."""
     slot_of_row = torch.searchsorted(offs, torch.arange(x.shape[0], device=x.device), right=True)
 
     def dense():
@@ -64,11 +64,10 @@ def variants(x, w, scales, offs, fmt, transposed: bool) -> dict:
             return ops.fp8_matmul(x, w, scales, slot_of_row, fmt.block, transposed)
         return torch.ops.asyncmoe.gemv4(x, w, scales, slot_of_row, fmt.name)
 
-    return {
-        "dequantize+grouped_mm": dense,
-        "fused": lambda: ops.dequant_matmul(x, w, scales, offs, fmt, transposed),
-        "gemv": gemv,
-    }
+    ways = {"dequantize+grouped_mm": dense, "gemv": gemv}
+    if fmt.name != "fp8":
+        ways["fused"] = lambda: torch.ops.asyncmoe.dequant_mm(x, w, scales, offs, fmt.name)
+    return ways
 
 
 def main():

@@ -13,6 +13,7 @@ from transformers.integrations.moe import use_experts_implementation
 
 import asyncmoe.experts
 from asyncmoe.experts import combine, routed_outputs
+from asyncmoe.formats import parse_quantize, weight_names
 from asyncmoe.integrations.transformers import find_experts
 
 from models import tiny
@@ -162,3 +163,32 @@ def test_combine_weights_each_pair_and_sums_over_k():
     out = combine(pair_out.bfloat16(), w, torch.bfloat16)  # fp32 router weights: the sum in fp32, then cast
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, (pair_out.bfloat16().float() * w.reshape(-1, 1)).view(T, k, 4).sum(1).bfloat16())
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp4", "int4"])
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])  # GPT-OSS: transposed, biased, clamped SwiGLU
+@torch.no_grad()
+def test_quantized_paths_by_pairs_per_slot(quantize, family, monkeypatch):
+    """Decode-sized calls take the GEMV, a few dozen pairs a slot the fused grouped kernel (4-bit) or the dense
+    path (fp8), hundreds a slot the dense path; each equals the per-pair computation from the dequantized slots."""
+    model = tiny(family)
+    _, m = find_experts(model)[0]
+    fmt = parse_quantize(quantize)
+    taken = []
+    for path in ("_gemv", "_fused", "_dequantized"):
+        real = getattr(asyncmoe.experts, path)
+        monkeypatch.setattr(asyncmoe.experts, path, lambda *a, real=real, path=path: taken.append(path) or real(*a))
+    paths = {1: ("_gemv", "_gemv"), 40: ("_dequantized", "_fused"), 700: ("_dequantized", "_dequantized")}
+    for T, (if_fp8, if_4_bit) in paths.items():  # T tokens, top-2: 2T pairs over 4 slots
+        x, slots, held = case(torch.float32, T=T, hidden=model.config.hidden_size)
+        weights = slot_weights(m, held, torch.float32)
+        dense = dict(weights)
+        for name in weight_names(m):
+            weights[name], weights[name + fmt.suffix] = fmt.quantize(dense[name], m.is_transposed)
+            dense[name] = fmt.dequantize([weights[name], weights[name + fmt.suffix]], torch.float32, m.is_transposed)
+        taken.clear()
+        got = routed_outputs(m, x, slots, weights, fmt)
+        assert taken[0] == (if_fp8 if quantize == "fp8" else if_4_bit)
+        served = (slots >= 0).reshape(-1)
+        want = per_pair(m, x, slots, dense)[served]
+        torch.testing.assert_close(got[served].double(), want, rtol=1e-4, atol=1e-4)

@@ -1,13 +1,15 @@
-"""A prompt's expert matmuls from quantized slots: out = x @ dequantize(W[slot])^T for rows grouped by slot.
+"""A prompt's expert matmuls from 4-bit slots: out = x @ dequantize(W[slot])^T for rows grouped by slot.
 
 A prompt routes many tokens to each expert, so the pairs are sorted by slot (as for `grouped_mm`) and each
-program computes a tile of one slot's rows by a tile of outputs: it loads the slot's quantized weight tile by
-tile (fp8 with its block scales, or 4-bit bytes with their group scales), dequantizes it in registers, rounds
-it to the activations' dtype as the reference does, and multiplies with `tl.dot`, accumulating in float32.
-No dequantized weight is written to memory, and each weight byte is read once per tile of rows.
+program computes a tile of one slot's rows by a tile of outputs: it loads the slot's packed weight tile by tile
+with its group scales, dequantizes it in registers, rounds it to the activations' dtype as the reference does,
+and multiplies with `tl.dot`, accumulating in float32. No dequantized weight is written to memory, and each
+weight byte is read once per tile of rows. fp8 slots are not served here: dequantizing them to bf16 and the
+grouped GEMM was twice as fast at every size measured (docs/decisions.md#quantized-matmul-by-pairs-per-slot).
 
 The reference, `dequant_mm_reference`, dequantizes each slot with the format's plain-torch definition and
 multiplies its rows in float32. Dims: S rows (pairs, sorted by slot), C slots, N outputs, K inputs.
+Slots are stored [C, N, K/2] (two inputs a byte, the even one in the low nibble) with scales [C, N, K/G].
 `offs` [C] int32: the end of each slot's rows (grouped_mm's convention); rows past offs[-1] are not computed.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import dequantize_fp8, dequantize_int4, dequantize_mxfp4
+from ..formats import dequantize_int4, dequantize_mxfp4
 
 try:
     import triton
@@ -25,27 +27,17 @@ try:
 except ImportError:  # non-Linux
     triton = None
 
-KINDS = ("fp8", "mxfp4", "int4")
-
-
-def dequantized(kind: str, w, scales, block: tuple[int, int], transposed: bool, dtype) -> torch.Tensor:
-    """Slots [C, ...] as dense [C, N, K] in `dtype`: fp8 in the module's layout, 4-bit always [C, N, K/2]."""
-    if kind == "fp8":
-        dense = dequantize_fp8(w, scales, block, dtype)
-        return dense.transpose(-2, -1) if transposed else dense
-    return (dequantize_mxfp4 if kind == "mxfp4" else dequantize_int4)(w, scales, dtype)
+KINDS = ("mxfp4", "int4")
 
 
 def dequant_mm_reference(
     x: torch.Tensor,  # [S, K], rows sorted by slot
-    w: torch.Tensor,  # [C, R, Q] fp8, or [C, N, K/2] uint8 (4-bit)
-    scales: torch.Tensor,  # fp8: [C, Rb, Qb] float32; 4-bit: [C, N, K/G]
+    w: torch.Tensor,  # [C, N, K/2] uint8
+    scales: torch.Tensor,  # [C, N, K/G]
     offs: torch.Tensor,  # [C] int32 end of each slot's rows
     kind: str,
-    block: tuple[int, int],
-    transposed: bool,
 ) -> torch.Tensor:  # [S, N] in x's dtype; rows past offs[-1] are zero
-    dense = dequantized(kind, w, scales, block, transposed, x.dtype)  # [C, N, K]
+    dense = (dequantize_mxfp4 if kind == "mxfp4" else dequantize_int4)(w, scales, x.dtype)  # [C, N, K]
     out = x.new_zeros(x.shape[0], dense.shape[1])
     start = 0
     for c, end in enumerate(offs.tolist()):  # a host sync: the reference runs eagerly, off the GPU and any graph
@@ -72,13 +64,6 @@ def tiles(offs: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, torch
 if triton is not None:
 
     @triton.jit
-    def _weight_fp8(w_base, s_base, n, k, nmask, kmask, w_n, w_k, s_n, s_k, BLOCK_SN, BLOCK_SK, dtype):
-        mask = nmask[:, None] & kmask[None, :]
-        q = tl.load(w_base + n[:, None] * w_n + k[None, :] * w_k, mask=mask, other=0.0).to(tl.float32)
-        sc = tl.load(s_base + (n[:, None] // BLOCK_SN) * s_n + (k[None, :] // BLOCK_SK) * s_k, mask=mask, other=0.0)
-        return (q * sc).to(dtype)
-
-    @triton.jit
     def _dot(acc, xs, wt, IEEE: tl.constexpr):  # [BM, BK] x [BN, BK] -> acc [BM, BN]
         if IEEE:
             return acc + tl.dot(xs, tl.trans(wt), input_precision="ieee")
@@ -98,13 +83,10 @@ if triton is not None:
         K,
         w_slot,
         w_n,
-        w_k,
         s_slot,
-        s_n,
-        s_k,  # strides, in (n, k) coordinates whatever the stored layout (4-bit: bytes and groups)
-        KIND: tl.constexpr,  # 0 fp8, 1 mxfp4, 2 int4
-        BLOCK_SN: tl.constexpr,
-        BLOCK_SK: tl.constexpr,  # fp8: the scale block in (n, k); 4-bit: BLOCK_SK is the group
+        s_n,  # strides of the packed bytes [C, N, K/2] and the scales [C, N, K/G]
+        MXFP4: tl.constexpr,  # else int4
+        GROUP: tl.constexpr,
         IEEE: tl.constexpr,  # float32 activations: exact products, not tf32
         BM: tl.constexpr,
         BN: tl.constexpr,
@@ -122,30 +104,21 @@ if triton is not None:
             s_base = scale_ptr + slot.to(tl.int64) * s_slot
             dtype = x_ptr.dtype.element_ty
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                if KIND == 0:
-                    k = k0 + tl.arange(0, BK)
-                    kmask = k < K
-                    xs = tl.load(
-                        x_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0
-                    )
-                    wt = _weight_fp8(w_base, s_base, n, k, nmask, kmask, w_n, w_k, s_n, s_k, BLOCK_SN, BLOCK_SK, dtype)
+            for k0 in range(0, K, BK):  # byte b holds inputs 2b (low nibble) and 2b + 1
+                b = k0 // 2 + tl.arange(0, BK // 2)
+                bmask = b < K // 2
+                mask = nmask[:, None] & bmask[None, :]
+                byte = tl.load(w_base + n[:, None] * w_n + b[None, :], mask=mask, other=0).to(tl.int32)
+                sc = tl.load(s_base + n[:, None] * s_n + (2 * b[None, :]) // GROUP, mask=mask, other=0)
+                if MXFP4:  # e8m0: a power of two
+                    sc = tl.exp2(sc.to(tl.float32) - 127.0)
+                else:
+                    sc = sc.to(tl.float32)
+                xmask = rmask[:, None] & bmask[None, :]
+                for nibble in tl.static_range(2):
+                    wt = nibble_weights(byte, sc, nibble, MXFP4, dtype)
+                    xs = tl.load(x_ptr + rows[:, None] * K + 2 * b[None, :] + nibble, mask=xmask, other=0.0)
                     acc = _dot(acc, xs, wt, IEEE)
-                else:  # byte b holds inputs 2b (low nibble) and 2b + 1
-                    b = k0 // 2 + tl.arange(0, BK // 2)
-                    bmask = b < K // 2
-                    mask = nmask[:, None] & bmask[None, :]
-                    byte = tl.load(w_base + n[:, None] * w_n + b[None, :], mask=mask, other=0).to(tl.int32)
-                    sc = tl.load(s_base + n[:, None] * s_n + (2 * b[None, :]) // BLOCK_SK, mask=mask, other=0)
-                    if KIND == 1:
-                        sc = tl.exp2(sc.to(tl.float32) - 127.0)
-                    else:
-                        sc = sc.to(tl.float32)
-                    xmask = rmask[:, None] & bmask[None, :]
-                    for nibble in tl.static_range(2):
-                        wt = nibble_weights(byte, sc, nibble, KIND == 1, dtype)
-                        xs = tl.load(x_ptr + rows[:, None] * K + 2 * b[None, :] + nibble, mask=xmask, other=0.0)
-                        acc = _dot(acc, xs, wt, IEEE)
             out = out_ptr + rows[:, None] * N + n[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -153,17 +126,11 @@ if triton is not None:
 BM, BN, BK = 64, 64, 64  # a program's rows and outputs, and the inputs a step (tl.dot needs 16 or more of each)
 
 
-def dequant_mm_triton(x, w, scales, offs, kind: str, block: tuple[int, int], transposed: bool) -> torch.Tensor:
+def dequant_mm_triton(x, w, scales, offs, kind: str) -> torch.Tensor:
+    if not (w.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("dequant_mm reads weights and scales in their stored order: pass contiguous tensors")
     S, K = x.shape
-    if kind == "fp8":
-        N = w.shape[2] if transposed else w.shape[1]
-        (wn, wk), (sn, sk) = ((2, 1), (2, 1)) if transposed else ((1, 2), (1, 2))
-        strides = (w.stride(0), w.stride(wn), w.stride(wk), scales.stride(0), scales.stride(sn), scales.stride(sk))
-        block_sn, block_sk = (block[1], block[0]) if transposed else block
-    else:
-        N = w.shape[1]
-        strides = (w.stride(0), w.stride(1), w.stride(2), scales.stride(0), scales.stride(1), scales.stride(2))
-        block_sn, block_sk = 1, K // scales.shape[2]
+    N = w.shape[1]
     x = x.contiguous()
     out = torch.zeros(S, N, dtype=x.dtype, device=x.device)
     tile_slot, tile_row = tiles(offs, S, BM)
@@ -178,10 +145,12 @@ def dequant_mm_triton(x, w, scales, offs, kind: str, block: tuple[int, int], tra
         offs.shape[0],
         N,
         K,
-        *strides,
-        KIND=KINDS.index(kind),
-        BLOCK_SN=block_sn,
-        BLOCK_SK=block_sk,
+        w.stride(0),
+        w.stride(1),
+        scales.stride(0),
+        scales.stride(1),
+        MXFP4=kind == "mxfp4",
+        GROUP=K // scales.shape[2],
         IEEE=x.dtype == torch.float32,
         BM=BM,
         BN=BN,
@@ -191,8 +160,8 @@ def dequant_mm_triton(x, w, scales, offs, kind: str, block: tuple[int, int], tra
     return out
 
 
-def dequant_mm(x, w, scales, offs, kind: str, block: tuple[int, int], transposed: bool) -> torch.Tensor:
+def dequant_mm(x, w, scales, offs, kind: str) -> torch.Tensor:
     """The Triton kernel on CUDA, the reference elsewhere."""
     if w.is_cuda and triton is not None:
-        return dequant_mm_triton(x, w, scales, offs, kind, block, transposed)
-    return dequant_mm_reference(x, w, scales, offs, kind, block, transposed)
+        return dequant_mm_triton(x, w, scales, offs, kind)
+    return dequant_mm_reference(x, w, scales, offs, kind)
