@@ -135,7 +135,7 @@ class ConditionalCopy:
             self.stage[i].copy_(host_rows[lo], non_blocking=True)
             return
         mid, node = (lo + hi) // 2, self.nodes[(lo, hi)]
-        g = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        g = self.graph
         for pred, (a, b) in ((self.left[i, node], (lo, mid)), (self.right[i, node], (mid, hi))):
             g.begin_capture_to_if_node(pred)
             self._tree(host_rows, i, a, b)

@@ -114,9 +114,11 @@ FULL_RUNS = {  # each shape in one run: its rows compare within one process, and
 # Overlap apart from prediction (oracle.py): the shapes whose trace records a gate, every prefetch's nominations
 # right (`oracle`) or right with probability q, against the recorded gate and no prefetch, in one run. The gate
 # arrays change only what prefetch nominates: the resident model and the graph without prefetch run once a shape.
+# The random router too, which nothing predicts: there prefetch must cost nothing.
 LINK = [
     (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph": [0.25], "asyncmoe-graph-prefetch": [0.25]}),
     (SHAPES_1, ["oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"], ["b1"], {"asyncmoe-graph-prefetch": [0.25]}),
+    (SHAPES_1, ["router"], ["b1"], {"asyncmoe-graph": [0.25], "asyncmoe-graph-prefetch": [0.25]}),
 ]
 # Quantized experts against bf16, in two runs: batch-1 decode with every format given the GPU memory of 16 of 64
 # bf16 slots (`mem0.25`), and each fully resident; a 2048-token prompt in fp8 and bf16 at the same 16 slots, and a
