@@ -11,7 +11,6 @@ dequantizing kernels (the model's own implementations take no fp8 weights).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from torch import nn
 
 from . import kernels, ops
 from .cache.expert_cache import ExpertCache, num_waves
-from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION, Counter
+from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
 from .experts import combine, routed_outputs
 from .formats import Format
 from .kernels.gather_copy import gather_copy
@@ -152,27 +151,6 @@ class CachedProvider(ExpertWeightProvider):
             if bits:
                 stamp = self.stamps and depth == 1
                 ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp)
-
-
-@contextlib.contextmanager
-def prefetch_paused(providers: list[CachedProvider]):
-    """Forwards inside run without prefetch: no prediction, no side stream, no wait for one (a CUDA graph captured
-    inside records a step without them). The caches keep what earlier prefetches brought."""
-    kept = [(p.plan, p.wait, p.stamps, p.laps) for p in providers]
-    for p in providers:
-        p.plan, p.wait, p.stamps, p.laps = None, False, False, False
-    try:
-        yield
-    finally:
-        for p, (plan, wait, stamps, laps) in zip(providers, kept):
-            p.plan, p.wait, p.stamps, p.laps = plan, wait, stamps, laps
-
-
-def saved_misses(providers: list[CachedProvider]) -> int:
-    """Misses prefetch saved so far over these layers: its hits in the very call it fetched for, less the hits its
-    evictions cost (the counters the prefetch gate weighs). One host sync."""
-    counters = torch.stack([p.cache.counters for p in providers])
-    return int((counters[:, Counter.PREFETCH_TIMELY] - counters[:, Counter.PREFETCH_VICTIMS]).sum())
 
 
 def _fixed_shapes(x: torch.Tensor) -> bool:

@@ -5,15 +5,13 @@ whole."""
 import copy
 import time
 
-import numpy as np
 import pytest
 import torch
 from transformers import masking_utils
 
 import asyncmoe
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.runtime.decoder import BLOCK, CHECK_EVERY, PROBE_EVERY, capturable_masks, eager_mask
-from asyncmoe.trace import Trace
+from asyncmoe.runtime.decoder import CHECK_EVERY, capturable_masks, eager_mask
 
 from models import NUM_EXPERTS, TOP_K, tiny
 
@@ -506,38 +504,3 @@ def test_generate_looks_for_eos_every_few_steps_not_every_token():
     assert long[0] - short[0] == STEPS - 2
     assert long[1] - short[1] <= STEPS // CHECK_EVERY + 1
     assert dec.history[0, : dec.length].tolist() == free
-
-
-def gated_trace(steps: int, right: bool) -> Trace:
-    """Random routing over both layers, each token's own; the second layer's gate arrays name its routed experts
-    (`right`) or experts it does not route to."""
-    g = np.random.default_rng(0)
-    ids = np.stack([np.stack([g.permutation(NUM_EXPERTS)[:TOP_K] for _ in range(2)]) for _ in range(steps)])
-    others = np.stack([np.setdiff1d(np.arange(NUM_EXPERTS), row)[:TOP_K] for row in ids[:, 1]])
-    gate = np.full_like(ids, -1)
-    gate[:, 1] = ids[:, 1] if right else others
-    return Trace(ids, NUM_EXPERTS, gate_ids=gate, gate_probs=np.where(gate >= 0, 0.5, 0.0).astype(np.float32))
-
-
-@pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.cuda)])  # eager steps; replays
-@pytest.mark.parametrize("right", [True, False])
-@torch.no_grad()
-def test_prefetch_runs_by_blocks_of_steps_where_it_saves_misses(right, graph):
-    """A block whose prefetches saved fewer than MIN_SAVED misses a layer and step turns prefetch off for the next
-    blocks, but for every PROBE_EVERY-th; right predictions keep it on. Tokens are those without prefetch."""
-    blocks = PROBE_EVERY + 2
-    steps = BLOCK * blocks
-    ref = tiny("olmoe", device="cuda" if graph else "cpu")
-    kw = dict(cache=4, replay=gated_trace(steps + 8, right))
-    model = asyncmoe.compile(copy.deepcopy(ref), prefetch=asyncmoe.Prefetch(), **kw)
-    dec = asyncmoe.Decoder(model, 1, steps + 2, graph=graph)
-    ids, steps_on = torch.tensor([[5]], device=ref.device), []
-    got = dec.generate(ids, steps + 1, callback=lambda _: steps_on.append(dec.prefetch)).tokens
-    off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), prefetch=False, **kw), 1, steps + 2, graph=graph)
-    assert torch.equal(got, off.generate(ids, steps + 1).tokens)
-    on = steps_on[1::BLOCK]  # the callback sees each decode step after it ran: the first of each block
-    assert len(on) == blocks
-    if right:
-        assert all(on)
-    else:  # the first block ran with prefetch, then PROBE_EVERY without, then one with it again
-        assert on == [b % (PROBE_EVERY + 1) == 0 for b in range(blocks)]

@@ -7,10 +7,6 @@ replays. Eager decode steps take 2.3-2.4x the graph's time on the OLMoE shape at
 quick profile, docs/results/quick-before-after.md), so without the graph no offload scheme gets near the
 resident ceiling.
 
-Prefetch is judged a block of steps at a time: where a block's prefetches saved too few misses to pay for the
-prediction, decision and side-stream work they add to every layer, the next blocks replay a step captured
-without prefetch, and every PROBE_EVERY-th block tries prefetch again (docs/decisions.md#prefetch-by-blocks).
-
 Dims: B batch, L prompt length, N max length, V vocabulary.
 """
 
@@ -30,7 +26,7 @@ from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
 from ..integrations.transformers import PROVIDER, find_experts, top_k_of
-from ..providers import CachedProvider, prefetch_paused, saved_misses
+from ..providers import CachedProvider
 from .sampling import check_sampling, sample
 
 
@@ -157,10 +153,6 @@ def static_cache(model: nn.Module, max_length: int) -> transformers.StaticCache:
 
 
 CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
-# prefetch by blocks of steps (docs/decisions.md#prefetch-by-blocks): a block's saved misses are read once (a sync)
-BLOCK = 16  # decode steps a block
-MIN_SAVED = 0.1  # misses saved per prefetching layer and step below which prefetch costs more than it saves
-PROBE_EVERY = 8  # blocks without prefetch, then one with it
 
 
 class Decoder:
@@ -207,14 +199,8 @@ class Decoder:
         self.is_eos = None  # [V] bool, allocated with the logits
         self.temperature = torch.ones(1, device=self.device)
         self.top_p = torch.ones(1, device=self.device)
-        self._graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}  # (do_sample, top_k, prefetch)
-        self._sampling = None  # (do_sample, top_k) of the last prefill
-        providers = [getattr(m, PROVIDER, None) for _, m in find_experts(model)]
-        self._prefetchers = [p for p in providers if isinstance(p, CachedProvider) and p.plan is not None]
-        self.prefetch = bool(self._prefetchers)  # whether the steps of this block run with prefetch
-        self._steps = 0  # decode steps since the Decoder was made: blocks are counted in them
-        self._blocks_off = 0  # blocks in a row without prefetch
-        self._saved_at = None  # saved_misses at the start of this block
+        self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self._sampling = None  # (do_sample, top_k) of the last prefill: the graph's key
         self.length = 0  # tokens in `history`, kept on the host so decoding never waits for the device
         self.stops = False  # whether the last prefill has EOS ids the model can produce
 
@@ -241,43 +227,23 @@ class Decoder:
         self.tok.copy_(nxt[:, None])
         self.pos.add_(1)
 
-    def _paused(self, prefetch: bool):
-        return contextlib.nullcontext() if prefetch else prefetch_paused(self._prefetchers)
-
-    def _capture(self, key: tuple[bool, int]) -> None:
-        """Capture one step, and where layers prefetch one without it too, in one memory pool (they never run at
-        once, and neither keeps a tensor of its own past its replay). Warm-up and capture run on whatever state is
-        there; `prefill` resets it after."""
-        pool = None
-        for prefetch in (True, False) if self._prefetchers else (False,):
-            if (*key, prefetch) in self._graphs:
-                continue
+    def _graph(self, key: tuple[bool, int]) -> torch.cuda.CUDAGraph:
+        """Capture one step. Warm-up and capture run on whatever state is there; `prefill` resets it after."""
+        if key not in self._graphs:
             self.kv.reset()
             self.pos.zero_()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
-            with capturable_masks(), self._paused(prefetch):
+            with capturable_masks():
                 with torch.cuda.stream(side):  # warm-up: KV allocation, cuBLAS handles, Triton compiles
                     for _ in range(2):
                         self._step(*key)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph):
                     self._step(*key)
-            self._graphs[(*key, prefetch)], pool = graph, graph.pool()
-
-    def _next_block(self) -> None:
-        """Whether the block starting now runs with prefetch: on while the last block's prefetches saved at least
-        MIN_SAVED misses a layer and step, then off but for every PROBE_EVERY-th block. One host sync."""
-        saved = saved_misses(self._prefetchers)
-        if self._saved_at is not None and saved >= self._saved_at:  # counters not reset by `stats` meanwhile
-            if self.prefetch:
-                rate = (saved - self._saved_at) / (BLOCK * len(self._prefetchers))
-                self.prefetch, self._blocks_off = rate >= MIN_SAVED, 0
-            else:
-                self._blocks_off += 1
-                self.prefetch = self._blocks_off % PROBE_EVERY == 0
-        self._saved_at = saved
+            self._graphs[key] = graph
+        return self._graphs[key]
 
     def _set_stops(self, eos: list[int], pad: int | None) -> None:
         """Fill the EOS table and the pad in place (a captured step reads them). Ids past the logits are never
@@ -319,7 +285,7 @@ class Decoder:
         eos, pad = stop_tokens(self.model, eos_token_id, pad_token_id)
         self._sampling = (True, int(top_k)) if do_sample else (False, 0)
         if self.graphed:
-            self._capture(self._sampling)
+            self._graph(self._sampling)
         if seed is not None:
             torch.manual_seed(seed)
         self.temperature.fill_(temperature if do_sample else 1.0)
@@ -346,14 +312,10 @@ class Decoder:
             raise ValueError(f"{steps} more steps would pass max_length={self.max_length}")
         self.length += steps
         for _ in range(steps):
-            if self._prefetchers and self._steps % BLOCK == 0:
-                self._next_block()
             if self.graphed:
-                self._graphs[(*self._sampling, self.prefetch)].replay()
+                self._graphs[self._sampling].replay()
             else:
-                with self._paused(self.prefetch):
-                    self._step(*self._sampling)
-            self._steps += 1
+                self._step(*self._sampling)
 
     def _lengths(self, prompt_length: int) -> torch.Tensor:
         """[B] prompt + new tokens of each sequence in `history`, up to and including its first EOS."""
