@@ -7,12 +7,14 @@ print(asyncmoe.stats(model))
 
 from . import ops  # registers the custom ops
 from .api import compile, demo_model_path, from_pretrained, record, stats
+from .integrations.parallel import expert_parallel
 from .predict import Prefetch
 from .runtime import Decoder, Generation
 
 __all__ = [
     "compile",
     "demo_model_path",
+    "expert_parallel",
     "from_pretrained",
     "record",
     "stats",

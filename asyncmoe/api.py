@@ -86,19 +86,23 @@ def from_pretrained(
     and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its other weights
     are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's experts on the way in;
     `quantize="dequantize"` loads an fp8 checkpoint's experts in `dtype` instead.
+    Under `torchrun`, `distributed_config=asyncmoe.expert_parallel()` has transformers split every MoE layer's
+    experts over the ranks: each rank loads only its own experts, and caches them (`cache` slots of its own).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return load(path, cache, dtype, device, policy, prefetch, time_stalls, quantize, **kwargs)
 
 
-def stats(model: nn.Module, reset: bool = False) -> Stats:
-    """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync)."""
+def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
+    """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync). Under expert
+    parallelism each rank counts its own experts; `group` (a torch.distributed process group, such as
+    `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must call."""
     providers = [(name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)]
     if not providers:
         raise ValueError("this model is not asyncmoe-compiled: call asyncmoe.compile(model, cache=...) first")
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
     resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
-    return read_stats(caches, resident, reset)
+    return read_stats(caches, resident, reset, group)
 
 
 def demo_model_path() -> pathlib.Path:

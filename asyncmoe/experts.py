@@ -174,6 +174,12 @@ def _gathered(experts, x, slots, w_up, b_up, w_down, b_down):
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def absent_zeroed(pair_out: torch.Tensor, top_k_index: torch.Tensor, E: int) -> torch.Tensor:
+    """Rows of pairs routed to another rank's experts (id E under expert parallelism, weight 0) set to zero: no
+    expert computed them here, and their garbage times a zero weight could still be NaN."""
+    return torch.where((top_k_index < E).reshape(-1, 1), pair_out, 0)
+
+
 def combine(pair_out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Weight each pair and sum over k, as transformers does (fp32 router weights promote the sum)."""
     T, k = top_k_weights.shape

@@ -20,7 +20,7 @@ from torch import nn
 from . import kernels, ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
-from .experts import combine, routed_outputs
+from .experts import absent_zeroed, combine, routed_outputs
 from .formats import Format
 from .kernels.gather_copy import gather_copy
 from .predict.predictors import Prefetch
@@ -45,16 +45,20 @@ class ResidentProvider(ExpertWeightProvider):
 class QuantizedResidentProvider(ExpertWeightProvider):
     """Every expert resident on the GPU in a quantized format: `weights` [E, ...] each, read by expert id."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], fmt: Format):
+    def __init__(self, weights: dict[str, torch.Tensor], fmt: Format, expert_parallel: bool = False):
         super().__init__()
         self.fmt = fmt
         self.names = list(weights)
+        self.expert_parallel = expert_parallel  # pairs may name another rank's experts (id E)
         for name, w in weights.items():
             self.register_buffer(name, w, persistent=False)
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
         weights = {n: getattr(self, n) for n in self.names}
-        out = routed_outputs(experts, hidden_states, top_k_index, weights, self.fmt)
+        E = weights[self.names[0]].shape[0]
+        ids = torch.where(top_k_index < E, top_k_index, -1) if self.expert_parallel else top_k_index
+        out = routed_outputs(experts, hidden_states, ids, weights, self.fmt)
+        out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 
 
@@ -87,6 +91,7 @@ class CachedProvider(ExpertWeightProvider):
         self.budget = 1  # most experts a prefetch admits into this layer per call
         # routing replayed from a trace with its gate recorded: (tokens, per_token, out) -> the recorded gate scores
         self.replayed_gate: Callable[[int, int, torch.Tensor], None] | None = None
+        self.expert_parallel = False  # pairs may name another rank's experts (id E): set by the integration
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
         T, k = top_k_index.shape
@@ -113,6 +118,7 @@ class CachedProvider(ExpertWeightProvider):
             part = routed_outputs(experts, hidden_states, slots, weights, self.fmt)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
             wave += 1
+        out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 
     def _waves_filled(self) -> Callable[[], int]:

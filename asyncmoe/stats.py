@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
 from .cache.state import COUNTERS
@@ -185,33 +186,53 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def read_stats(caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, reset: bool = False) -> Stats:
+def _gpu_bytes(c: ExpertCache) -> int:
+    return _nbytes(b for n, b in c.named_buffers() if not n.startswith("host_"))
+
+
+def read_stats(
+    caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, reset: bool = False, group=None
+) -> Stats:
+    """The caches' counters, or with a torch.distributed process group `group` their sums over its ranks (each
+    rank caching its own experts, as under expert parallelism: slots, experts and bytes add up too)."""
     if not caches:
         return Stats([], resident_layers)
-    # the timer's two sums (zeros for an untimed cache) ride along with the counters
+    # the timer's two sums (zeros for an untimed cache) and the layer's sizes ride along with the counters
     rows = torch.stack(
-        [torch.cat([c.counters, c.timer[2:] if c.timer.numel() else c.counters.new_zeros(2)]) for _, c in caches]
+        [
+            torch.cat(
+                [
+                    c.counters,
+                    c.timer[2:] if c.timer.numel() else c.counters.new_zeros(2),
+                    c.counters.new_tensor([c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]),
+                ]
+            )
+            for _, c in caches
+        ]
     )
+    if group is not None:
+        dist.all_reduce(rows, group=group)  # every rank of the group calls stats
     rows = rows.tolist()  # the one host sync: stats are read on request, never inside a forward
     if reset:
         for _, c in caches:
             c.counters.zero_()
             c.timer.zero_()
     layers = []
+    n = len(COUNTERS)
     for i, ((name, c), row) in enumerate(zip(caches, rows)):
         vals = dict(zip(COUNTERS, row))
-        wait, ensure = row[len(COUNTERS) :] if c.timer.numel() else (None, None)
-        gpu = _nbytes(b for n, b in c.named_buffers() if not n.startswith("host_"))
+        wait, ensure = row[n : n + 2] if c.timer.numel() else (None, None)
+        slots, experts, gpu, host = row[n + 2 :]
         layers.append(
             LayerStats(
                 layer=i,
                 name=name,
-                slots=c.num_slots,
-                experts=c.num_experts,
+                slots=slots,
+                experts=experts,
                 **vals,
                 expert_bytes=c.expert_bytes,
                 gpu_bytes=gpu,
-                host_bytes=_nbytes(c.hosts),
+                host_bytes=host,
                 wait_ns=wait,
                 ensure_ns=ensure,
             )

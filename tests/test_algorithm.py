@@ -92,6 +92,19 @@ def test_hits_misses_and_bytes():
     assert cache.expert_to_slot[0] == -1
 
 
+def test_another_ranks_experts_need_nothing_here():
+    """Expert parallelism hands each rank its local expert ids and id E for pairs routed to another rank's experts
+    (transformers' sentinel): those pairs get slot -1, copy nothing and count as neither hit nor miss."""
+    cache = make_cache(E=8, C=4, policy="lru")
+    slots = ensure(cache, torch.tensor([[0, 8], [8, 8], [8, 2]]), 0)
+    assert (slots[:, :] >= 0).tolist() == [[True, False], [False, False], [False, True]]
+    assert cache.slot_to_expert[slots[0, 0]] == 0 and cache.slot_to_expert[slots[2, 1]] == 2
+    c = dict(zip(COUNTERS, cache.counters.tolist(), strict=True))
+    assert (c["hits"], c["misses"], c["bytes_h2d"]) == (0, 2, 2 * cache.expert_bytes)
+    assert cache.routed.tolist() == [True, False, True, False, False, False, False, False]
+    assert (ensure(cache, torch.tensor([[8, 8]]), 0) == -1).all()  # a call with none of this rank's experts
+
+
 def test_waves_cover_more_experts_than_slots():
     cache = make_cache(E=12, C=3, policy="lfru")
     ids = torch.arange(12).view(6, 2)  # 12 distinct experts, 3 slots: 4 waves

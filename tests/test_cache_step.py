@@ -39,6 +39,8 @@ def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]])
         if kind == "ensure":
             scores = torch.rand(size, E, generator=g) * torch.linspace(2, 1, E)
             ids = scores.topk(k, dim=-1).indices
+            if torch.rand(1, generator=g) < 0.5:  # some pairs on another rank's experts (expert parallelism): id E
+                ids = torch.where(torch.rand(size, k, generator=g) < 0.3, E, ids)
             for wave in range(num_waves(size * k, C, E)):
                 yield "ensure", (ids, wave)
         else:

@@ -16,6 +16,9 @@ because a later wave would otherwise copy back what an earlier one evicted. Wave
 expert's wave and keeps it in `wave_of`, so that later waves, which see a changed cache, agree; wave w
 evicts only experts no later wave of the call needs while others are available, and returns slot -1 for
 pairs of other waves (docs/decisions.md#resident-first-waves).
+
+An expert id equal to E names no expert of this cache: expert parallelism routes that pair to another rank's
+experts (transformers' sentinel, weight 0). It needs nothing here and gets slot -1, as another wave's pair does.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def ensure_reference(
     zero = torch.zeros_like(count)
     add = [calls, now.sum() - count, count, (gone < E).sum(), count * nbytes, zero, wasted]
     s.counters.add_(torch.cat([torch.stack(add), prefetch_hits, victims.view(1)]))
-    return torch.where(now[ids], s.expert_to_slot[ids], -1), (src, dst, count.view(1))
+    here = torch.cat([now, now.new_zeros(1)])  # [E + 1]: id E, another rank's expert, is in no wave here
+    return torch.where(here[ids], s.expert_to_slot[ids], -1), (src, dst, count.view(1))
 
 
 def prefetch_reference(budget: int, policy: Policy, s: CacheState, nbytes: int) -> Copies:
@@ -120,8 +124,9 @@ def wave_plan(ids: torch.Tensor, wave: int, num_slots: int, resident: torch.Tens
     """Experts needed by this call [E], those in wave `wave` [E], those of later waves [E].
 
     Wave 0 ranks the needed experts, resident ones first, and writes each one's wave to `wave_of`
-    (-1: not needed); later waves of the call read it."""
-    need = torch.zeros_like(resident).index_fill_(0, ids.reshape(-1), True)
+    (-1: not needed); later waves of the call read it. An id E (another rank's expert) needs nothing."""
+    E = resident.numel()
+    need = resident.new_zeros(E + 1).index_fill_(0, ids.reshape(-1), True)[:E]
     if wave == 0:
         first = need & resident
         rank = torch.where(first, first.cumsum(0), first.sum() + (need & ~first).cumsum(0)) - 1

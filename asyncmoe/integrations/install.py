@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils.logging import tqdm
 
@@ -23,7 +24,17 @@ from ..predict.predictors import Prefetch
 from ..providers import CachedProvider, ExpertWeightProvider, QuantizedResidentProvider, ResidentProvider, link
 from ..trace.format import Trace
 from .replay import feed_replayed_gate, install_replay
-from .transformers import PROVIDER, families_hint, find_experts, find_router, looks_like_moe, num_experts, top_k_of
+from .transformers import (
+    PROVIDER,
+    expert_params,
+    families_hint,
+    find_experts,
+    find_router,
+    is_expert_parallel,
+    looks_like_moe,
+    num_experts,
+    top_k_of,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
@@ -99,9 +110,7 @@ def _check(model: nn.Module, experts: list[tuple[str, nn.Module]], cache) -> Non
     for name, m in experts:
         if isinstance(getattr(m, PROVIDER, None), ExpertWeightProvider):
             raise RuntimeError(f"{name} is already asyncmoe-compiled: call asyncmoe.compile once per model")
-        if getattr(m, "_is_expert_parallel", False):
-            raise ValueError(f"{name} is expert-parallel; asyncmoe caches all of a layer's experts on one device")
-        params = dict(m.named_parameters(recurse=False))
+        params = expert_params(m)
         E = num_experts(m)
         for pname, p in params.items():
             if p.dtype not in SUPPORTED_DTYPES and not _stored_quantized(pname, params):
@@ -134,7 +143,7 @@ def quant_method(model: nn.Module) -> str | None:
 def _format(model: nn.Module, experts: list[tuple[str, nn.Module]], quantize) -> Format | None:
     """The experts' format: `quantize`'s, or fp8 where the model's experts already are (a fine-grained FP8 model)."""
     fmt = parse_quantize(quantize)
-    stored = [p.dtype == FP8 for _, m in experts for p in m.parameters(recurse=False)]
+    stored = [p.dtype == FP8 for _, m in experts for p in expert_params(m).values()]
     if any(stored) and fmt is None:
         quant = getattr(model.config, "quantization_config", None)
         block = quant.get("weight_block_size") if isinstance(quant, dict) else getattr(quant, "weight_block_size", None)
@@ -162,7 +171,7 @@ def _check_device(fmt: Format, device: torch.device) -> None:
 def host_specs(m: nn.Module, fmt: Format | None) -> list[tuple[str, torch.Size, torch.dtype]]:
     """The expert tensors the host store holds for module `m`, in `fmt`: (name, shape [E, ...], dtype). Weights a
     checkpoint already stores quantized (with their scales beside them) are taken as they are."""
-    params = dict(m.named_parameters(recurse=False))
+    params = expert_params(m)
     quantized = weight_names(m) if fmt is not None else ()
     specs = []
     for name, p in params.items():
@@ -183,7 +192,7 @@ def host_specs(m: nn.Module, fmt: Format | None) -> list[tuple[str, torch.Size, 
 def _store(m: nn.Module, fmt: Format | None, out: dict[str, torch.Tensor]) -> None:
     """Write the module's expert tensors into `out` (host_specs' tensors) in `fmt`, one expert at a time, so a
     quantized copy never needs more than one expert's float32 temporaries."""
-    params = dict(m.named_parameters(recurse=False))
+    params = expert_params(m)
     for name, dst in out.items():
         src = params.get(name)
         if src is None:
@@ -234,7 +243,7 @@ def expert_size(m: nn.Module, fmt: Format | None) -> int:
 def _device(device, experts: list[tuple[str, nn.Module]]) -> torch.device:
     """Where the model will run: `device`, or where its experts are now."""
     if device is None:
-        device = next(iter(experts[0][1].parameters())).device
+        device = next(iter(expert_params(experts[0][1]).values())).device
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -252,10 +261,16 @@ def _device(device, experts: list[tuple[str, nn.Module]]) -> torch.device:
     return device
 
 
-def _plan(prefetch, device: torch.device) -> Prefetch | None:
-    """The prefetch settings: None turns it on where a CUDA side stream can copy beside the compute."""
+def _plan(prefetch, device: torch.device, expert_parallel: bool = False) -> Prefetch | None:
+    """The prefetch settings: None turns it on where a CUDA side stream can copy beside the compute (and the
+    experts are not split over ranks: the gate predictor scores every expert, each rank's cache holds its own)."""
+    if expert_parallel and prefetch not in (None, False):
+        raise ValueError(
+            "prefetch under expert parallelism is not supported: the gate predictor scores all of a layer's "
+            "experts, each rank caches only its own; pass prefetch=None or False"
+        )
     if prefetch is None:
-        prefetch = device.type == "cuda"
+        prefetch = device.type == "cuda" and not expert_parallel
     if isinstance(prefetch, bool):
         return Prefetch() if prefetch else None
     if not isinstance(prefetch, Prefetch):
@@ -279,7 +294,7 @@ def _offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from
         views = carve(uva_view(block, spec.device), shapes)
     elif spec.fmt is None:  # a CPU cache reads the parameters where they already are
         check_host_memory(block_bytes([(s[1:], d) for s, d in shapes]) * spec.num_slots, "the CPU expert slots")
-        hosts = [p.detach() for p in m.parameters(recurse=False)]
+        hosts = [p.detach() for p in expert_params(m).values()]
         views = hosts
     else:
         check_host_memory(nbytes, "this layer's quantized experts")
@@ -288,11 +303,13 @@ def _offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from
     names = [name for name, _, _ in specs]
     if block is not None or spec.fmt is not None:
         _store(m, spec.fmt, dict(zip(names, hosts)))
+    sharded = _sharded(m)
     for name, host in zip(names, hosts):
         # A plain attribute, not a parameter: `model.to()` must not drag the host store to the GPU,
         # and nothing in the forward reads it. `state_dict` still returns it (see the hook below).
         m._parameters.pop(name, None)
         setattr(m, name, host)
+    _keep_shard_mark(m, sharded)
     hosts = dict(zip(names, views))
     cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace, transitions_from)
     cache.pinned_block = block  # keeps the registration alive as long as the cache
@@ -306,9 +323,11 @@ def _resident(m: nn.Module, fmt: Format, device: torch.device) -> QuantizedResid
     specs = host_specs(m, fmt)
     tensors = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in specs}
     _store(m, fmt, tensors)
+    sharded = _sharded(m)
     for name, t in tensors.items():
         m._parameters.pop(name, None)
         setattr(m, name, t)
+    _keep_shard_mark(m, sharded)
     m._asyncmoe_offloaded = tuple(tensors)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)
     return QuantizedResidentProvider(tensors, fmt)
@@ -317,7 +336,26 @@ def _resident(m: nn.Module, fmt: Format, device: torch.device) -> QuantizedResid
 def _add_offloaded_to_state_dict(module, state_dict, prefix, local_metadata):
     for name in module._asyncmoe_offloaded:
         state_dict[prefix + name] = getattr(module, name)
+    state_dict.pop(prefix + SHARD_MARK, None)
     return state_dict
+
+
+SHARD_MARK = "asyncmoe_expert_shard"
+
+
+def _sharded(m: nn.Module) -> DTensor | None:
+    """One of the module's parameters that expert parallelism split over ranks, if any."""
+    params = m.parameters(recurse=False)
+    return next((p for p in params if isinstance(p, DTensor) and not all(x.is_replicate() for x in p.placements)), None)
+
+
+def _keep_shard_mark(m: nn.Module, sharded: DTensor | None) -> None:
+    """Leave an expert-parallel module an empty parameter sharded as its experts were: transformers 5.17 sums
+    the ranks' outputs only while the module holds a sharded parameter, and its experts now live in the cache."""
+    if sharded is not None:
+        empty = torch.empty(0, device=sharded.to_local().device, dtype=sharded.dtype)
+        mark = DTensor.from_local(empty, sharded.device_mesh, sharded.placements, run_check=False)
+        m.register_parameter(SHARD_MARK, nn.Parameter(mark, requires_grad=False))
 
 
 def install(
@@ -337,7 +375,13 @@ def install(
     device = _device(device, experts)
     if fmt is not None:
         _check_device(fmt, device)
-    prefetch = _plan(prefetch, device)
+    parallel = any(is_expert_parallel(m) for _, m in experts)
+    if parallel and replay is not None:
+        raise ValueError(
+            "replay routes by a trace's expert ids, but under expert parallelism each rank holds only its own "
+            "experts: replay a trace on a model that is not expert-parallel"
+        )
+    prefetch = _plan(prefetch, device, parallel)
     num_slots = _slots(cache, experts, fmt)
     if time_stalls and device.type != "cuda":
         raise ValueError(
@@ -345,8 +389,8 @@ def install(
             "Pass device='cuda', or leave time_stalls off (on the CPU nothing waits: there are no streams)."
         )
     if device.type == "cuda":
-        total = sum(block_bytes([(p.shape, p.dtype) for p in m.parameters(recurse=False)]) for _, m in experts)
-        on_gpu = sum(p.numel() * p.element_size() for _, m in experts for p in m.parameters(recurse=False) if p.is_cuda)
+        total = sum(block_bytes([(p.shape, p.dtype) for p in expert_params(m).values()]) for _, m in experts)
+        on_gpu = sum(p.numel() * p.element_size() for _, m in experts for p in expert_params(m).values() if p.is_cuda)
         # Experts already on the GPU are copied out before their memory is freed: all of it is new host memory.
         check_host_memory(on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
 
@@ -358,13 +402,16 @@ def install(
         implementation = m.config._experts_implementation or "eager"
         if num_slots >= num_experts(m) and fmt is not None:
             provider = _resident(m, fmt, device)
+            provider.expert_parallel = is_expert_parallel(m)
         elif num_slots >= num_experts(m):
             fn = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, type(m).forward.__wrapped__)
             provider = ResidentProvider(implementation, fn)
             m.to(device)
         else:
             before = cached[-1].cache.num_experts if transition and cached else 0
+            parallel_here = is_expert_parallel(m)  # before _offload takes the DTensors off the module
             provider = CachedProvider(_offload(m, spec, pace, before), find_router(model, name, m), fmt)
+            provider.expert_parallel = parallel_here
             cached.append(provider)
         setattr(m, PROVIDER, provider)
     model.to(device)

@@ -5,6 +5,9 @@ is decorated with `@use_experts_implementation`; its forward dispatches on
 `config._experts_implementation` to `fn(self, hidden_states [T,H], top_k_index [T,k],
 top_k_weights [T,k]) -> [T,H]`. We register `"asyncmoe"` there, so routers, shared experts and
 everything else stay the model's own, and `generate()`, static caches and torch.compile keep working.
+Under transformers' expert parallelism each rank's module holds its experts as DTensor shards, and its
+forward hands the implementation local expert ids, with id E (the local count) for pairs routed to another
+rank's experts; transformers sums the ranks' outputs after it returns.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pathlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ExpertsInterface
 
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k_experts")
@@ -73,8 +77,24 @@ def top_k_of(config) -> int | None:
     return None
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor that transformers' tensor or expert parallelism made a DTensor; else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def expert_params(m: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts module's own tensors [E, ...], this rank's experts only under expert parallelism."""
+    return {name: local(p) for name, p in m.named_parameters(recurse=False)}
+
+
+def is_expert_parallel(m: nn.Module) -> bool:
+    """Whether transformers split this experts module's experts over ranks (its parameters are DTensors)."""
+    return any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
+
+
 def num_experts(m: nn.Module) -> int:
-    return (m.gate_up_proj if m.has_gate else m.up_proj).shape[0]
+    """Experts of the module on this rank."""
+    return local(m.gate_up_proj if m.has_gate else m.up_proj).shape[0]
 
 
 def find_router(model: nn.Module, name: str, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

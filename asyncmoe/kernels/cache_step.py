@@ -236,8 +236,9 @@ if triton is not None:
                 p = p0 + tl.arange(0, BP)
                 pm = p < n_pairs
                 ids = tl.load(ids_ptr + p, mask=pm, other=0)
-                in_wave = tl.load(scratch_ptr + ids, mask=pm, other=0) == 2
-                slot = tl.load(e2s_ptr + ids, mask=pm, other=-1)
+                here = pm & (ids < E)  # id E: another rank's expert (expert parallelism), in no wave here
+                in_wave = tl.load(scratch_ptr + ids, mask=here, other=0) == 2
+                slot = tl.load(e2s_ptr + ids, mask=here, other=-1)
                 tl.store(out_ptr + p, tl.where(in_wave, slot, -1), mask=pm)
         counters = tl.load(counters_ptr + k, mask=k < N_COUNTERS, other=0)
         tl.store(counters_ptr + k, counters + add, mask=k < N_COUNTERS)
