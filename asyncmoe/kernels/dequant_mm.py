@@ -27,6 +27,8 @@ try:
 except ImportError:  # non-Linux
     triton = None
 
+from .gemv4 import check_stored_order
+
 KINDS = ("mxfp4", "int4")
 
 
@@ -127,8 +129,7 @@ BM, BN, BK = 64, 64, 64  # a program's rows and outputs, and the inputs a step (
 
 
 def dequant_mm_triton(x, w, scales, offs, kind: str) -> torch.Tensor:
-    if not (w.is_contiguous() and scales.is_contiguous()):
-        raise ValueError("dequant_mm reads weights and scales in their stored order: pass contiguous tensors")
+    check_stored_order("dequant_mm", w, scales)
     S, K = x.shape
     N = w.shape[1]
     x = x.contiguous()

@@ -96,9 +96,14 @@ if triton is not None:
 BN, BK = 16, 256  # a program's outputs and the inputs per step: 2 KB of packed weights in flight
 
 
-def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
+def check_stored_order(kernel: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
+    """The 4-bit kernels read packed weights and scales in their stored order: refuse strided ones."""
     if not (packed.is_contiguous() and scales.is_contiguous()):
-        raise ValueError("gemv4 reads packed weights and scales in their stored order: pass contiguous tensors")
+        raise ValueError(f"{kernel} reads packed weights and scales in their stored order: pass contiguous tensors")
+
+
+def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
+    check_stored_order("gemv4", packed, scales)
     S, K = x.shape
     N = packed.shape[1]
     x = x.contiguous()
