@@ -7,11 +7,13 @@ names every tensor an op may write, so functionalization orders the expert compu
 it reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
-Streams: `prefetch` forks a side stream from the current (compute) stream, predicts, admits and copies
-there, and records one event per target cache; `ensure(wait=True)` makes the compute stream wait on that
-event before it reads the tables. Every prefetch targets a later layer of the same forward, whose
-`ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture must
-end joined). On the CPU there are no streams: `prefetch` runs inline.
+Streams: `gate_scores` and `prefetch` fork a side stream from the current (compute) stream and predict,
+admit and copy there, off the compute stream's path. `gate_scores` records an event once it has read
+its input, which `gate_join` makes the compute stream wait on before that input may be freed or reused;
+`prefetch` records one event per target cache, which `ensure(wait=True)` makes the compute stream wait
+on before it reads the tables. Every prefetch targets a later layer of the same forward, whose `ensure`
+waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture must end
+joined). On the CPU there are no streams: both run inline.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class SideStreams:
 
     def __init__(self):
         self.streams: dict[int, torch.cuda.Stream] = {}
-        self.events: dict[int, torch.cuda.Event] = {}
+        self.events: dict[tuple[str, int], torch.cuda.Event] = {}
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device.index not in self.streams:
@@ -44,7 +46,21 @@ class SideStreams:
         return self.streams[device.index]
 
     def ready(self, target: Tensor) -> torch.cuda.Event:
-        key = target.data_ptr()
+        """The event of the last prefetch into the target whose `expert_to_slot` is `target`."""
+        return self._event("ready", target)
+
+    def read(self, gate: Tensor) -> torch.cuda.Event:
+        """The event of the last gate scoring into `gate`: its input has been read."""
+        return self._event("read", gate)
+
+    def fork(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream, made to wait for the work queued so far on the current stream."""
+        side = self.stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        return side
+
+    def _event(self, kind: str, t: Tensor) -> torch.cuda.Event:
+        key = (kind, t.data_ptr())
         if key not in self.events:
             self.events[key] = torch.cuda.Event()
         return self.events[key]
@@ -143,7 +159,7 @@ def _prefetch(
     """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side stream.
 
     `sources`: bits of the predictors (cache.state GATE, TEMPORAL, TRANSITION): the gate's scores are in the
-    target's `gate` (written by `gate_scores` on the compute stream), temporal reads its `routed`,
+    target's `gate` (written by `gate_scores`, earlier on the same stream), temporal reads its `routed`,
     transition its `transitions` and `routed_before`, the previous layer's routing. The copy runs on at most
     `copy_programs` Triton programs (0: one per block), so the compute stream keeps most SMs. `stamp`: first
     stamp `pace` on the compute stream, from which the target's `ensure(lap=True)` measures the window.
@@ -155,12 +171,9 @@ def _prefetch(
         return
     if stamp:
         clock.stamp(s.pace, PACE_STAMP)
-    compute = torch.cuda.current_stream()
-    side = SIDE.stream(s.expert_to_slot.device)
-    side.wait_stream(compute)
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(SIDE.fork(s.expert_to_slot.device)):
         predict_and_prefetch(request, s, routed_before, hosts, slots)
-        SIDE.ready(s.expert_to_slot).record(side)
+        SIDE.ready(s.expert_to_slot).record()
 
 
 @_prefetch.register_fake
@@ -194,17 +207,32 @@ def prefetch(
 
 
 @torch.library.custom_op("asyncmoe::gate_scores", mutates_args=("out",))
-def _gate_scores(x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int, out: Tensor) -> None:
+def _gate_scores(
+    x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int, out: Tensor, recorded: list[Tensor]
+) -> None:
     """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] -> scores `out` [E].
 
-    An op so that torch.compile need not trace the Triton kernel it launches on CUDA (predict.predictors).
-    It writes the target layer's `gate` buffer, which the prefetch op reads on the side stream.
+    On CUDA on the side stream, so the router matmul and the scoring stay off the compute stream's path; the
+    caller joins with `gate_join` before `x` may be freed. It writes the target layer's `gate` buffer, which
+    the prefetch op reads on the same stream. `recorded` (a replayed trace's gate: ids, probs, cursor, or
+    empty): the live scores are computed, then the recorded ones replace them (predictors.recorded_gate_scores).
     """
+    if not out.is_cuda:
+        _score_gate(x, weight, bias, per_token, out, recorded)
+        return
+    with torch.cuda.stream(SIDE.fork(out.device)):
+        _score_gate(x, weight, bias, per_token, out, recorded)
+        SIDE.read(out).record()
+
+
+def _score_gate(x, weight, bias, per_token, out, recorded) -> None:
     predictors.gate_scores(x, weight, bias, per_token, out)
+    if recorded:
+        predictors.recorded_gate_scores(recorded, x.shape[0], per_token, out)
 
 
 @_gate_scores.register_fake
-def _(x, weight, bias, per_token, out):
+def _(x, weight, bias, per_token, out, recorded):
     torch._check(
         x.dim() == 2 and x.shape[1] == weight.shape[1],
         lambda: (
@@ -217,11 +245,38 @@ def _(x, weight, bias, per_token, out):
         out.shape == (weight.shape[0],) and out.dtype == torch.float32,
         lambda: f"out must be float32 [{weight.shape[0]}], got {out.dtype} {tuple(out.shape)}",
     )
+    torch._check(
+        len(recorded) in (0, 3), lambda: f"recorded must be empty or (ids, probs, cursor), got {len(recorded)} tensors"
+    )
 
 
-def gate_scores(x: Tensor, router: tuple[Tensor, Tensor | None], per_token: int, cache: ExpertCache) -> None:
+def gate_scores(
+    x: Tensor,
+    router: tuple[Tensor, Tensor | None],
+    per_token: int,
+    cache: ExpertCache,
+    recorded: list[Tensor] | None = None,
+) -> None:
     """Score the router's layer's experts (`cache`, the prefetch target) from `x` into `cache.gate`."""
-    torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token, cache.gate)
+    torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token, cache.gate, recorded or [])
+
+
+@torch.library.custom_op("asyncmoe::gate_join", mutates_args=("gate",))
+def _gate_join(x: Tensor, gate: Tensor) -> None:
+    """Make the compute stream wait until the gate scoring into `gate` has read `x`, its input: after this `x`
+    may be freed and its memory reused (by the caching allocator, or by Inductor, which sees `x` live until
+    here). `gate` is named as mutated so that nothing reorders the join before the scoring. CPU: nothing."""
+    if gate.is_cuda:
+        torch.cuda.current_stream().wait_event(SIDE.read(gate))
+
+
+@_gate_join.register_fake
+def _(x, gate):
+    return None
+
+
+def gate_join(x: Tensor, cache: ExpertCache) -> None:
+    torch.ops.asyncmoe.gate_join(x, cache.gate)
 
 
 @torch.library.custom_op("asyncmoe::observe", mutates_args=("transitions",))

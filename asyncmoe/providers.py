@@ -89,8 +89,8 @@ class CachedProvider(ExpertWeightProvider):
         self.stamps = self.laps = False  # the one layer pair that measures the prefetch's window (see `link`)
         self.per_token = 1  # experts each token nominates to the gate predictor scoring this layer
         self.budget = 1  # most experts a prefetch admits into this layer per call
-        # routing replayed from a trace with its gate recorded: (tokens, per_token, out) -> the recorded gate scores
-        self.replayed_gate: Callable[[int, int, torch.Tensor], None] | None = None
+        # routing replayed from a trace with its gate recorded: what the gate op reads in place of the live scores
+        self.replayed_gate: list[torch.Tensor] = []
         self.expert_parallel = False  # pairs may name another rank's experts (id E): set by the integration
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
@@ -102,7 +102,7 @@ class CachedProvider(ExpertWeightProvider):
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
-        out, wave, waves, filled = None, 0, num_waves(T * k, C, E), None
+        out, wave, waves, filled, gated = None, 0, num_waves(T * k, C, E), None, []
         while wave < waves:
             slots = ops.ensure(
                 self.cache, top_k_index, wave, wait=self.wait and wave == 0, lap=self.laps and wave == 0
@@ -114,10 +114,12 @@ class CachedProvider(ExpertWeightProvider):
             if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
                 filled = self._waves_filled()
             if wave == 0 and self.plan is not None:
-                self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
+                gated = self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
             part = routed_outputs(experts, hidden_states, slots, weights, self.fmt)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
             wave += 1
+        for target in gated:
+            ops.gate_join(hidden_states, target.cache)  # the side stream has read hidden_states: it may be freed
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 
@@ -139,17 +141,19 @@ class CachedProvider(ExpertWeightProvider):
 
         return read
 
-    def _prefetch(self, hidden_states: torch.Tensor) -> None:
+    def _prefetch(self, hidden_states: torch.Tensor) -> list[CachedProvider]:
+        """Predict and prefetch for the targets; returns those whose gate scores read `hidden_states` on the side
+        stream, which the compute stream must join (`ops.gate_join`) before it may free them."""
         sources = self.plan.sources
         previous = self.links.previous
         if "transition" in sources and previous is not None:
             ops.observe(previous.cache, self.cache)
+        gated = []
         for depth, target in enumerate(self.links.targets, start=1):
             gate = "gate" in sources and depth == 1 and target.router is not None
-            if gate:
-                ops.gate_scores(hidden_states, target.router, target.per_token, target.cache)
-                if target.replayed_gate is not None:  # the router's work runs, the trace says what it predicted
-                    target.replayed_gate(hidden_states.shape[0], target.per_token, target.cache.gate)
+            if gate:  # replayed routing: the router's work runs, the trace says what it predicted
+                ops.gate_scores(hidden_states, target.router, target.per_token, target.cache, target.replayed_gate)
+                gated.append(target)
             before = target.links.previous
             before = before.cache.routed if "transition" in sources and before is not None else None
             bits = (GATE if gate else 0) | (TEMPORAL if "temporal" in sources else 0)
@@ -157,6 +161,7 @@ class CachedProvider(ExpertWeightProvider):
             if bits:
                 stamp = self.stamps and depth == 1
                 ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp)
+        return gated
 
 
 def _fixed_shapes(x: torch.Tensor) -> bool:

@@ -1,5 +1,6 @@
 """Host -> GPU expert copies, alone and beside compute: the gather-copy kernel (SMs reading pinned memory through
-UVA), variants of it, the copy engine (`copy_` per expert, host-known addresses), and the copy engine driven from
+UVA), variants of it (`unrolled`: more loads in flight, cache hints; `tma`: bulk tensor-memory-accelerator
+loads and stores), the copy engine (`copy_` per expert, host-known addresses), and the copy engine driven from
 the device inside a CUDA graph (conditional nodes pick each copy's source).
 
     python benchmarks/copy_bandwidth.py --out bw.json
@@ -71,6 +72,46 @@ if triton is not None:
                 else:
                     x = tl.load(src_ptr + s * row_elems + offs, mask=mask)
                     tl.store(dst_ptr + d * row_elems + offs, x, mask=mask)
+
+    @triton.jit
+    def _gather_copy_tma(
+        src_desc,
+        dst_desc,
+        src_idx_ptr,
+        dst_idx_ptr,
+        count_ptr,
+        row_tiles,
+        TILE_ROWS: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        """gather_copy through the tensor memory accelerator: each tile of TILE_ROWS x 128 B is a bulk TMA load
+        from the host store into shared memory (STAGES in flight) and a TMA store into the slot."""
+        work = tl.load(count_ptr) * row_tiles
+        for w in tl.range(tl.program_id(0), work, tl.num_programs(0), num_stages=STAGES):
+            pair = w // row_tiles
+            s = tl.load(src_idx_ptr + pair)
+            d = tl.load(dst_idx_ptr + pair)
+            t = w % row_tiles
+            src_row = ((s * row_tiles + t) * TILE_ROWS).to(tl.int32)  # TMA coordinates are 32-bit: rows of 128 B
+            dst_row = ((d * row_tiles + t) * TILE_ROWS).to(tl.int32)
+            x = src_desc.load([src_row, 0])
+            dst_desc.store([dst_row, 0], x)
+
+
+def tma(view, slots, src, dst, count, stages: int, programs: int | None, tile_rows=256):
+    """The TMA variant: host store and slots as [rows, 64] int16 (128 B rows), tiles of `tile_rows` rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    word, width = torch.int16, 64
+    host2d = view.view(word).reshape(-1, width)
+    slots2d = slots.view(word).reshape(-1, width)
+    row_tiles = slots[0].numel() * slots.element_size() // 2 // width // tile_rows
+    src_desc = TensorDescriptor.from_tensor(host2d, [tile_rows, width])
+    dst_desc = TensorDescriptor.from_tensor(slots2d, [tile_rows, width])
+    full = src.numel() * row_tiles
+    _gather_copy_tma[(min(full, programs or full),)](
+        src_desc, dst_desc, src, dst, count.reshape(1), row_tiles, TILE_ROWS=tile_rows, STAGES=stages, num_warps=4
+    )
 
 
 def unrolled(view, slots, src, dst, count, unroll: int, hints: bool, programs: int | None, block_bytes=32768, warps=4):
@@ -196,7 +237,7 @@ def main():
         "--paths",
         nargs="+",
         default=["kernel", "engine"],
-        choices=["kernel", "engine", "conditional"],
+        choices=["kernel", "unrolled", "engine", "tma", "conditional"],
         help="conditional: its capture may leave the process unusable where the driver refuses it; run it alone",
     )
     p.add_argument("--out", default=None)
@@ -230,11 +271,19 @@ def main():
             variants["kernel (gather_copy)"] = kernel
             variants["kernel programs=32"] = lambda i: kernel(i, 32)
             variants["kernel programs=132"] = lambda i: kernel(i, 132)
+        if "unrolled" in args.paths:
             for unroll, hints in [(2, False), (4, False), (1, True), (2, True)]:
                 for cap in (None, 32):
                     name = f"unrolled x{unroll}{' hints' if hints else ''} programs={cap or 'full'}"
                     variants[name] = lambda i, u=unroll, h=hints, c=cap, s=src_dev, d=dst, k=count: unrolled(
                         view, slots, s[i], d, k, u, h, c
+                    )
+        if "tma" in args.paths:
+            for stages in (2, 4):
+                for cap in (None, 32, 132):
+                    name = f"tma stages={stages} programs={cap or 'full'}"
+                    variants[name] = lambda i, st=stages, c=cap, s=src_dev, d=dst, k=count: tma(
+                        view, slots, s[i], d, k, st, c
                     )
         if "conditional" in args.paths:
             for source, rows_from in (("UVA view", view), ("pinned tensor", host)):

@@ -60,8 +60,23 @@ def test_the_prefetch_op_admits_into_the_target():
 def test_gate_scores_opcheck(bias):
     x, weight = torch.randn(3, 8), torch.randn(10, 8)
     torch.library.opcheck(
-        torch.ops.asyncmoe.gate_scores.default, (x, weight, torch.randn(10) if bias else None, 4, torch.zeros(10))
+        torch.ops.asyncmoe.gate_scores.default, (x, weight, torch.randn(10) if bias else None, 4, torch.zeros(10), [])
     )
+
+
+def test_gate_scores_with_a_recorded_gate_score_what_was_recorded():
+    """A replayed layer: the live router runs, and the recorded gate of the rows at the cursor replaces it."""
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    ids, probs = torch.tensor([[1, 2], [3, -1], [0, 1]]), torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]])
+    recorded = [ids, probs, torch.tensor([1])]
+    torch.library.opcheck(torch.ops.asyncmoe.gate_scores.default, (x, weight, None, 2, torch.zeros(4), recorded))
+    out = torch.zeros(4)
+    torch.ops.asyncmoe.gate_scores(x, weight, None, 2, out, recorded)  # rows 1 and 2
+    assert out.tolist() == pytest.approx([0.25, 0.25, 0, 0.45])
+
+
+def test_gate_join_opcheck():
+    torch.library.opcheck(torch.ops.asyncmoe.gate_join.default, (torch.randn(2, 8), torch.zeros(4)))
 
 
 def test_observe_opcheck():

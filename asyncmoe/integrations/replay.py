@@ -39,12 +39,14 @@ class Replay(nn.Module):
         self.cursor.add_(top_k_index.shape[0])
         return self.ids[rows].to(top_k_index.dtype)
 
+    def recorded_gate(self) -> list[torch.Tensor]:
+        """What the gate op needs to score this layer as the recorded gate did (`predictors.recorded_gate_scores`)."""
+        return [self.gate_ids, self.gate_probs, self.cursor]
+
     def predict(self, tokens: int, per_token: int, out: torch.Tensor) -> None:
         """The recorded gate predictor's scores for this layer's next `tokens` rows into `out` [E], as
         `predictors.gate_scores` scores: each token's top `per_token` probabilities, averaged over tokens."""
-        rows = self.rows(tokens)
-        scores = predictors.top_scores(self.gate_ids[rows, :per_token], self.gate_probs[rows, :per_token], out.shape[0])
-        torch.mean(scores, dim=0, out=out)
+        predictors.recorded_gate_scores(self.recorded_gate(), tokens, per_token, out)
 
 
 def _replay_hook(module, args, kwargs):
@@ -82,7 +84,7 @@ def feed_replayed_gate(m: nn.Module) -> None:
     """Let the gate predictor of the layer before score a replayed layer by the trace's recorded gate."""
     provider, replay = getattr(m, PROVIDER, None), getattr(m, "asyncmoe_replay", None)
     if isinstance(provider, CachedProvider) and replay is not None and replay.gate_ids is not None:
-        provider.replayed_gate = replay.predict
+        provider.replayed_gate = replay.recorded_gate()
 
 
 def replay_routing(model: nn.Module, trace: Trace, device: torch.device | str) -> None:

@@ -5,7 +5,7 @@ Dims: T tokens, H hidden, E experts (of the target layer), E' experts of the sou
 - gate: layer l+1's router applied to layer l's MoE input (speculative gating: consecutive layers'
   MoE inputs differ by one residual update, so l+1's router mostly picks the same experts on them).
   Each token nominates its top-p experts; a nominated expert scores the mean probability tokens
-  give it. Only for the next layer.
+  give it. Only for the next layer (docs/decisions.md#gate-lookahead).
 - temporal: the experts the target layer routed to in the previous call (decode reuses experts).
 - transition: online decayed counts of (expert routed at l+j-1 -> expert routed at l+j); with this
   call's routing at layer l (j = 1) or the target's previous-layer routing of the last call
@@ -98,6 +98,14 @@ def gate_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     (values: probabilities [T, p], indices [T, p]), likeliest first. What a recorded trace keeps of the gate."""
     probs = F.linear(x.to(weight.dtype), weight, bias).float().softmax(dim=-1)  # [T, E]
     return probs.topk(min(per_token, probs.shape[-1]), dim=-1)
+
+
+def recorded_gate_scores(recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor) -> None:
+    """What the gate predicted when a trace was recorded, for the `tokens` rows from its replay cursor on, into
+    `out` [E] as `gate_scores` scores them. `recorded`: (ids [N, g], probs [N, g], cursor [1]) of the replay."""
+    ids, probs, cursor = recorded
+    rows = (cursor + torch.arange(tokens, device=ids.device)) % ids.shape[0]
+    torch.mean(top_scores(ids[rows, :per_token], probs[rows, :per_token], out.shape[0]), dim=0, out=out)
 
 
 def top_scores(indices: torch.Tensor, values: torch.Tensor, num_experts: int) -> torch.Tensor:
