@@ -12,10 +12,10 @@ Dims: T tokens, H hidden, E experts (of the target layer), E' experts of the sou
   (j > 1), the expected share of tokens going to each expert; keeps its top-p.
 
 Scores are in [0, 1] per expert; `combine` ranks the gate's nominations first, then experts the
-other predictors back with enough support. All fixed-shape tensor ops. The gate runs on the compute
-stream (its input, layer l's hidden states, is a compute-stream temporary) and leaves its scores in
-the target's `gate` buffer; temporal, transition and `combine` read only persistent buffers and run
-inside the prefetch op, on the side stream.
+other predictors back with enough support. All fixed-shape tensor ops. On CUDA all of them run on the
+side stream: the gate op reads layer l's hidden states there (the compute stream joins before freeing
+them, `ops.gate_join`) and leaves its scores in the target's `gate` buffer; temporal, transition and
+`combine` read only persistent buffers and run inside the prefetch op.
 """
 
 from __future__ import annotations
