@@ -8,6 +8,7 @@ import torch
 import asyncmoe
 from asyncmoe.integrations.replay import Replay, replay_routing, rewind_replay
 from asyncmoe.integrations.transformers import find_experts
+from asyncmoe.predict.predictors import recorded_gate_scores
 from asyncmoe.trace.simulate import gate_scores
 
 from models import tiny
@@ -69,7 +70,7 @@ def test_replay_walks_its_cursor_and_predicts_the_recorded_gate():
     gate_ids, gate_probs = torch.tensor([[1, 2], [3, -1], [0, 1]]), torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]])
     replay = Replay(ids, gate_ids, gate_probs)
     out = torch.zeros(4)
-    replay.predict(2, 2, out)  # rows 0 and 1, before the forward moves the cursor
+    recorded_gate_scores(replay.recorded_gate(), 2, 2, out)  # rows 0 and 1, before the forward moves the cursor
     assert out.tolist() == pytest.approx([0, 0.3, 0.2, 0.45])
     assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int64)), ids[:2])
     assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int32)), torch.tensor([[4, 5], [0, 1]], dtype=torch.int32))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..predict import predictors
 from ..providers import CachedProvider
 from ..trace.format import Trace
 from .transformers import PROVIDER, find_experts, num_experts, top_k_of
@@ -42,11 +41,6 @@ class Replay(nn.Module):
     def recorded_gate(self) -> list[torch.Tensor]:
         """What the gate op needs to score this layer as the recorded gate did (`predictors.recorded_gate_scores`)."""
         return [self.gate_ids, self.gate_probs, self.cursor]
-
-    def predict(self, tokens: int, per_token: int, out: torch.Tensor) -> None:
-        """The recorded gate predictor's scores for this layer's next `tokens` rows into `out` [E], as
-        `predictors.gate_scores` scores: each token's top `per_token` probabilities, averaged over tokens."""
-        predictors.recorded_gate_scores(self.recorded_gate(), tokens, per_token, out)
 
 
 def _replay_hook(module, args, kwargs):
