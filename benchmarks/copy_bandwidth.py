@@ -1,7 +1,7 @@
 """Host -> GPU expert copies, alone and beside compute: the gather-copy kernel (SMs reading pinned memory through
 UVA), variants of it (`unrolled`: more loads in flight, cache hints; `tma`: bulk tensor-memory-accelerator
 loads and stores), the copy engine (`copy_` per expert, host-known addresses), and the copy engine driven from
-the device inside a CUDA graph (conditional nodes pick each copy's source).
+the device inside a CUDA graph (switch nodes pick each copy's source).
 
     python benchmarks/copy_bandwidth.py --out bw.json
 
@@ -10,10 +10,10 @@ timed copies with CUDA events; the source experts rotate so every copy reads hos
 compute": the copy runs on a side stream while the compute stream replays a graph of decode-sized GEMVs (bf16,
 weights read from HBM) that outlasts it, as a prefetch runs beside a layer's compute; the copy's own events time it.
 
-The conditional path (`conditional`): one graph per copy count n. Its first kernels compare each copy's source
-expert with the split points of a binary tree over the experts; copy i's tree is a nest of IF nodes on those
-predicates, each leaf a copy-engine memcpy of one expert into staging row i, the n trees on parallel branches;
-then one device-to-device `index_copy_` puts the staged rows into their slots. Only the branch taken runs.
+The switch path (`switch`, `switch_copy.py` beside this): a graph per planned row count; each row is a CUDA graph
+switch node over the experts, whose body e is a copy-engine memcpy of expert e into staging row i, set by a
+one-thread kernel from the device's `src`; the gather-copy kernel then moves the staged rows into their slots.
+Only the taken bodies run. "switches only" times the same graph without that last move (not checked).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
+import switch_copy as sc
 import torch
 
 import asyncmoe.kernels.gather_copy as gc
@@ -135,55 +137,35 @@ def unrolled(view, slots, src, dst, count, unroll: int, hints: bool, programs: i
     )
 
 
-class ConditionalCopy:
-    """A graph that copies `n` device-chosen experts from host memory with the copy engine (see the module doc)."""
+class SwitchCopy:
+    """A graph of `switch_copy` with `planned` rows, `count` of them real (switch_copy.py)."""
 
-    def __init__(self, host_rows: torch.Tensor, slots: torch.Tensor, n: int):
+    def __init__(self, rows_from: torch.Tensor, slots: torch.Tensor, planned: int, scatter: bool = True):
         dev = slots.device
-        self.src = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.dst = torch.arange(n, device=dev)
-        self.stage = torch.empty(n, *slots.shape[1:], dtype=slots.dtype, device=dev)
-        self.mids, self.nodes = [], {}  # preorder split points; (lo, hi) -> node index
-        self._plan(0, host_rows.shape[0])
-        mids = torch.tensor(self.mids, device=dev)
-        self.right = torch.zeros(n, len(self.mids), dtype=torch.bool, device=dev)
-        self.left = torch.zeros_like(self.right)
+        self.src = torch.zeros(planned, dtype=torch.int64, device=dev)
+        self.dst = torch.arange(planned, device=dev)
+        self.count = torch.zeros(1, dtype=torch.int64, device=dev)
+        stage = torch.empty(planned, *slots.shape[1:], dtype=slots.dtype, device=dev)
+        self.rows = torch.arange(planned, device=dev)
+        sc._set_switches(dev.index)  # load the kernel before the capture
         self.graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream()
-        branches = [torch.cuda.Stream() for _ in range(n)]
-        with torch.cuda.graph(self.graph, stream=capture):
-            self.right.copy_(self.src[:, None] >= mids[None, :])
-            self.left.copy_(self.src[:, None] < mids[None, :])
-            fork = torch.cuda.current_stream()
-            for i, b in enumerate(branches):
-                b.wait_stream(fork)
-                with torch.cuda.stream(b):
-                    self._tree(host_rows, i, 0, host_rows.shape[0])
-            for b in branches:
-                fork.wait_stream(b)
-            slots.index_copy_(0, self.dst, self.stage)
-
-    def _plan(self, lo, hi):
-        if hi - lo > 1:
-            mid = (lo + hi) // 2
-            self.nodes[(lo, hi)] = len(self.mids)
-            self.mids.append(mid)
-            self._plan(lo, mid)
-            self._plan(mid, hi)
-
-    def _tree(self, host_rows, i, lo, hi):
-        if hi - lo == 1:
-            self.stage[i].copy_(host_rows[lo], non_blocking=True)
-            return
-        mid, node = (lo + hi) // 2, self.nodes[(lo, hi)]
-        g = self.graph
-        for pred, (a, b) in ((self.left[i, node], (lo, mid)), (self.right[i, node], (mid, hi))):
-            g.begin_capture_to_if_node(pred)
-            self._tree(host_rows, i, a, b)
-            g.end_capture_to_conditional_node()
+        t0 = time.perf_counter()
+        keep = sc.gather_copy_triton
+        if not scatter:  # time the switches alone: the staged rows stay where they are
+            sc.gather_copy_triton = lambda *args: None
+        try:
+            with torch.cuda.graph(self.graph, stream=capture):
+                sc.switch_copy([rows_from], [slots], [stage], self.src, self.dst, self.count, self.rows)
+        finally:
+            sc.gather_copy_triton = keep
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        _keep.append(stage)
 
     def __call__(self, src: torch.Tensor) -> None:
-        self.src.copy_(src, non_blocking=True)
+        self.src[: src.numel()].copy_(src, non_blocking=True)
+        self.count.fill_(src.numel())
         self.graph.replay()
 
 
@@ -237,8 +219,7 @@ def main():
         "--paths",
         nargs="+",
         default=["kernel", "engine"],
-        choices=["kernel", "unrolled", "engine", "tma", "conditional"],
-        help="conditional: its capture may leave the process unusable where the driver refuses it; run it alone",
+        choices=["kernel", "unrolled", "engine", "tma", "switch"],
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -264,7 +245,7 @@ def main():
         def kernel(i, programs=None, src_dev=src_dev, dst=dst, count=count):
             gc.gather_copy_triton(view, slots, src_dev[i], dst, count, programs)
 
-        variants = {}
+        variants, timing_only = {}, {}  # timing_only: not checked, they leave the slots as they were
         if "engine" in args.paths:
             variants["copy engine (copy_ per expert)"] = engine
         if "kernel" in args.paths:
@@ -285,16 +266,23 @@ def main():
                     variants[name] = lambda i, st=stages, c=cap, s=src_dev, d=dst, k=count: tma(
                         view, slots, s[i], d, k, st, c
                     )
-        if "conditional" in args.paths:
+        if "switch" in args.paths:
             for source, rows_from in (("UVA view", view), ("pinned tensor", host)):
-                try:
-                    c = ConditionalCopy(rows_from, slots, n)
-                    variants[f"conditional copy engine ({source})"] = lambda i, s=src_dev, c=c: c(s[i])
-                except Exception as e:  # noqa: BLE001 -- report what the driver or torch refused, then go on
-                    print(f"conditional copy from the {source}: not captured: {type(e).__name__}: {e}", flush=True)
+                for planned in sorted({n, max(args.counts)}):
+                    try:
+                        c = SwitchCopy(rows_from, slots, planned)
+                    except Exception as e:  # noqa: BLE001 -- report what the driver refused, then go on
+                        print(f"switch copy from the {source}: not captured: {type(e).__name__}: {e}", flush=True)
+                        continue
+                    print(f"switch copy, {planned} rows: captured and instantiated in {c.capture_s:.2f} s", flush=True)
+                    name = f"switch copy engine ({source}, {planned} rows)"
+                    variants[name] = lambda i, s=src_dev, c=c: c(s[i])
+                    if planned == n:
+                        c = SwitchCopy(rows_from, slots, planned, scatter=False)
+                        timing_only[f"switches only ({source}, {planned} rows)"] = lambda i, s=src_dev, c=c: c(s[i])
         compute = gemv_graph(3 * n * 0.25)
         compute_alone = timed(lambda i, g=compute: g.replay(), 5, None)
-        for name, fn in variants.items():
+        for name, fn in {**variants, **timing_only}.items():
             fn(args.reps)  # warm-up / compile
             torch.cuda.synchronize()
             for where, beside in (("alone", None), ("beside compute", compute)):
@@ -303,6 +291,8 @@ def main():
                 rows.append({"experts": n, "variant": name, "where": where, "ms": ms, "GB_per_s": gbs})
                 print(f"{n:>3} experts  {name:<48} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s", flush=True)
             torch.cuda.synchronize()
+            if name in timing_only:
+                continue
             want = host[srcs[args.reps - 1]]
             assert torch.equal(slots[:n].cpu(), want), f"{name} copied the wrong bytes"
             slots.zero_()

@@ -1,18 +1,22 @@
-"""How close history-based eviction scores come to Belady's bytes on a routing trace (one layer at a time).
+"""How close eviction scores come to Belady's misses on a routing trace (one layer at a time).
 
     python scripts/eviction_study.py                                  # the embedded model's held-out trace
     python scripts/eviction_study.py --trace run.npz --cache 16 --tokens 2000
+    python scripts/eviction_study.py --synthetic 128 8 --cache 16 32  # benchmarks/synthetic.py's generator
 
-Each score keeps the experts with the highest freq / (1 + age) ** p, freq decayed by `decay` each call (LFRU is
-decay 15/16, p 1; LFU p 0; a pure recency order p large), plus a reuse-distance score that keeps the expert
-whose next use, last use + a running mean of its gaps, comes soonest. Misses against Belady's, summed over
-layers: what a policy in the runtime's integer form could reach at best, before prefetch.
+Scores that see only the past: freq / (1 + age) ** p with freq decayed by `decay` each call (LFRU is decay
+15/16, p 1; LFU p 0; a pure recency order p large); a reuse-distance score that keeps the expert whose next use,
+last use + a running mean of its gaps, comes soonest; and a transition score, learned online, that keeps the
+experts the current token's experts were most often followed by in the next token (LFRU breaks its ties).
+One score sees the future: the next token's experts in the layer, exactly (LFRU among the rest), the bound for
+any predictor of the next call. Misses against Belady's, summed over layers, before prefetch.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
 import numpy as np
 
@@ -22,62 +26,122 @@ from asyncmoe.trace.simulate import belady_misses
 DEMO = pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz"
 
 
-def misses(ids: np.ndarray, cache: int, num_experts: int, keep) -> int:
-    """Misses of a `cache`-slot cache on one layer's `ids` [N, k] evicting the lowest `keep(expert, t, state)`."""
+class History:
+    """Per-expert last use, decayed frequency and mean reuse gap; `keep` is the frequency-recency score."""
+
+    def __init__(self, ids: np.ndarray, num_experts: int, decay: float = 15 / 16, p: float = 1.0):
+        self.ids, self.decay, self.p = ids, decay, p
+        self.last, self.freq = np.full(num_experts, -1.0), np.zeros(num_experts)
+        self.gap = np.full(num_experts, float(len(ids)))
+
+    def before(self, t: int, need: set[int]) -> None:
+        pass
+
+    def after(self, t: int, need: set[int]) -> None:
+        for e in need:
+            if self.last[e] >= 0:
+                self.gap[e] += 0.1 * (t - self.last[e] - self.gap[e])
+            self.last[e] = t
+        self.freq *= self.decay
+        for e in need:
+            self.freq[e] += 1
+
+    def keep(self, x: int, t: int) -> float:
+        return self.freq[x] / (1 + t - self.last[x]) ** self.p
+
+
+class ReuseDistance(History):
+    def keep(self, x, t):
+        return -(self.last[x] + self.gap[x])
+
+
+class NextTokenKnown(History):
+    def keep(self, x, t):
+        following = self.ids[t + 1] if t + 1 < len(self.ids) else ()
+        return (x in following) * 1e9 + super().keep(x, t)
+
+
+class Transition(History):
+    """counts[a, b]: how often b followed a in the next token, decayed by `forget` a call."""
+
+    def __init__(self, ids, num_experts, forget: float = 0.99, weight: float = 10.0):
+        super().__init__(ids, num_experts)
+        self.counts, self.forget, self.weight = np.zeros((num_experts, num_experts)), forget, weight
+        self.previous: list[int] = []
+        self.likely = np.zeros(num_experts)
+
+    def before(self, t, need):
+        rows = self.counts[sorted(need)]
+        self.likely = rows.sum(0) / max(rows.sum(), 1e-9) * len(need)  # expected uses in the next token
+
+    def after(self, t, need):
+        self.counts *= self.forget
+        for a in self.previous:
+            self.counts[a, sorted(need)] += 1
+        self.previous = sorted(need)
+        super().after(t, need)
+
+    def keep(self, x, t):
+        lfru = super().keep(x, t)
+        return self.weight * self.likely[x] + lfru / (1 + lfru)
+
+
+def misses(ids: np.ndarray, cache: int, score: History) -> int:
+    """Misses of a `cache`-slot cache on one layer's `ids` [N, k], evicting the lowest `score.keep`."""
     resident: set[int] = set()
-    last, freq, gap = np.full(num_experts, -1.0), np.zeros(num_experts), np.full(num_experts, float(len(ids)))
     count = 0
     for t, row in enumerate(ids):
         need = set(row.tolist())
+        score.before(t, need)
         for e in need - resident:
             count += 1
             if len(resident) >= cache:
-                resident.discard(min(resident - need, key=lambda x: keep(x, t, last, freq, gap)))
+                resident.discard(min(resident - need, key=lambda x: score.keep(x, t)))
             resident.add(e)
-        for e in need:
-            if last[e] >= 0:
-                gap[e] += 0.1 * (t - last[e] - gap[e])
-            last[e] = t
-        keep.decay(freq)
-        for e in need:
-            freq[e] += 1
+        score.after(t, need)
     return count
 
 
-def frequency_recency(decay: float, p: float):
-    def keep(x, t, last, freq, gap):
-        return freq[x] / (1 + t - last[x]) ** p
-
-    keep.decay = lambda freq: freq.__imul__(decay)
-    return keep
-
-
-def reuse_distance():
-    def keep(x, t, last, freq, gap):
-        return -(last[x] + gap[x])
-
-    keep.decay = lambda freq: None
-    return keep
+SCORES = {
+    **{
+        f"decay {d:g}, p {q:g}": lambda ids, E, d=d, q=q: History(ids, E, d, q)
+        for d in (15 / 16, 0.98, 0.995, 1.0)
+        for q in (0, 0.5, 1, 2)
+    },
+    "reuse distance": ReuseDistance,
+    "transition, forget 0.99": Transition,
+    "transition, forget 0.95": lambda ids, E: Transition(ids, E, forget=0.95),
+    "next token known (a bound, not a policy)": NextTokenKnown,
+}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default=str(DEMO))
-    p.add_argument("--cache", type=int, default=16)
+    p.add_argument("--synthetic", type=int, nargs=2, metavar=("EXPERTS", "TOP_K"), help="6 layers, seed 0")
+    p.add_argument("--cache", type=int, nargs="+", default=[16])
     p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--scores", nargs="+", default=None, help="names of SCORES to run (default: all)")
     args = p.parse_args()
-    trace = Trace.load(args.trace)
+    if args.synthetic:
+        sys.path.insert(0, str(DEMO.parents[1]))
+        from synthetic import synthetic
+
+        trace, source = synthetic(*args.synthetic, layers=6, tokens=args.tokens), f"synthetic {args.synthetic}"
+    else:
+        trace, source = Trace.load(args.trace), args.trace
     ids = trace.ids[: args.tokens]
-    belady = sum(belady_misses(ids[:, l], args.cache) for l in range(trace.layers))
-    scores = {
-        f"decay {d:g}, p {q:g}": frequency_recency(d, q) for d in (15 / 16, 0.98, 0.995, 1.0) for q in (0, 0.5, 1, 2)
-    }
-    scores["reuse distance"] = reuse_distance()
-    print(f"{args.trace}: {len(ids)} tokens, {trace.layers} layers, {trace.num_experts} experts, cache {args.cache}")
-    print("| score | misses / Belady's |\n|---|---|")
-    for name, keep in scores.items():
-        total = sum(misses(ids[:, l], args.cache, trace.num_experts, keep) for l in range(trace.layers))
-        print(f"| {name} | {total / belady:.3f} |")
+    names = args.scores or list(SCORES)
+    print(f"{source}: {len(ids)} tokens, {trace.layers} layers, {trace.num_experts} experts, top-{trace.top_k}")
+    print("| score | " + " | ".join(f"{c} slots" for c in args.cache) + " |")
+    print("|---" * (len(args.cache) + 1) + "|")
+    belady = {c: sum(belady_misses(ids[:, l], c) for l in range(trace.layers)) for c in args.cache}
+    for name in names:
+        ratios = []
+        for c in args.cache:
+            total = sum(misses(ids[:, l], c, SCORES[name](ids[:, l], trace.num_experts)) for l in range(trace.layers))
+            ratios.append(f"{total / belady[c]:.3f}")
+        print(f"| {name} | " + " | ".join(ratios) + " |", flush=True)
 
 
 if __name__ == "__main__":
