@@ -38,7 +38,8 @@ def compile(
     the same GPU memory holds twice the experts. None keeps the model's dtype (or its fp8 experts).
     `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
     can be compiled straight onto the GPU without its experts ever going there.
-    `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo".
+    `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo", "markov" (LFRU behind a prediction of the
+    next call from the experts that followed the current ones: fewer copies, an [E, E] table a layer).
     `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
     computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose). The default,
     None, turns it on where the model runs on a CUDA device and off elsewhere: on the CPU nothing runs beside

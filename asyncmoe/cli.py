@@ -11,6 +11,7 @@ import sys
 import torch
 
 from . import __version__
+from .cache.policies import POLICIES
 from .predict import Prefetch
 
 PROMPT = "def fibonacci(n):\n"
@@ -345,7 +346,7 @@ def _parser() -> Parser:
         "store the experts as block-wise fp8 (half of bf16's bytes per copy), mxfp4 or int4 (about a quarter); "
         "none: the checkpoint's own format (an fp8 or mxfp4 checkpoint's experts stay as stored)"
     )
-    policy = "eviction policy: lru, lfu, lfru or fifo"
+    policy = f"eviction policy: {', '.join(POLICIES)} (docs/routing.md says how each does)"
     device = "where the model runs: auto (cuda when available, else cpu), cpu, cuda or cuda:N"
     prefetch = (
         "copy the next layer's predicted experts while a layer computes; auto: on where the model runs on a "

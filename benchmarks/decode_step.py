@@ -4,7 +4,8 @@
 
 Systems, batch-1 greedy decode, the same prompt (16 random tokens) for all:
   unmodified            the transformers model fully resident (a: CUDA graph; and eager)
-  asyncmoe cache=C      asyncmoe with C slots per layer, with and without prefetch, graph and eager
+  asyncmoe cache=C      asyncmoe with C slots per layer, with and without prefetch, graph and eager (and each of
+                        `--policies`, LFRU by default)
 Per case: `--rounds` rounds of prefill + `--steps` decode steps; the figure is the median over rounds
 of ms per decode step. Bytes moved per token come from asyncmoe's counters over the decode steps
 only; the host->GPU bandwidth is measured in the same run (pinned copy_, 512 MB) and
@@ -128,6 +129,7 @@ def main():
         default=None,
         help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)",
     )
+    p.add_argument("--policies", nargs="+", default=["lfru"], help="eviction policies to try")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -158,18 +160,23 @@ def main():
             if cache < experts
             else []
         )
-        for plan in plans + [None]:
+        for policy, plan in [(policy, plan) for policy in args.policies for plan in plans + [None]]:
             model = asyncmoe.compile(
                 copy.deepcopy(base),
                 cache=cache,
+                policy=policy,
                 prefetch=plan or False,
                 replay=args.replay,
                 time_stalls=args.time_stalls and cache < experts,
             )
-            label = f"asyncmoe cache={cache}" + (
-                f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}"
-                if plan
-                else (" no prefetch" if cache < experts else "")
+            label = (
+                f"asyncmoe cache={cache}"
+                + (f" {policy}" if len(args.policies) > 1 else "")
+                + (
+                    f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}"
+                    if plan
+                    else (" no prefetch" if cache < experts else "")
+                )
             )
             rows += run(model, label)
             del model

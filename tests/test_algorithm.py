@@ -197,3 +197,18 @@ def test_admit_books_without_copying():
     assert gone.tolist() == [8, 8, 8] and int(wasted) == 0  # nothing evicted: E marks none
     assert not cache.used.any()  # admitted, not yet used
     assert torch.equal(cache.slot_w, before)
+
+
+def test_markov_keeps_the_expert_that_follows():
+    """Experts called in a cycle 0, 1, 2 over two slots: LFRU, like LRU, evicts the expert needed next and
+    misses every call; Markov learns which expert follows which and keeps it, missing every other call once it
+    has seen the cycle (Belady's misses)."""
+    misses = {}
+    for policy in ("lfru", "markov"):
+        cache = make_cache(E=6, C=2, policy=policy)
+        for t in range(30):
+            if t == 12:
+                before = cache.counters[Counter.MISSES].item()
+            ensure(cache, torch.tensor([[t % 3]]), 0)
+        misses[policy] = cache.counters[Counter.MISSES].item() - before
+    assert misses == {"lfru": 18, "markov": 9}

@@ -88,6 +88,8 @@ def ensure_reference(
     s.clock.add_(1)
     resident = s.expert_to_slot[:E] >= 0
     need, now, later = wave_plan(ids, wave, C, resident, s.wave_of)
+    if wave == 0:
+        policy.observe(s, need)
     s.routed.copy_(need)
     # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
     victims = (need & ~resident & (s.evicted_at[:E] == s.clock - 1)).sum() * (wave == 0)

@@ -34,7 +34,7 @@ class ExpertCache(nn.Module):
         transitions_from: int = 0,
     ):
         super().__init__()
-        get_policy(policy)  # fail on a bad name now, not at the first forward
+        learns = get_policy(policy).learns  # and fail on a bad name now, not at the first forward
         first = next(iter(hosts.values()))
         device, self.num_experts, self.num_slots, self.policy = first.device, first.shape[0], num_slots, policy
         self.names = list(hosts)
@@ -66,6 +66,7 @@ class ExpertCache(nn.Module):
             nominated=torch.zeros(E, dtype=torch.int8, device=device),
             outcomes=torch.zeros(4, **f32),
             transitions=torch.zeros(transitions_from, E, **f32),
+            follows=torch.zeros((E, E) if learns else (0, 0), dtype=torch.int32, device=device),
             # empty when not timed: a custom op cannot take an optional tensor it mutates under Inductor
             timer=torch.zeros(4 if time_stalls else 0, **i64),
             pace=torch.zeros(3, **i64) if pace is None else pace,

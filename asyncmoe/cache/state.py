@@ -78,5 +78,6 @@ class CacheState(NamedTuple):
     nominated: Tensor  # [E] int8: its sources
     outcomes: Tensor  # [4] float32: the prefetch gate's evidence (WASTED, PAID, SEEN_WASTED, SEEN_PAID)
     transitions: Tensor  # [E', E] float32: decayed (expert at the previous layer -> here) counts; [0, E] if unused
+    follows: Tensor  # [E, E] int32: the Markov policy's (expert in a call -> in the next call) counts; [0, 0] if unused
     timer: Tensor  # [4] int64 (TIMER_*), or [0] when stall timing is off
     pace: Tensor  # [3] int64 (PACE_*), shared by the linked layers

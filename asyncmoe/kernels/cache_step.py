@@ -52,6 +52,7 @@ if triton is not None:
         wave_of_ptr,
         counters_ptr,
         scratch_ptr,
+        follows_ptr,  # Markov: [E, E] i32
         src_ptr,
         dst_ptr,
         count_ptr,  # scratch [E] i32: per-expert flags
@@ -66,9 +67,15 @@ if triton is not None:
         POLICY_FIFO: tl.constexpr,
         POLICY_LFU: tl.constexpr,
         POLICY_LFRU: tl.constexpr,
+        POLICY_MARKOV: tl.constexpr,
         FREQ_UNIT: tl.constexpr,
         FREQ_SHIFT: tl.constexpr,
         LFRU_SHIFT: tl.constexpr,
+        FOLLOW_UNIT: tl.constexpr,
+        FOLLOW_SHIFT: tl.constexpr,
+        LIKELY_SHIFT: tl.constexpr,
+        LIKELY_MAX: tl.constexpr,
+        LFRU_MAX: tl.constexpr,
         CALLS: tl.constexpr,
         HITS: tl.constexpr,
         MISSES: tl.constexpr,
@@ -88,6 +95,7 @@ if triton is not None:
         BC: tl.constexpr,
         BP: tl.constexpr,
         BK: tl.constexpr,
+        BR: tl.constexpr,
     ):
         e = tl.arange(0, BE)
         emask = e < E
@@ -131,6 +139,16 @@ if triton is not None:
             tl.store(wave_of_ptr + e, wave_of, mask=emask & (wave == 0))
             now = (wave_of == wave).to(tl.int32)
             later = (wave_of > wave).to(tl.int32)
+            if POLICY == POLICY_MARKOV:  # the last call's experts' rows learn this call's (Markov.observe)
+                if wave == 0:
+                    for r0 in range(0, E, BR):
+                        r = r0 + tl.arange(0, BR)
+                        before = tl.load(routed_ptr + r, mask=r < E, other=0) != 0
+                        at = follows_ptr + r[:, None].to(tl.int64) * E + e[None, :]
+                        m = before[:, None] & emask[None, :]
+                        f = tl.load(at, mask=m, other=0)
+                        tl.store(at, f - (f >> FOLLOW_SHIFT) + need[None, :] * FOLLOW_UNIT, mask=m)
+                    tl.debug_barrier()  # every row read `routed` before it changes
             tl.store(routed_ptr + e, need != 0, mask=emask)
             # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
             evicted_at = tl.load(evicted_at_ptr + e, mask=emask, other=-1)
@@ -161,9 +179,21 @@ if triton is not None:
             score = born
         elif POLICY == POLICY_LFU:
             score = freq
-        else:
-            tl.static_assert(POLICY == POLICY_LFRU)
+        elif POLICY == POLICY_LFRU:
             score = (freq << LFRU_SHIFT) // (1 + clock - last_use)
+        else:  # Markov.score: the mean of `follows` rows of the routed experts at each slot's expert, then LFRU
+            tl.static_assert(POLICY == POLICY_MARKOV)
+            likely = tl.zeros([BC], dtype=tl.int64)
+            n_routed = tl.sum((tl.load(routed_ptr + e, mask=emask, other=0) != 0).to(tl.int64), axis=0)
+            for r0 in range(0, E, BR):
+                r = r0 + tl.arange(0, BR)
+                on = tl.load(routed_ptr + r, mask=r < E, other=0) != 0
+                at = follows_ptr + r[:, None].to(tl.int64) * E + tl.maximum(s2e, 0)[None, :]
+                f = tl.load(at, mask=on[:, None] & (cmask & (s2e >= 0))[None, :], other=0)
+                likely += tl.sum(f.to(tl.int64), axis=0)
+            likely = tl.minimum(likely // tl.maximum(n_routed, 1), LIKELY_MAX)
+            lfru = tl.minimum((freq << LFRU_SHIFT) // (1 + clock - last_use), LFRU_MAX)
+            score = (likely << LIKELY_SHIFT) | lfru
         key = (tier.to(tl.int64) << 59) | (score << _SLOT_BITS) | c
         key = tl.where(cmask, key, (1 << 62))
         order = tl.sort(key)  # victims first
@@ -286,6 +316,7 @@ def _launch(ids, prefetch, wave, policy_id, max_new, s, expert_bytes, constants)
         s.wave_of,
         s.counters,
         s.scratch,
+        s.follows,
         src,
         dst,
         count,
@@ -301,6 +332,7 @@ def _launch(ids, prefetch, wave, policy_id, max_new, s, expert_bytes, constants)
         BC=triton.next_power_of_2(C),
         BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024),
         BK=triton.next_power_of_2(constants["N_COUNTERS"]),
+        BR=16,
         num_warps=4,
     )
     return (None if prefetch else out), src, dst, count
