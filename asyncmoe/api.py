@@ -8,6 +8,7 @@ import pathlib
 import torch
 from torch import nn
 
+from .cache.policies import DEFAULT_POLICY
 from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
@@ -21,7 +22,7 @@ from .trace import Trace
 def compile(
     model: nn.Module,
     cache: int | str = 16,
-    policy: str = "lfru",
+    policy: str = DEFAULT_POLICY,
     device: torch.device | str | None = None,
     prefetch: bool | Prefetch | None = None,
     replay: Trace | str | os.PathLike | None = None,
@@ -38,8 +39,8 @@ def compile(
     the same GPU memory holds twice the experts. None keeps the model's dtype (or its fp8 experts).
     `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
     can be compiled straight onto the GPU without its experts ever going there.
-    `policy`: eviction policy, one of "lru", "lfu", "lfru", "fifo", "markov" (LFRU behind a prediction of the
-    next call from the experts that followed the current ones: fewer copies, an [E, E] table a layer).
+    `policy`: eviction policy, one of "markov" (the default: LFRU behind a prediction of the next call from the
+    experts that followed the current ones; an [E, E] table a layer), "lfru", "lru", "lfu", "fifo".
     `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
     computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose). The default,
     None, turns it on where the model runs on a CUDA device and off elsewhere: on the CPU nothing runs beside
@@ -71,7 +72,7 @@ def from_pretrained(
     cache: int | str = 16,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
-    policy: str = "lfru",
+    policy: str = DEFAULT_POLICY,
     prefetch: bool | Prefetch | None = None,
     time_stalls: bool = False,
     quantize: str | None = None,

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from . import __version__
-from .cache.policies import POLICIES
+from .cache.policies import DEFAULT_POLICY, POLICIES
 from .predict import Prefetch
 
 PROMPT = "def fibonacci(n):\n"
@@ -356,7 +356,7 @@ def _parser() -> Parser:
     p = command("demo", "run a MoE model with a small expert cache next to the fully resident model")
     p.add_argument("--cache", type=_cache, default=16, help=cache + " (of 64 experts)")
     p.add_argument("--quantize", default="none", choices=["none", "fp8", "mxfp4", "int4"], help=quantize)
-    p.add_argument("--policy", default="lfru", help=policy)
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=policy)
     p.add_argument("--tokens", type=tokens, default=64, help="tokens to generate")
     p.add_argument("--prompt", type=_prompt, default=PROMPT, help="text the model continues (default: %(default)r)")
     p.add_argument(
@@ -381,7 +381,7 @@ def _parser() -> Parser:
         help=quantize + "; dequantize: an fp8 checkpoint's experts in --dtype",
     )
     g.add_argument("--tokens", type=tokens, default=64, help="new tokens (fewer where the model emits its EOS token)")
-    g.add_argument("--policy", default="lfru", help=policy)
+    g.add_argument("--policy", default=DEFAULT_POLICY, help=policy)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights' dtype")
     g.add_argument("--device", type=_device, default="auto", help=device)
     g.add_argument("--prefetch", default="auto", choices=list(PREFETCH), help=prefetch)
@@ -405,7 +405,7 @@ def _parser() -> Parser:
     s = command("simulate", "replay a routing trace through the cache on the CPU; print hit rates and the Belady bound")
     s.add_argument("trace", type=_trace_file, help=".npz routing trace (docs/traces.md)")
     s.add_argument("--cache", type=slots, default=16, help="slots per MoE layer")
-    s.add_argument("--policy", default="lfru", help=policy)
+    s.add_argument("--policy", default=DEFAULT_POLICY, help=policy)
     s.add_argument(
         "--prefetch",
         default="off",

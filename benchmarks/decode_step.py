@@ -5,7 +5,7 @@
 Systems, batch-1 greedy decode, the same prompt (16 random tokens) for all:
   unmodified            the transformers model fully resident (a: CUDA graph; and eager)
   asyncmoe cache=C      asyncmoe with C slots per layer, with and without prefetch, graph and eager (and each of
-                        `--policies`, LFRU by default)
+                        `--policies`, the default policy unless given)
 Per case: `--rounds` rounds of prefill + `--steps` decode steps; the figure is the median over rounds
 of ms per decode step. Bytes moved per token come from asyncmoe's counters over the decode steps
 only; the host->GPU bandwidth is measured in the same run (pinned copy_, 512 MB) and
@@ -34,6 +34,7 @@ import torch
 import transformers
 
 import asyncmoe
+from asyncmoe.cache.policies import DEFAULT_POLICY
 
 from shapes import SHAPES, random_model, routing_shape
 
@@ -129,7 +130,7 @@ def main():
         default=None,
         help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)",
     )
-    p.add_argument("--policies", nargs="+", default=["lfru"], help="eviction policies to try")
+    p.add_argument("--policies", nargs="+", default=[DEFAULT_POLICY], help="eviction policies to try")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -29,6 +29,7 @@ def resident(cache) -> set[int]:
         ("fifo", 0),  # 0 was admitted first, however often used since
         ("lfu", 1),  # 0 used 4 times, 2 twice, 1 once
         ("lfru", 1),
+        ("markov", 1),  # nothing has followed 3 yet: LFRU decides
     ],
 )
 def test_victim_by_policy(policy, evicted):

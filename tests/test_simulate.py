@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import asyncmoe
+from asyncmoe.cache.policies import POLICIES
 from asyncmoe.cli import main
 from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses, simulate
@@ -122,7 +123,7 @@ def test_belady_with_rows_larger_than_the_cache_equals_the_searched_bound(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_belady_bounds_every_policy(seed):
     trace = random_trace(seed, N=200, L=2, E=16, k=2)
-    for policy in ("lru", "lfu", "lfru", "fifo"):
+    for policy in sorted(POLICIES):
         for prefetch in ((), ("temporal", "transition")):
             sim = simulate(trace, cache=5, policy=policy, prefetch=prefetch, compiled=False)
             assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"]

@@ -7,7 +7,7 @@ leaves before any expert that earned its place, and an expert needed now is neve
 
 Scores are integers (the frequency is fixed-point), so the fused kernel (kernels/cache_step.py), which
 computes the same scores from the constants below, and this reference agree bit for bit
-(docs/decisions.md#integer-policy-scores; LFRU is the default: #default-policy).
+(docs/decisions.md#integer-policy-scores; Markov is the default: #default-policy).
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class Markov(Policy):
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU(), Markov())}
+DEFAULT_POLICY = "markov"  # the fewest copies on every trace measured (docs/decisions.md#default-policy)
 # what the fused kernel receives as constexprs: each policy's id by name, and the integer scales
 POLICY_CONSTANTS = {
     **{f"POLICY_{p.name.upper()}": p.id for p in POLICIES.values()},

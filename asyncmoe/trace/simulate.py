@@ -21,6 +21,7 @@ import torch
 
 from ..cache import algorithm
 from ..cache.expert_cache import ExpertCache
+from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, TEMPORAL, TRANSITION
 from ..predict import predictors
 from ..predict.prefetch import Request, predict_and_prefetch
@@ -122,7 +123,7 @@ def _step(ids_t, gate_t, caches, prefetch: tuple[str, ...], budget: int):
 def simulate(
     trace: Trace,
     cache: int,
-    policy: str = "lfru",
+    policy: str = DEFAULT_POLICY,
     prefetch: tuple[str, ...] = (),
     budget: int = predictors.Prefetch.budget,
     expert_bytes: int | None = None,
