@@ -76,7 +76,7 @@ class LFRU(Policy):
         return (s.freq << LFRU_SHIFT) // (1 + s.clock - s.last_use)
 
 
-class Markov(Policy):
+class Markov(LFRU):
     """LFRU behind a prediction of the next call: keeps first the experts that most often followed the experts
     of the call being ranked for (`s.routed`: this call in `ensure`, the last one in `prefetch`).
 
@@ -92,8 +92,7 @@ class Markov(Policy):
         likely = (s.follows * routed).sum(0) // routed.sum().clamp(min=1)  # [E]
         held = s.slot_to_expert
         likely = torch.where(held >= 0, likely[held.clamp(min=0)], 0).clamp(max=LIKELY_MAX)
-        lfru = ((s.freq << LFRU_SHIFT) // (1 + s.clock - s.last_use)).clamp(max=LFRU_MAX)
-        return (likely << LIKELY_SHIFT) | lfru
+        return (likely << LIKELY_SHIFT) | super().score(s).clamp(max=LFRU_MAX)
 
     def observe(self, s, need):
         learned = s.follows - (s.follows >> FOLLOW_SHIFT) + need[None, :].to(s.follows.dtype) * FOLLOW_UNIT
