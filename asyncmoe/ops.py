@@ -8,7 +8,11 @@ it reads, and a layer's `ensure` after the `prefetch` into the same layer (both 
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
 Streams: `gate_scores` and `prefetch` fork a side stream from the current (compute) stream and predict,
-admit and copy there, off the compute stream's path. `gate_scores` records an event once it has read
+admit and copy there, off the compute stream's path. Given the `routed` of the layer they predict from
+(`source`), they fork from that layer's `ensure` once it has decided, not once its copies are done: the
+prediction and the admission run while the misses copy, and the prefetch's own copy starts as soon as the
+misses' copies end, so the link does not idle between them and misses still go first. `gate_scores` records
+an event once it has read
 its input, which `gate_join` makes the compute stream wait on before that input may be freed or reused;
 `prefetch` records one event per target cache, which `ensure(wait=True)` makes the compute stream wait
 on before it reads the tables. Every prefetch targets a later layer of the same forward, whose `ensure`
@@ -27,18 +31,20 @@ from .cache.state import COUNTERS, PACE_STAMP, TIMER_START, TIMER_WAITED, TRANSI
 from .formats import FP8, scale_shape
 from .kernels import clock, dequant_mm, fp8_gemv, gemv4
 from .predict import predictors
-from .predict.prefetch import Request, predict_and_prefetch
+from .predict.prefetch import Request, predict_and_plan, predict_and_prefetch
 
 
 class SideStreams:
-    """The prefetch side stream of each device, and the event each target cache's last prefetch recorded.
+    """The prefetch side stream of each device, the event each target cache's last prefetch recorded, and the
+    two each cache's last `ensure` recorded (decided, copied).
 
-    Owned by this module: a custom op sees only tensors, so it finds a target's event by the address of the
-    target's `expert_to_slot`, which never changes (buffers are allocated once)."""
+    Owned by this module: a custom op sees only tensors, so it finds a cache's event by the address of one of
+    the cache's buffers, which never changes (buffers are allocated once)."""
 
     def __init__(self):
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.events: dict[tuple[str, int], torch.cuda.Event] = {}
+        self.recorded: set[tuple[str, int]] = set()
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device.index not in self.streams:
@@ -53,11 +59,26 @@ class SideStreams:
         """The event of the last gate scoring into `gate`: its input has been read."""
         return self._event("read", gate)
 
-    def fork(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream, made to wait for the work queued so far on the current stream."""
+    def mark(self, kind: str, routed: Tensor) -> None:
+        """Record the event `kind` of an `ensure` (`decided`: its tables are written; `copied`: its copies are made)
+        on the current stream, for the cache whose `routed` is `routed`."""
+        self._event(kind, routed).record()
+        self.recorded.add((kind, routed.data_ptr()))
+
+    def fork(self, device: torch.device, source: Tensor | None = None) -> torch.cuda.Stream:
+        """The side stream, made to wait for the work queued so far on the current stream, or, given the `routed`
+        of a cache whose `ensure` has run, only for that `ensure`'s decision (its copies may still run)."""
         side = self.stream(device)
-        side.wait_stream(torch.cuda.current_stream())
+        if source is not None and ("decided", source.data_ptr()) in self.recorded:
+            side.wait_event(self._event("decided", source))
+        else:
+            side.wait_stream(torch.cuda.current_stream())
         return side
+
+    def after_copies(self, source: Tensor | None) -> None:
+        """Make the current (side) stream wait for the copies of `source`'s last `ensure`, if it forked before them."""
+        if source is not None and ("copied", source.data_ptr()) in self.recorded:
+            torch.cuda.current_stream().wait_event(self._event("copied", source))
 
     def _event(self, kind: str, t: Tensor) -> torch.cuda.Event:
         key = (kind, t.data_ptr())
@@ -116,7 +137,12 @@ def _ensure(
         torch.cuda.current_stream().wait_event(SIDE.ready(s.expert_to_slot))
     if timed:
         clock.stamp(s.timer, TIMER_WAITED)
-    out = algorithm.ensure(top_k_index, wave, policy, s, hosts, slots)
+    out, copies = algorithm.ensure_plan(top_k_index, wave, policy, s, slots)
+    if s.expert_to_slot.is_cuda:
+        SIDE.mark("decided", s.routed)
+    algorithm.copy_in(hosts, slots, copies)
+    if s.expert_to_slot.is_cuda:
+        SIDE.mark("copied", s.routed)
     if timed:
         clock.lap(s.timer)
     return out
@@ -155,6 +181,7 @@ def _prefetch(
     routed_before: Tensor | None,
     hosts: list[Tensor],
     slots: list[Tensor],
+    source: Tensor | None = None,
 ) -> None:
     """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side stream.
 
@@ -163,6 +190,8 @@ def _prefetch(
     transition its `transitions` and `routed_before`, the previous layer's routing. The copy runs on at most
     `copy_programs` Triton programs (0: one per block), so the compute stream keeps most SMs. `stamp`: first
     stamp `pace` on the compute stream, from which the target's `ensure(lap=True)` measures the window.
+    `source`: the `routed` of the layer predicted from, whose `ensure` ran before: predict and admit while its
+    copies run, copy after them (SideStreams.fork).
     """
     s = CacheState._make(state)
     request = Request(sources, budget, policy, copy_programs or None)
@@ -171,13 +200,15 @@ def _prefetch(
         return
     if stamp:
         clock.stamp(s.pace, PACE_STAMP)
-    with torch.cuda.stream(SIDE.fork(s.expert_to_slot.device)):
-        predict_and_prefetch(request, s, routed_before, hosts, slots)
+    with torch.cuda.stream(SIDE.fork(s.expert_to_slot.device, source)):
+        copies = predict_and_plan(request, s, routed_before, slots)
+        SIDE.after_copies(source)
+        algorithm.copy_in(hosts, slots, copies, request.copy_programs)
         SIDE.ready(s.expert_to_slot).record()
 
 
 @_prefetch.register_fake
-def _(sources, budget, copy_programs, stamp, policy, state, routed_before, hosts, slots):
+def _(sources, budget, copy_programs, stamp, policy, state, routed_before, hosts, slots, source=None):
     s = _check_state(state)
     E, C = s.expert_to_slot.shape[0] - 1, s.slot_to_expert.shape[0]
     torch._check(sources > 0, lambda: "prefetch needs a predictor")
@@ -198,17 +229,34 @@ def prefetch(
     routed_before: Tensor | None = None,
     copy_programs: int | None = None,
     stamp: bool = False,
+    source: ExpertCache | None = None,
 ) -> None:
-    """`asyncmoe::prefetch` into `cache` from the predictors in the bits `sources`."""
+    """`asyncmoe::prefetch` into `cache` from the predictors in the bits `sources`; `source`: the cache of the
+    layer predicted from, whose `ensure` ran before."""
     state = list(cache.state)
     torch.ops.asyncmoe.prefetch(
-        sources, budget, copy_programs or 0, stamp, cache.policy, state, routed_before, cache.hosts, cache.slots
+        sources,
+        budget,
+        copy_programs or 0,
+        stamp,
+        cache.policy,
+        state,
+        routed_before,
+        cache.hosts,
+        cache.slots,
+        None if source is None else source.routed,
     )
 
 
 @torch.library.custom_op("asyncmoe::gate_scores", mutates_args=("out",))
 def _gate_scores(
-    x: Tensor, weight: Tensor, bias: Tensor | None, per_token: int, out: Tensor, recorded: list[Tensor]
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    per_token: int,
+    out: Tensor,
+    recorded: list[Tensor],
+    source: Tensor | None = None,
 ) -> None:
     """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] -> scores `out` [E].
 
@@ -216,11 +264,12 @@ def _gate_scores(
     caller joins with `gate_join` before `x` may be freed. It writes the target layer's `gate` buffer, which
     the prefetch op reads on the same stream. `recorded` (a replayed trace's gate: ids, probs, cursor, or
     empty): the live scores are computed, then the recorded ones replace them (predictors.recorded_gate_scores).
+    `source`: the `routed` of `x`'s layer, whose `ensure` ran before: score while its copies run.
     """
     if not out.is_cuda:
         _score_gate(x, weight, bias, per_token, out, recorded)
         return
-    with torch.cuda.stream(SIDE.fork(out.device)):
+    with torch.cuda.stream(SIDE.fork(out.device, source)):
         _score_gate(x, weight, bias, per_token, out, recorded)
         SIDE.read(out).record()
 
@@ -232,7 +281,7 @@ def _score_gate(x, weight, bias, per_token, out, recorded) -> None:
 
 
 @_gate_scores.register_fake
-def _(x, weight, bias, per_token, out, recorded):
+def _(x, weight, bias, per_token, out, recorded, source=None):
     torch._check(
         x.dim() == 2 and x.shape[1] == weight.shape[1],
         lambda: (
@@ -256,9 +305,12 @@ def gate_scores(
     per_token: int,
     cache: ExpertCache,
     recorded: list[Tensor] | None = None,
+    source: ExpertCache | None = None,
 ) -> None:
-    """Score the router's layer's experts (`cache`, the prefetch target) from `x` into `cache.gate`."""
-    torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token, cache.gate, recorded or [])
+    """Score the router's layer's experts (`cache`, the prefetch target) from `x` into `cache.gate`; `source`:
+    the cache of `x`'s layer, whose `ensure` ran before."""
+    routed = None if source is None else source.routed
+    torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token, cache.gate, recorded or [], routed)
 
 
 @torch.library.custom_op("asyncmoe::gate_join", mutates_args=("gate",))

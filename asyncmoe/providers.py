@@ -152,7 +152,9 @@ class CachedProvider(ExpertWeightProvider):
         for depth, target in enumerate(self.links.targets, start=1):
             gate = "gate" in sources and depth == 1 and target.router is not None
             if gate:  # replayed routing: the router's work runs, the trace says what it predicted
-                ops.gate_scores(hidden_states, target.router, target.per_token, target.cache, target.replayed_gate)
+                ops.gate_scores(
+                    hidden_states, target.router, target.per_token, target.cache, target.replayed_gate, self.cache
+                )
                 gated.append(target)
             before = target.links.previous
             before = before.cache.routed if "transition" in sources and before is not None else None
@@ -160,7 +162,7 @@ class CachedProvider(ExpertWeightProvider):
             bits |= TRANSITION if before is not None else 0
             if bits:
                 stamp = self.stamps and depth == 1
-                ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp)
+                ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp, self.cache)
         return gated
 
 

@@ -35,16 +35,17 @@ def test_ensure_opcheck(policy, wave):
     torch.library.opcheck(torch.ops.asyncmoe.ensure.default, ensure_args(cache, ids, wave))
 
 
-@pytest.mark.parametrize("predictors", ["gate", "temporal", "gate+temporal+transition"])
+@pytest.mark.parametrize("predictors", ["gate", "temporal", "gate+temporal+transition", "gate, after a source"])
 def test_prefetch_opcheck(predictors):
     transition = "transition" in predictors
     cache = warm_cache("lru", transitions_from=10 if transition else 0)
     cache.gate.copy_(torch.tensor([0.0, 0.9, 0.0, 0.0, 0.5, 0.7, 0.0, 0.0, 0.1, 0.0]))
     if transition:
         cache.transitions.copy_(torch.rand(10, 10))
-    bits = sum(BITS[p] for p in predictors.split("+"))
+    bits = sum(BITS[p] for p in predictors.split(",")[0].split("+"))
     before = torch.arange(10) % 3 == 0 if transition else None
-    args = (bits, 2, 0, False, "lru", clone(cache.state), before, cache.hosts, clone(cache.slots))
+    source = [warm_cache("lru").routed] if "source" in predictors else []
+    args = (bits, 2, 0, False, "lru", clone(cache.state), before, cache.hosts, clone(cache.slots), *source)
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
 
 
@@ -57,11 +58,39 @@ def test_the_prefetch_op_admits_into_the_target():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_gate_scores_opcheck(bias):
+@pytest.mark.parametrize("source", [False, True])
+def test_gate_scores_opcheck(bias, source):
     x, weight = torch.randn(3, 8), torch.randn(10, 8)
+    after = [torch.zeros(10, dtype=torch.bool)] if source else []
     torch.library.opcheck(
-        torch.ops.asyncmoe.gate_scores.default, (x, weight, torch.randn(10) if bias else None, 4, torch.zeros(10), [])
+        torch.ops.asyncmoe.gate_scores.default,
+        (x, weight, torch.randn(10) if bias else None, 4, torch.zeros(10), [], *after),
     )
+
+
+@pytest.mark.cuda
+def test_a_prefetch_forks_at_the_source_decision_and_copies_after_its_copies():
+    """The side stream, forked with a source whose `ensure` has run, waits only for that ensure's decision; its
+    copies wait for the ensure's copies. Here the "copies" are a sleep of about a second on the compute stream."""
+    routed = torch.zeros(8, dtype=torch.bool, device="cuda")
+    compute = torch.cuda.current_stream()
+    ops.SIDE.stream(routed.device)  # created before the timed part
+    torch.cuda.synchronize()
+    ops.SIDE.mark("decided", routed)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+    ops.SIDE.mark("copied", routed)
+    slept = torch.cuda.Event()
+    slept.record()
+    planned, copied = torch.cuda.Event(), torch.cuda.Event()
+    with torch.cuda.stream(ops.SIDE.fork(routed.device, routed)):
+        planned.record()
+        ops.SIDE.after_copies(routed)
+        copied.record()
+    planned.synchronize()
+    assert not slept.query(), "the side stream waited for the source's copies before planning"
+    copied.synchronize()
+    assert slept.query(), "the side stream copied before the source's copies were made"
+    compute.synchronize()
 
 
 def test_gate_scores_with_a_recorded_gate_score_what_was_recorded():

@@ -46,14 +46,27 @@ def ensure(
     use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's pair)."""
+    out, copies = ensure_plan(top_k_index, wave, policy, s, slots, use_kernel)
+    copy_in(hosts, slots, copies)
+    return out
+
+
+def ensure_plan(
+    top_k_index: torch.Tensor, wave: int, policy: str, s: CacheState, slots: list[torch.Tensor], use_kernel=None
+) -> tuple[torch.Tensor, Copies]:
+    """`ensure`'s decision, tables updated: slot ids [T, k] and the copies still to make."""
     ids, policy, nbytes = top_k_index.long().reshape(-1), get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
         out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes, KERNEL_CONSTANTS)
     else:
         out, copies = ensure_reference(ids, wave, policy, s, nbytes)
+    return out.view(top_k_index.shape), copies
+
+
+def copy_in(hosts: list[torch.Tensor], slots: list[torch.Tensor], copies: Copies, programs: int | None = None):
+    """Make a decision's copies, host -> slot, tensor by tensor of the experts."""
     for host, slot in zip(hosts, slots):
-        gather_copy(host, slot, *copies)
-    return out.view(top_k_index.shape)
+        gather_copy(host, slot, *copies, programs)
 
 
 def prefetch(
@@ -67,13 +80,15 @@ def prefetch(
 ) -> None:
     """Admit the `budget` likeliest experts by `s.predicted` (score > 0) that are not resident, as
     prefetched-unused slots tagged with their `s.nominated` sources. `copy_programs` caps the copy's grid."""
+    copy_in(hosts, slots, prefetch_plan(budget, policy, s, slots, use_kernel), copy_programs)
+
+
+def prefetch_plan(budget: int, policy: str, s: CacheState, slots: list[torch.Tensor], use_kernel=None) -> Copies:
+    """`prefetch`'s decision, tables updated: the copies still to make."""
     policy, nbytes = get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        copies = cache_step.prefetch_triton(budget, policy.id, s, nbytes, KERNEL_CONSTANTS)
-    else:
-        copies = prefetch_reference(budget, policy, s, nbytes)
-    for host, slot in zip(hosts, slots):
-        gather_copy(host, slot, *copies, copy_programs)
+        return cache_step.prefetch_triton(budget, policy.id, s, nbytes, KERNEL_CONSTANTS)
+    return prefetch_reference(budget, policy, s, nbytes)
 
 
 def _use_kernel(s: CacheState, use_kernel: bool | None) -> bool:

@@ -68,12 +68,23 @@ def predict_and_prefetch(
     use_kernel: bool | None = None,
 ) -> None:
     """Score the target's experts into `s.predicted` / `s.nominated`, apply the prefetch gate, and prefetch."""
+    algorithm.copy_in(hosts, slots, predict_and_plan(r, s, routed_before, slots, use_kernel), r.copy_programs)
+
+
+def predict_and_plan(
+    r: Request,
+    s: CacheState,
+    routed_before: torch.Tensor | None,
+    slots: list[torch.Tensor],
+    use_kernel: bool | None = None,
+) -> algorithm.Copies:
+    """`predict_and_prefetch`'s scores and decision, tables updated: the copies still to make."""
     use_kernel = kernels.available(s.expert_to_slot) if use_kernel is None else use_kernel
     if use_kernel:
         score_kernels.prefetch_scores_triton(r.sources, routed_before, r.budget, s, KERNEL_CONSTANTS)
     else:
         scores_reference(r.sources, routed_before, r.budget, s)
-    algorithm.prefetch(r.budget, r.policy, s, hosts, slots, r.copy_programs, use_kernel)
+    return algorithm.prefetch_plan(r.budget, r.policy, s, slots, use_kernel)
 
 
 def scores_reference(sources: int, routed_before: torch.Tensor | None, keep: int, s: CacheState) -> None:

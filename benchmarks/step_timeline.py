@@ -1,0 +1,141 @@
+"""Where a graph decode step's time goes: the profiler's kernel timeline of the Decoder's CUDA graph, split into
+time the link is copying, time only compute runs, and time the GPU idles.
+
+    python benchmarks/step_timeline.py --shape olmoe-1b-7b --cache 16 --routings trace oracle --budgets 1 8
+
+Per case, per token: ms (CUDA events around the profiled steps); "copying": the union of the gather-copy
+kernels' spans (the link is busy); "compute only": kernels running while no copy runs; "idle": neither. The
+copies' speed in the step is bytes / copying, against the copy engine's (pinned `copy_`, same run). The kernels
+that fill "compute only" are listed by their share of it: what a longer prefetch would have to hide.
+Routing as the latency suite's (`trace`: the embedded model's, `oracle`: its gate arrays nominate each layer's
+own experts, benchmarks/oracle.py); `--budgets 0` is no prefetch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import os
+import tempfile
+
+import torch
+from test_latency import trace_for
+from torch.profiler import ProfilerActivity, profile
+
+import asyncmoe
+
+from decode_step import h2d_bandwidth
+from shapes import random_model
+
+COPY_KERNEL = "_gather_copy_kernel"
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def outside(span: tuple[float, float], covered: list[tuple[float, float]]) -> float:
+    """Length of `span` not inside the sorted, disjoint `covered` spans."""
+    a, b = span
+    inside = sum(max(0.0, min(b, y) - max(a, x)) for x, y in covered if x < b and y > a)
+    return (b - a) - inside
+
+
+def kernels(prof) -> list[tuple[str, float, float]]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+
+
+def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=prompt.shape[1] + steps + 9, graph=True)
+    dec.prefill(prompt)
+    dec.decode(8)  # capture and warm up
+    asyncmoe.stats(model, reset=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start.record()
+        dec.decode(steps)
+        end.record()
+        torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / steps
+    ks = kernels(prof)
+    if not ks:
+        raise RuntimeError("the profiler recorded no kernels of the graph: this CUDA/CUPTI does not trace graph nodes")
+    copying = union([(a, b) for n, a, b in ks if n.startswith(COPY_KERNEL)])
+    busy = union([(a, b) for _, a, b in ks])
+    copy_us = sum(b - a for a, b in copying)
+    busy_us = sum(b - a for a, b in busy)
+    exposed = collections.Counter()
+    for n, a, b in ks:
+        if not n.startswith(COPY_KERNEL):
+            exposed[n[:60]] += outside((a, b), copying)
+    moved = asyncmoe.stats(model).totals["bytes_h2d"]
+    return {
+        "ms_per_token": ms,
+        "MB_per_token": moved / steps / 1e6,
+        "copying_ms": copy_us / steps / 1e3,
+        "compute_only_ms": (busy_us - copy_us) / steps / 1e3,
+        "idle_ms": ms - busy_us / steps / 1e3,
+        "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
+        "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
+        "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(8)],
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="olmoe-1b-7b")
+    p.add_argument("--cache", type=int, default=16)
+    p.add_argument("--routings", nargs="+", default=["trace", "oracle"])
+    p.add_argument("--budgets", type=int, nargs="+", default=[0, 1, 8])
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    base = random_model(args.shape, torch.bfloat16, "cuda")
+    prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    engine = h2d_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape}, cache {args.cache}")
+    rows = []
+    for routing in args.routings:
+        for budget in args.budgets:
+            model = asyncmoe.compile(
+                copy.deepcopy(base),
+                cache=args.cache,
+                prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
+                replay=trace_for(args.shape, routing),
+            )
+            r = {"routing": routing, "budget": budget, **timeline(model, args.steps, prompt)}
+            r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
+            r["ratio_to_engine_bytes"] = r["ms_per_token"] / (r["MB_per_token"] / engine)  # MB / (GB/s) = ms
+            rows.append(r)
+            print(
+                f"{routing:<8} budget {budget}: {r['ms_per_token']:.2f} ms/token, {r['MB_per_token']:.0f} MB, "
+                f"hit {100 * r['hit_rate']:.1f}%; copying {r['copying_ms']:.2f} ms at {r['copy_GB_per_s']:.1f} GB/s "
+                f"({100 * r['copy_share_of_engine']:.1f}% of the engine), compute only {r['compute_only_ms']:.2f} ms, "
+                f"idle {r['idle_ms']:.2f} ms; time / (bytes at the engine's speed) {r['ratio_to_engine_bytes']:.2f}",
+                flush=True,
+            )
+            for n, ms in r["exposed_top"]:
+                print(f"    {ms:7.3f} ms  {n}")
+            del model
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": engine, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
