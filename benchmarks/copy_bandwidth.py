@@ -169,6 +169,17 @@ class SwitchCopy:
         self.graph.replay()
 
 
+def host_experts(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """E random OLMoE-size experts [E, EXPERT_ELEMS] in pinned memory, and their UVA view on `dev`."""
+    spec = [(torch.Size([E, EXPERT_ELEMS]), torch.bfloat16)]
+    block = PinnedBlock(E * EXPERT_ELEMS * 2)
+    (host,) = carve(block.data, spec)
+    host.copy_(torch.randn(E, EXPERT_ELEMS, dtype=torch.bfloat16))
+    (view,) = carve(uva_view(block, dev), spec)
+    _keep.append(block)
+    return host, view
+
+
 def gemv_graph(ms: float) -> torch.cuda.CUDAGraph:
     """A graph of decode-sized bf16 GEMVs (a [1, 2048] input through 32 MB of weights) lasting about `ms`."""
     w = torch.randn(8192, 2048, dtype=torch.bfloat16, device="cuda")
@@ -224,11 +235,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
-    spec = [(torch.Size([E, EXPERT_ELEMS]), torch.bfloat16)]
-    block = PinnedBlock(E * EXPERT_ELEMS * 2)
-    (host,) = carve(block.data, spec)
-    host.copy_(torch.randn(E, EXPERT_ELEMS, dtype=torch.bfloat16))
-    (view,) = carve(uva_view(block, dev), spec)
+    host, view = host_experts(dev)
     slots = torch.empty(max(args.counts), EXPERT_ELEMS, dtype=torch.bfloat16, device=dev)
     expert_mb = EXPERT_ELEMS * 2 / 1e6
     rows = []

@@ -26,13 +26,13 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from switch_copy import _check, driver
 from triton.language.extra.cuda import globaltimer
 
 TIMEOUT_NS = 2_000_000_000
 
 _P, _U32, _SIZE = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_size_t
 _SIGNATURES = {
-    "cuGetErrorName": [ctypes.c_int, _P],
     "cuCtxSetCurrent": [_P],
     "cuCtxGetCurrent": [_P],
     "cuLaunchHostFunc": [_P, _P, _P],
@@ -46,11 +46,7 @@ _SEM_BYTES = 32  # sizeof(sem_t), glibc x86-64 and aarch64
 
 @functools.cache
 def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    for name, args in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
+    return driver(_SIGNATURES)
 
 
 @functools.cache
@@ -59,13 +55,6 @@ def _libc() -> ctypes.CDLL:
     for name in ("sem_init", "sem_wait", "sem_post"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(rc, ctypes.byref(name))
-        raise RuntimeError(f"{what} failed: CUDA driver error {rc} ({(name.value or b'?').decode()})")
 
 
 @triton.jit
@@ -161,10 +150,9 @@ def main():
     import json
     import statistics
 
-    from copy_bandwidth import EXPERT_ELEMS, E, gemv_graph
+    from copy_bandwidth import EXPERT_ELEMS, E, gemv_graph, host_experts
 
     import asyncmoe.kernels.gather_copy as gc
-    from asyncmoe.cache.host import PinnedBlock, carve, uva_view
 
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=16, help="copies in a row, as a decode step's layers issue them")
@@ -173,11 +161,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
-    spec = [(torch.Size([E, EXPERT_ELEMS]), torch.bfloat16)]
-    block = PinnedBlock(E * EXPERT_ELEMS * 2)
-    (host,) = carve(block.data, spec)
-    host.copy_(torch.randn(E, EXPERT_ELEMS, dtype=torch.bfloat16))
-    (view,) = carve(uva_view(block, dev), spec)
+    host, view = host_experts(dev)
     M = max(args.counts)
     slots = torch.empty(args.calls * M, EXPERT_ELEMS, dtype=torch.bfloat16, device=dev)
     expert_mb = EXPERT_ELEMS * 2 / 1e6

@@ -166,13 +166,18 @@ _SIGNATURES = {  # the driver entry points used, by their versioned names (CUDA 
 }
 
 
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
-    for name, args in _SIGNATURES.items():
+def driver(signatures: dict[str, list]) -> ctypes.CDLL:
+    """The CUDA driver library, with the argument types of `signatures`' entry points set (each returns CUresult)."""
+    lib = ctypes.CDLL("libcuda.so.1")  # loaded once by the process; this returns its handle
+    for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     return lib
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return driver(_SIGNATURES)
 
 
 def _check(rc: int, what: str) -> None:
