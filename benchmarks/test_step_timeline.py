@@ -1,0 +1,14 @@
+"""The span arithmetic that splits a step's time into copying, compute alone and idle (step_timeline.py)."""
+
+from step_timeline import outside, union
+
+
+def test_union_merges_overlapping_and_touching_spans():
+    assert union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+
+
+def test_outside_is_the_part_no_covered_span_holds():
+    covered = union([(1, 3), (5, 6)])
+    assert outside((0, 10), covered) == 7
+    assert outside((2, 5.5), covered) == 2  # 3..5
+    assert outside((1, 3), covered) == 0
