@@ -44,7 +44,6 @@ class SideStreams:
     def __init__(self):
         self.streams: dict[int, torch.cuda.Stream] = {}
         self.events: dict[tuple[str, int], torch.cuda.Event] = {}
-        self.recorded: set[tuple[str, int]] = set()
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device.index not in self.streams:
@@ -61,15 +60,15 @@ class SideStreams:
 
     def mark(self, kind: str, routed: Tensor) -> None:
         """Record the event `kind` of an `ensure` (`decided`: its tables are written; `copied`: its copies are made)
-        on the current stream, for the cache whose `routed` is `routed`."""
+        on the current stream, for the cache whose `routed` is `routed`. Only this creates those events, so
+        `fork` and `after_copies` know by their existence that an `ensure` has recorded them."""
         self._event(kind, routed).record()
-        self.recorded.add((kind, routed.data_ptr()))
 
     def fork(self, device: torch.device, source: Tensor | None = None) -> torch.cuda.Stream:
         """The side stream, made to wait for the work queued so far on the current stream, or, given the `routed`
         of a cache whose `ensure` has run, only for that `ensure`'s decision (its copies may still run)."""
         side = self.stream(device)
-        if source is not None and ("decided", source.data_ptr()) in self.recorded:
+        if source is not None and ("decided", source.data_ptr()) in self.events:
             side.wait_event(self._event("decided", source))
         else:
             side.wait_stream(torch.cuda.current_stream())
@@ -77,7 +76,7 @@ class SideStreams:
 
     def after_copies(self, source: Tensor | None) -> None:
         """Make the current (side) stream wait for the copies of `source`'s last `ensure`, if it forked before them."""
-        if source is not None and ("copied", source.data_ptr()) in self.recorded:
+        if source is not None and ("copied", source.data_ptr()) in self.events:
             torch.cuda.current_stream().wait_event(self._event("copied", source))
 
     def _event(self, kind: str, t: Tensor) -> torch.cuda.Event:
@@ -138,10 +137,11 @@ def _ensure(
     if timed:
         clock.stamp(s.timer, TIMER_WAITED)
     out, copies = algorithm.ensure_plan(top_k_index, wave, policy, s, slots)
-    if s.expert_to_slot.is_cuda:
+    cuda = s.expert_to_slot.is_cuda
+    if cuda:
         SIDE.mark("decided", s.routed)
     algorithm.copy_in(hosts, slots, copies)
-    if s.expert_to_slot.is_cuda:
+    if cuda:
         SIDE.mark("copied", s.routed)
     if timed:
         clock.lap(s.timer)
