@@ -173,6 +173,7 @@ if triton is not None:
         last_use = tl.load(last_use_ptr + c, mask=cmask, other=0)
         born = tl.load(born_ptr + c, mask=cmask, other=0)
         freq = tl.load(freq_ptr + c, mask=cmask, other=0)
+        lfru = (freq << LFRU_SHIFT) // (1 + clock - last_use)  # LFRU's score and Markov's tie-break
         if POLICY == POLICY_LRU:
             score = last_use
         elif POLICY == POLICY_FIFO:
@@ -180,7 +181,7 @@ if triton is not None:
         elif POLICY == POLICY_LFU:
             score = freq
         elif POLICY == POLICY_LFRU:
-            score = (freq << LFRU_SHIFT) // (1 + clock - last_use)
+            score = lfru
         else:  # Markov.score: the mean of `follows` rows of the routed experts at each slot's expert, then LFRU
             tl.static_assert(POLICY == POLICY_MARKOV)
             likely = tl.zeros([BC], dtype=tl.int64)
@@ -192,8 +193,7 @@ if triton is not None:
                 f = tl.load(at, mask=on[:, None] & (cmask & (s2e >= 0))[None, :], other=0)
                 likely += tl.sum(f.to(tl.int64), axis=0)
             likely = tl.minimum(likely // tl.maximum(n_routed, 1), LIKELY_MAX)
-            lfru = tl.minimum((freq << LFRU_SHIFT) // (1 + clock - last_use), LFRU_MAX)
-            score = (likely << LIKELY_SHIFT) | lfru
+            score = (likely << LIKELY_SHIFT) | tl.minimum(lfru, LFRU_MAX)
         key = (tier.to(tl.int64) << 59) | (score << _SLOT_BITS) | c
         key = tl.where(cmask, key, (1 << 62))
         order = tl.sort(key)  # victims first
