@@ -26,7 +26,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
-from switch_copy import _check, driver
+from switch_copy import check, driver
 from triton.language.extra.cuda import globaltimer
 
 TIMEOUT_NS = 2_000_000_000
@@ -106,7 +106,7 @@ class CopyProxy:
         ctx = ctypes.c_void_p()
         with torch.cuda.device(dev):
             torch.cuda.current_stream().synchronize()  # the primary context exists and is current
-            _check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         self._ctx = ctx
         self._stop = False
         self._thread = threading.Thread(target=self._serve, name="asyncmoe-copy-proxy", daemon=True)
@@ -115,7 +115,7 @@ class CopyProxy:
     def copy(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor) -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         _post[(1,)](self.row, self.seq, src, dst, count, self.M, triton.next_power_of_2(self.M))
-        _check(_driver().cuLaunchHostFunc(stream, self._ring, ctypes.addressof(self._bell)), "cuLaunchHostFunc")
+        check(_driver().cuLaunchHostFunc(stream, self._ring, ctypes.addressof(self._bell)), "cuLaunchHostFunc")
         _wait[(1,)](self.seq, self.done, self.stalled, TIMEOUT_NS, num_warps=1)
 
     def close(self) -> None:
@@ -126,9 +126,9 @@ class CopyProxy:
 
     def _serve(self) -> None:
         d, libc = _driver(), _libc()
-        _check(d.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        check(d.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         mode = ctypes.c_int(_CAPTURE_RELAXED)
-        _check(d.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
+        check(d.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
         copy, done = ctypes.c_void_p(self._copy.cuda_stream), self.done.data_ptr()
         host, slots, nbytes, M = self.host.data_ptr(), self.slots.data_ptr(), self._bytes, self.M
         seq = 0
@@ -141,8 +141,8 @@ class CopyProxy:
             n = int(self._row[0])
             for i in range(n):
                 s, t = int(self._row[1 + i]), int(self._row[1 + M + i])
-                _check(d.cuMemcpyAsync(slots + t * nbytes, host + s * nbytes, nbytes, copy), "cuMemcpyAsync")
-            _check(d.cuStreamWriteValue32_v2(copy, done, seq, 0), "cuStreamWriteValue32")
+                check(d.cuMemcpyAsync(slots + t * nbytes, host + s * nbytes, nbytes, copy), "cuMemcpyAsync")
+            check(d.cuStreamWriteValue32_v2(copy, done, seq, 0), "cuStreamWriteValue32")
 
 
 def main():

@@ -180,7 +180,7 @@ def _driver() -> ctypes.CDLL:
     return driver(_SIGNATURES)
 
 
-def _check(rc: int, what: str) -> None:
+def check(rc: int, what: str) -> None:
     if rc != 0:
         name = ctypes.c_char_p()
         _driver().cuGetErrorName(rc, ctypes.byref(name))
@@ -192,8 +192,8 @@ def _set_switches(device: int) -> ctypes.c_void_p:
     """The handle-setting kernel, loaded into `device`'s current context."""
     del device  # a cache key: one module per device's context
     module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    _check(_driver().cuModuleLoadData(ctypes.byref(module), _SET_SWITCHES_PTX), "loading the set_switches PTX")
-    _check(_driver().cuModuleGetFunction(ctypes.byref(fn), module, b"set_switches"), "cuModuleGetFunction")
+    check(_driver().cuModuleLoadData(ctypes.byref(module), _SET_SWITCHES_PTX), "loading the set_switches PTX")
+    check(_driver().cuModuleGetFunction(ctypes.byref(fn), module, b"set_switches"), "cuModuleGetFunction")
     return fn
 
 
@@ -201,7 +201,7 @@ def supported() -> bool:
     """Switch nodes need a CUDA 12.8 driver; the copy path needs the current stream to be capturing."""
     version = ctypes.c_int()
     try:
-        _check(_driver().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+        check(_driver().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
     except OSError:
         return False
     return version.value >= 12080
@@ -211,7 +211,7 @@ def _capture(stream: int) -> tuple[ctypes.c_void_p, list[ctypes.c_void_p]]:
     """The graph `stream` is capturing into and the nodes its next work depends on."""
     status, graph = ctypes.c_int(), ctypes.c_void_p()
     deps, edges, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_void_p(), ctypes.c_size_t()
-    _check(
+    check(
         _driver().cuStreamGetCaptureInfo_v3(
             ctypes.c_void_p(stream),
             ctypes.byref(status),
@@ -232,7 +232,7 @@ def _memcpy(body: ctypes.c_void_p, dst: int, src: int, nbytes: int, ctx: ctypes.
     p = _Memcpy3D(srcMemoryType=_MEMORY_UNIFIED, srcDevice=src, dstMemoryType=_MEMORY_UNIFIED, dstDevice=dst)
     p.WidthInBytes, p.Height, p.Depth = nbytes, 1, 1
     node = ctypes.c_void_p()
-    _check(_driver().cuGraphAddMemcpyNode(ctypes.byref(node), body, None, 0, ctypes.byref(p), ctx), "memcpy node")
+    check(_driver().cuGraphAddMemcpyNode(ctypes.byref(node), body, None, 0, ctypes.byref(p), ctx), "memcpy node")
 
 
 def _switch(graph, deps, handle, bodies: int, ctx) -> tuple[ctypes.c_void_p, list[ctypes.c_void_p]]:
@@ -241,7 +241,7 @@ def _switch(graph, deps, handle, bodies: int, ctx) -> tuple[ctypes.c_void_p, lis
     p.conditional = _Conditional(handle=handle, type=_COND_SWITCH, size=bodies, ctx=ctx)
     node = ctypes.c_void_p()
     dep_array = (ctypes.c_void_p * len(deps))(*[d.value for d in deps])
-    _check(
+    check(
         _driver().cuGraphAddNode_v2(ctypes.byref(node), graph, dep_array, None, len(deps), ctypes.byref(p)),
         "adding a switch node (needs a CUDA 12.8 driver)",
     )
@@ -266,11 +266,11 @@ def switch_copy(
     stream = torch.cuda.current_stream()
     graph, deps = _capture(stream.cuda_stream)
     ctx = ctypes.c_void_p()
-    _check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    check(_driver().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     handles = []
     for _ in range(M):
         h = ctypes.c_uint64()
-        _check(_driver().cuGraphConditionalHandleCreate(ctypes.byref(h), graph, ctx, 0, 0), "conditional handle")
+        check(_driver().cuGraphConditionalHandleCreate(ctypes.byref(h), graph, ctx, 0, 0), "conditional handle")
         handles.append(h.value)
     fn = _set_switches(stream.device.index)
     for first in range(0, M, HANDLES_PER_LAUNCH):
@@ -284,7 +284,7 @@ def switch_copy(
             _Handles((ctypes.c_uint64 * HANDLES_PER_LAUNCH)(*chunk)),
         ]
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        _check(
+        check(
             _driver().cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream), params, None),
             "launching set_switches",
         )
@@ -297,7 +297,7 @@ def switch_copy(
                 _memcpy(body, stage[i].data_ptr(), host[e].data_ptr(), stage[i].numel() * stage.element_size(), ctx)
         ends.append(node)
     end_array = (ctypes.c_void_p * M)(*[n.value for n in ends])
-    _check(
+    check(
         _driver().cuStreamUpdateCaptureDependencies_v2(
             ctypes.c_void_p(stream.cuda_stream), end_array, None, M, _SET_DEPENDENCIES
         ),
