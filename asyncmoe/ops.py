@@ -12,12 +12,13 @@ admit and copy there, off the compute stream's path. Given the `routed` of the l
 (`source`), they fork from that layer's `ensure` once it has decided, not once its copies are done: the
 prediction and the admission run while the misses copy, and the prefetch's own copy starts as soon as the
 misses' copies end, so the link does not idle between them and misses still go first. `gate_scores` records
-an event once it has read
-its input, which `gate_join` makes the compute stream wait on before that input may be freed or reused;
-`prefetch` records one event per target cache, which `ensure(wait=True)` makes the compute stream wait
-on before it reads the tables. Every prefetch targets a later layer of the same forward, whose `ensure`
-waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture must end
-joined). On the CPU there are no streams: both run inline.
+an event once it has read its input, which `gate_join` makes the compute stream wait on before that input may
+be freed or reused. `prefetch` records two events per target cache: `planned` (its tables are written) and
+`ready` (its copies are made). The target's `ensure(wait=True)` waits for `planned` before it decides, and for
+`ready` only before its own copies: it decides while the prefetch copies, and its misses' copies follow the
+prefetch's on the link with no decision between them. Every prefetch targets a later layer of the same forward,
+whose `ensure` waits, so side-stream work has rejoined before the forward returns (a CUDA-graph capture must
+end joined). On the CPU there are no streams: both run inline.
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from torch import Tensor
 
 from .cache import algorithm
 from .cache.expert_cache import ExpertCache
-from .cache.state import COUNTERS, PACE_STAMP, TIMER_START, TIMER_WAITED, TRANSITION, CacheState
+from .cache.state import (
+    COUNTERS,
+    PACE_STAMP,
+    TIMER_SIZE,
+    TIMER_START,
+    TIMER_WAIT_FROM,
+    TIMER_WAITED,
+    TRANSITION,
+    CacheState,
+)
 from .formats import FP8, scale_shape
 from .kernels import clock, dequant_mm, fp8_gemv, gemv4
 from .predict import predictors
@@ -35,8 +45,8 @@ from .predict.prefetch import Request, predict_and_plan, predict_and_prefetch
 
 
 class SideStreams:
-    """The prefetch side stream of each device, the event each target cache's last prefetch recorded, and the
-    two each cache's last `ensure` recorded (decided, copied).
+    """The prefetch side stream of each device, the two events each target cache's last prefetch recorded
+    (planned, ready), and the two each cache's last `ensure` recorded (decided, copied).
 
     Owned by this module: a custom op sees only tensors, so it finds a cache's event by the address of one of
     the cache's buffers, which never changes (buffers are allocated once)."""
@@ -50,8 +60,12 @@ class SideStreams:
             self.streams[device.index] = torch.cuda.Stream(device)
         return self.streams[device.index]
 
+    def planned(self, target: Tensor) -> torch.cuda.Event:
+        """The event of the last prefetch into the cache whose `expert_to_slot` is `target`: its tables are written."""
+        return self._event("planned", target)
+
     def ready(self, target: Tensor) -> torch.cuda.Event:
-        """The event of the last prefetch into the target whose `expert_to_slot` is `target`."""
+        """The event of the last prefetch into the cache whose `expert_to_slot` is `target`: its copies are made."""
         return self._event("ready", target)
 
     def read(self, gate: Tensor) -> torch.cuda.Event:
@@ -101,7 +115,8 @@ def _check_state(state: list[Tensor]) -> CacheState:
     torch._check(s.expert_to_slot.dtype == torch.int64, lambda: "expert_to_slot must be int64")
     torch._check(s.counters.shape == (len(COUNTERS),), lambda: f"counters must be [{len(COUNTERS)}]")
     torch._check(
-        s.timer.numel() in (0, 4), lambda: f"timer must be empty (not timed) or [4], got {tuple(s.timer.shape)}"
+        s.timer.numel() in (0, TIMER_SIZE),
+        lambda: f"timer must be empty (not timed) or [{TIMER_SIZE}], got {tuple(s.timer.shape)}",
     )
     torch._check(s.pace.shape == (3,), lambda: f"pace must be [3], got {tuple(s.pace.shape)}")
     return s
@@ -121,25 +136,29 @@ def _ensure(
     """Make this call's wave of routed experts resident in the slots; return their slot ids.
 
     Decided on the device with fixed-shape ops (`cache.algorithm`); misses are copied host -> slot by the
-    gather-copy kernel, whose count stays in device memory. `wait`: first wait for the prefetch into this
-    layer issued earlier in the forward. A non-empty `timer` (CUDA) times the wait and the rest on the GPU
-    clock (kernels.clock). `lap`: first fold the time since the prefetch op stamped `pace` into its window
-    (the compute that prefetch had to hide behind; see `providers.link`).
+    gather-copy kernel, whose count stays in device memory. `wait`: the prefetch into this layer issued earlier
+    in the forward: decide once it has decided, copy once its copies are made (they may fill a slot this
+    decision evicts). A non-empty `timer` (CUDA) times the wait for those copies and the rest on the GPU clock
+    (kernels.clock). `lap`: first fold the time since the prefetch op stamped `pace` into its window (the
+    compute that prefetch had to hide behind; see `providers.link`).
     """
     s = CacheState._make(state)
-    if lap and s.expert_to_slot.is_cuda:
+    cuda, timed = s.expert_to_slot.is_cuda, s.timer.numel() > 0
+    if lap and cuda:
         clock.window(s.pace)
-    timed = s.timer.numel() > 0
     if timed:
         clock.stamp(s.timer, TIMER_START)
-    if wait and s.expert_to_slot.is_cuda:
+    if wait and cuda:
+        torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
+    out, copies = algorithm.ensure_plan(top_k_index, wave, policy, s, slots)
+    if cuda:
+        SIDE.mark("decided", s.routed)
+    if timed:
+        clock.stamp(s.timer, TIMER_WAIT_FROM)
+    if wait and cuda:
         torch.cuda.current_stream().wait_event(SIDE.ready(s.expert_to_slot))
     if timed:
         clock.stamp(s.timer, TIMER_WAITED)
-    out, copies = algorithm.ensure_plan(top_k_index, wave, policy, s, slots)
-    cuda = s.expert_to_slot.is_cuda
-    if cuda:
-        SIDE.mark("decided", s.routed)
     algorithm.copy_in(hosts, slots, copies)
     if cuda:
         SIDE.mark("copied", s.routed)
@@ -202,6 +221,7 @@ def _prefetch(
         clock.stamp(s.pace, PACE_STAMP)
     with torch.cuda.stream(SIDE.fork(s.expert_to_slot.device, source)):
         copies = predict_and_plan(request, s, routed_before, slots)
+        SIDE.planned(s.expert_to_slot).record()
         SIDE.after_copies(source)
         algorithm.copy_in(hosts, slots, copies, request.copy_programs)
         SIDE.ready(s.expert_to_slot).record()

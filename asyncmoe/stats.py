@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
-from .cache.state import COUNTERS
+from .cache.state import COUNTERS, TIMER_WAIT_NS
 from .predict.prefetch_gate import MIN_PRECISION, gate_precision
 
 
@@ -36,7 +36,7 @@ class LayerStats:
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
     # GPU-clock time on the compute stream, summed over calls (compile(..., time_stalls=True); else None):
-    wait_ns: int | None = None  # waiting for the prefetch into this layer to finish
+    wait_ns: int | None = None  # waiting for the prefetch into this layer to finish its copies
     ensure_ns: int | None = None  # `ensure`'s decision and its copies of the misses
 
     @property
@@ -203,7 +203,7 @@ def read_stats(
             torch.cat(
                 [
                     c.counters,
-                    c.timer[2:] if c.timer.numel() else c.counters.new_zeros(2),
+                    c.timer[TIMER_WAIT_NS:] if c.timer.numel() else c.counters.new_zeros(2),
                     c.counters.new_tensor([c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]),
                 ]
             )

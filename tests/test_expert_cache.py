@@ -7,7 +7,7 @@ import torch
 import asyncmoe
 from asyncmoe import ops
 from asyncmoe.cache.expert_cache import ExpertCache, expert_bytes, num_waves
-from asyncmoe.cache.state import COUNTERS, CacheState, Counter
+from asyncmoe.cache.state import COUNTERS, TIMER_SIZE, CacheState, Counter
 
 from models import tiny
 
@@ -30,7 +30,7 @@ def test_state_fields_are_the_buffers():
     assert state.transitions.shape == (4, 6) and state.timer.numel() == 0 and state.pace.shape == (3,)
     assert state.counters.shape == (len(COUNTERS),) == (len(Counter),)
     assert COUNTERS[Counter.HITS] == "hits" and COUNTERS[Counter.PREFETCH_VICTIMS] == "prefetch_victims"
-    assert make_cache(E=6, C=2, policy="lru", time_stalls=True).timer.numel() == 4
+    assert make_cache(E=6, C=2, policy="lru", time_stalls=True).timer.numel() == TIMER_SIZE
 
 
 def test_linked_caches_share_the_pace_they_are_given():

@@ -93,6 +93,29 @@ def test_a_prefetch_forks_at_the_source_decision_and_copies_after_its_copies():
     compute.synchronize()
 
 
+@pytest.mark.cuda
+def test_ensure_decides_while_the_prefetch_copies_and_copies_after_it():
+    """`ensure(wait=True)` waits for the prefetch into its layer to have planned, not to have copied: it decides
+    while the prefetch's copies run and makes its own copies after them. Here the prefetch's "copies" are a sleep of
+    about a second on the side stream."""
+    cache = ExpertCache({"w": torch.randn(10, 4, 3, device="cuda")}, 4, "lru")
+    side = ops.SIDE.stream(cache.routed.device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        ops.SIDE.planned(cache.expert_to_slot).record()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
+        ops.SIDE.ready(cache.expert_to_slot).record()
+        slept = torch.cuda.Event()
+        slept.record()
+    slots = ops.ensure(cache, torch.tensor([[0, 1]], device="cuda"), 0, wait=True)
+    ops.SIDE._event("decided", cache.routed).synchronize()
+    assert not slept.query(), "ensure waited for the prefetch's copies before deciding"
+    ops.SIDE._event("copied", cache.routed).synchronize()
+    assert slept.query(), "ensure copied before the prefetch's copies were made"
+    torch.cuda.synchronize()
+    assert torch.equal(cache.slots[0][slots[0]], cache.hosts[0][[0, 1]])
+
+
 def test_gate_scores_with_a_recorded_gate_score_what_was_recorded():
     """A replayed layer: the live router runs, and the recorded gate of the rows at the cursor replaces it."""
     x, weight = torch.randn(2, 8), torch.randn(4, 8)

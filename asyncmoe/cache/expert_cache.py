@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .policies import get_policy
-from .state import COUNTERS, CacheState
+from .state import COUNTERS, TIMER_SIZE, CacheState
 
 
 class ExpertCache(nn.Module):
@@ -68,7 +68,7 @@ class ExpertCache(nn.Module):
             transitions=torch.zeros(transitions_from, E, **f32),
             follows=torch.zeros((E, E) if learns else (0, 0), dtype=torch.int32, device=device),
             # empty when not timed: a custom op cannot take an optional tensor it mutates under Inductor
-            timer=torch.zeros(4 if time_stalls else 0, **i64),
+            timer=torch.zeros(TIMER_SIZE if time_stalls else 0, **i64),
             pace=torch.zeros(3, **i64) if pace is None else pace,
         )
         assert tuple(buffers) == CacheState._fields

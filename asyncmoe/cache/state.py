@@ -43,9 +43,10 @@ GATE, TEMPORAL, TRANSITION = 1, 2, 4  # their bits
 # `pace` [3] int64, one tensor shared by every linked layer: a GPU-clock stamp (ns) taken before the first layer's
 # prefetch, the compute that prefetch hid behind in the last call (ns), and one expert's copy (ns); 0: not measured
 PACE_STAMP, PACE_WINDOW, PACE_COPY = clock.STAMP, clock.WINDOW, 2
-# `timer` [4] int64 (stall timing; empty when off): two GPU-clock stamps, then the summed ns waited for the
-# prefetch and spent in `ensure`'s own decision and copies
-TIMER_START, TIMER_WAITED, TIMER_WAIT_NS, TIMER_ENSURE_NS = clock.START, clock.WAITED, clock.WAIT_NS, clock.ENSURE_NS
+# `timer` [5] int64 (stall timing; empty when off): three GPU-clock stamps, then the summed ns waited for the
+# prefetch's copies and spent in `ensure`'s own decision and copies
+TIMER_START, TIMER_WAIT_FROM, TIMER_WAITED = clock.START, clock.WAIT_FROM, clock.WAITED
+TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_SIZE = clock.WAIT_NS, clock.ENSURE_NS, clock.TIMER_SIZE
 # `outcomes` [4] float32, the prefetch gate's evidence: decayed (wasted, paid) prefetches, then the (wasted, paid)
 # totals it last read from the counters
 WASTED, PAID, SEEN_WASTED, SEEN_PAID = 0, 1, 2, 3
@@ -79,5 +80,5 @@ class CacheState(NamedTuple):
     outcomes: Tensor  # [4] float32: the prefetch gate's evidence (WASTED, PAID, SEEN_WASTED, SEEN_PAID)
     transitions: Tensor  # [E', E] float32: decayed (expert at the previous layer -> here) counts; [0, E] if unused
     follows: Tensor  # [E, E] int32: the Markov policy's (expert in a call -> in the next call) counts; [0, 0] if unused
-    timer: Tensor  # [4] int64 (TIMER_*), or [0] when stall timing is off
+    timer: Tensor  # [TIMER_SIZE] int64 (TIMER_*), or [0] when stall timing is off
     pace: Tensor  # [3] int64 (PACE_*), shared by the linked layers

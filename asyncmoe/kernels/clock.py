@@ -21,7 +21,8 @@ except ImportError:  # non-Linux
     triton = None
 
 # The layouts the kernels below write (the cache's `timer` and `pace` use them: cache/state.py)
-START, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3  # a timer [4]: two stamps, then two sums of ns
+START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3, 4  # a timer [5]: three stamps, then two sums of ns
+TIMER_SIZE = 5
 STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` call
 
 if triton is not None:
@@ -35,11 +36,22 @@ if triton is not None:
         tl.store(times_ptr + AT, _now())
 
     @triton.jit
-    def _lap(times_ptr, START: tl.constexpr, WAITED: tl.constexpr, WAIT_NS: tl.constexpr, ENSURE_NS: tl.constexpr):
+    def _lap(
+        times_ptr,
+        START: tl.constexpr,
+        WAIT_FROM: tl.constexpr,
+        WAITED: tl.constexpr,
+        WAIT_NS: tl.constexpr,
+        ENSURE_NS: tl.constexpr,
+    ):
         now = _now()
-        start, mid = tl.load(times_ptr + START), tl.load(times_ptr + WAITED)
-        tl.store(times_ptr + WAIT_NS, tl.load(times_ptr + WAIT_NS) + (mid - start))
-        tl.store(times_ptr + ENSURE_NS, tl.load(times_ptr + ENSURE_NS) + (now - mid))
+        start, wait_from, waited = (
+            tl.load(times_ptr + START),
+            tl.load(times_ptr + WAIT_FROM),
+            tl.load(times_ptr + WAITED),
+        )
+        tl.store(times_ptr + WAIT_NS, tl.load(times_ptr + WAIT_NS) + (waited - wait_from))
+        tl.store(times_ptr + ENSURE_NS, tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited))
 
     @triton.jit
     def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
@@ -53,8 +65,10 @@ def stamp(times: torch.Tensor, at: int) -> None:
 
 
 def lap(times: torch.Tensor) -> None:
-    """times[WAIT_NS] += times[WAITED] - times[START]; times[ENSURE_NS] += now - times[WAITED] (ns)."""
-    _lap[(1,)](times, START=START, WAITED=WAITED, WAIT_NS=WAIT_NS, ENSURE_NS=ENSURE_NS, num_warps=1)
+    """times[WAIT_NS] += the ns from WAIT_FROM to WAITED; times[ENSURE_NS] += the rest since START."""
+    _lap[(1,)](
+        times, START=START, WAIT_FROM=WAIT_FROM, WAITED=WAITED, WAIT_NS=WAIT_NS, ENSURE_NS=ENSURE_NS, num_warps=1
+    )
 
 
 def window(pace: torch.Tensor) -> None:
