@@ -7,9 +7,10 @@ names every tensor an op may write, so functionalization orders the expert compu
 it reads, and a layer's `ensure` after the `prefetch` into the same layer (both write its tables).
 Each op has its fake beside it, whose `torch._check`s state the contract.
 
-Streams: `gate_scores` and `prefetch` fork a side stream from the current (compute) stream and predict,
-admit and copy there, off the compute stream's path. Given the `routed` of the layer they predict from
-(`source`), they fork from that layer's `ensure` once it has decided, not once its copies are done: the
+Streams: `gate_scores` and `prefetch` fork a side stream from the current (compute) stream and predict and
+admit there, off the compute stream's path; `prefetch` copies on a second side stream, so that the next
+prefetch's prediction need not queue behind this one's copies. Given the `routed` of the layer they predict
+from (`source`), they fork from that layer's `ensure` once it has decided, not once its copies are done: the
 prediction and the admission run while the misses copy, and the prefetch's own copy starts as soon as the
 misses' copies end, so the link does not idle between them and misses still go first. `gate_scores` records
 an event once it has read its input, which `gate_join` makes the compute stream wait on before that input may
@@ -45,20 +46,22 @@ from .predict.prefetch import Request, predict_and_plan, predict_and_prefetch
 
 
 class SideStreams:
-    """The prefetch side stream of each device, the two events each target cache's last prefetch recorded
-    (planned, ready), and the two each cache's last `ensure` recorded (decided, copied).
+    """The two side streams of each device (`predict`: gate scores and prefetch decisions; `copy`: prefetch
+    copies), the two events each target cache's last prefetch recorded (planned, ready), and the two each
+    cache's last `ensure` recorded (decided, copied).
 
     Owned by this module: a custom op sees only tensors, so it finds a cache's event by the address of one of
     the cache's buffers, which never changes (buffers are allocated once)."""
 
     def __init__(self):
-        self.streams: dict[int, torch.cuda.Stream] = {}
+        self.streams: dict[tuple[str, int], torch.cuda.Stream] = {}
         self.events: dict[tuple[str, int], torch.cuda.Event] = {}
 
-    def stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device.index not in self.streams:
-            self.streams[device.index] = torch.cuda.Stream(device)
-        return self.streams[device.index]
+    def stream(self, device: torch.device, kind: str = "predict") -> torch.cuda.Stream:
+        key = (kind, device.index)
+        if key not in self.streams:
+            self.streams[key] = torch.cuda.Stream(device)
+        return self.streams[key]
 
     def planned(self, target: Tensor) -> torch.cuda.Event:
         """The event of the last prefetch into the cache whose `expert_to_slot` is `target`: its tables are written."""
@@ -75,7 +78,7 @@ class SideStreams:
     def mark(self, kind: str, routed: Tensor) -> None:
         """Record the event `kind` of an `ensure` (`decided`: its tables are written; `copied`: its copies are made)
         on the current stream, for the cache whose `routed` is `routed`. Only this creates those events, so
-        `fork` and `after_copies` know by their existence that an `ensure` has recorded them."""
+        `fork` and `copier` know by their existence that an `ensure` has recorded them."""
         self._event(kind, routed).record()
 
     def fork(self, device: torch.device, source: Tensor | None = None) -> torch.cuda.Stream:
@@ -88,10 +91,17 @@ class SideStreams:
             side.wait_stream(torch.cuda.current_stream())
         return side
 
-    def after_copies(self, source: Tensor | None) -> None:
-        """Make the current (side) stream wait for the copies of `source`'s last `ensure`, if it forked before them."""
+    def copier(self, target: Tensor, source: Tensor | None, copies: tuple[Tensor, ...]) -> torch.cuda.Stream:
+        """The copy stream, made to wait for the prefetch decision into `target` (recorded `planned`) and for the
+        copies of `source`'s last `ensure`, if any; the decision's `copies`, made on the predict stream, are kept
+        from reuse until the copy stream is done with them."""
+        copy = self.stream(target.device, "copy")
+        copy.wait_event(self.planned(target))
         if source is not None and ("copied", source.data_ptr()) in self.events:
-            torch.cuda.current_stream().wait_event(self._event("copied", source))
+            copy.wait_event(self._event("copied", source))
+        for t in copies:
+            t.record_stream(copy)
+        return copy
 
     def _event(self, kind: str, t: Tensor) -> torch.cuda.Event:
         key = (kind, t.data_ptr())
@@ -222,7 +232,7 @@ def _prefetch(
     with torch.cuda.stream(SIDE.fork(s.expert_to_slot.device, source)):
         copies = predict_and_plan(request, s, routed_before, slots)
         SIDE.planned(s.expert_to_slot).record()
-        SIDE.after_copies(source)
+    with torch.cuda.stream(SIDE.copier(s.expert_to_slot, source, copies)):
         algorithm.copy_in(hosts, slots, copies, request.copy_programs)
         SIDE.ready(s.expert_to_slot).record()
 

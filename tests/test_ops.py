@@ -70,36 +70,45 @@ def test_gate_scores_opcheck(bias, source):
 
 @pytest.mark.cuda
 def test_a_prefetch_forks_at_the_source_decision_and_copies_after_its_copies():
-    """The side stream, forked with a source whose `ensure` has run, waits only for that ensure's decision; its
-    copies wait for the ensure's copies. Here the "copies" are a sleep of about a second on the compute stream."""
+    """The predict stream, forked with a source whose `ensure` has run, waits only for that ensure's decision; the
+    copy stream waits for the ensure's copies; and the next prediction does not queue behind a prefetch's copies.
+    Here the source's "copies" and then the prefetch's are sleeps of about a second."""
     routed = torch.zeros(8, dtype=torch.bool, device="cuda")
+    target = torch.full((9,), -1, dtype=torch.int64, device="cuda")  # the target's expert_to_slot
     compute = torch.cuda.current_stream()
-    ops.SIDE.stream(routed.device)  # created before the timed part
+    ops.SIDE.stream(routed.device), ops.SIDE.stream(routed.device, "copy")  # created before the timed part
     torch.cuda.synchronize()
     ops.SIDE.mark("decided", routed)
     torch.cuda._sleep(2_000_000_000)  # about a second of GPU clock cycles
     ops.SIDE.mark("copied", routed)
     slept = torch.cuda.Event()
     slept.record()
-    planned, copied = torch.cuda.Event(), torch.cuda.Event()
+    planned, copying, next_planned = torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()
     with torch.cuda.stream(ops.SIDE.fork(routed.device, routed)):
+        ops.SIDE.planned(target).record()
         planned.record()
-        ops.SIDE.after_copies(routed)
-        copied.record()
+    with torch.cuda.stream(ops.SIDE.copier(target, routed, ())):
+        copying.record()
+        torch.cuda._sleep(2_000_000_000)
+    with torch.cuda.stream(ops.SIDE.fork(routed.device, routed)):
+        next_planned.record()
     planned.synchronize()
-    assert not slept.query(), "the side stream waited for the source's copies before planning"
-    copied.synchronize()
-    assert slept.query(), "the side stream copied before the source's copies were made"
-    compute.synchronize()
+    assert not slept.query(), "the predict stream waited for the source's copies before planning"
+    copying.synchronize()
+    assert slept.query(), "the copy stream copied before the source's copies were made"
+    next_planned.synchronize()
+    assert not ops.SIDE.stream(routed.device, "copy").query(), "the next prediction waited for the prefetch's copies"
+    torch.cuda.synchronize()
+    assert compute.query()
 
 
 @pytest.mark.cuda
 def test_ensure_decides_while_the_prefetch_copies_and_copies_after_it():
     """`ensure(wait=True)` waits for the prefetch into its layer to have planned, not to have copied: it decides
     while the prefetch's copies run and makes its own copies after them. Here the prefetch's "copies" are a sleep of
-    about a second on the side stream."""
+    about a second on the copy stream."""
     cache = ExpertCache({"w": torch.randn(10, 4, 3, device="cuda")}, 4, "lru")
-    side = ops.SIDE.stream(cache.routed.device)
+    side = ops.SIDE.stream(cache.routed.device, "copy")
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         ops.SIDE.planned(cache.expert_to_slot).record()
