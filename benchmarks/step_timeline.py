@@ -30,6 +30,7 @@ from decode_step import h2d_bandwidth
 from shapes import random_model
 
 COPY_KERNEL = "_gather_copy_kernel"
+SHORT_GAP_US = 20.0  # a hole between two copies shorter than this is a kernel boundary, not compute waited for
 
 
 def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -47,6 +48,11 @@ def outside(span: tuple[float, float], covered: list[tuple[float, float]]) -> fl
     a, b = span
     inside = sum(max(0.0, min(b, y) - max(a, x)) for x, y in covered if x < b and y > a)
     return (b - a) - inside
+
+
+def gaps(spans: list[tuple[float, float]]) -> list[float]:
+    """The holes between consecutive sorted, disjoint spans."""
+    return [b[0] - a[1] for a, b in zip(spans, spans[1:])]
 
 
 def kernels(prof) -> list[tuple[str, float, float]]:
@@ -82,6 +88,8 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
     for n, a, b in ks:
         if not n.startswith(COPY_KERNEL):
             exposed[n[:60]] += outside((a, b), copying)
+    holes = gaps(copying)
+    short = [g for g in holes if g < SHORT_GAP_US]
     moved = asyncmoe.stats(model).totals["bytes_h2d"]
     return {
         "ms_per_token": ms,
@@ -89,6 +97,10 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         "copying_ms": copy_us / steps / 1e3,
         "compute_only_ms": (busy_us - copy_us) / steps / 1e3,
         "idle_ms": ms - busy_us / steps / 1e3,
+        "copy_launches": sum(n.startswith(COPY_KERNEL) for n, _, _ in ks) / steps,
+        "short_gaps": len(short) / steps,  # between copies, per token: kernel boundaries
+        "short_gaps_ms": sum(short) / steps / 1e3,
+        "long_gaps_ms": (sum(holes) - sum(short)) / steps / 1e3,  # between copies: waiting for compute
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
         "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
         "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(8)],
@@ -127,6 +139,11 @@ def main():
                 f"({100 * r['copy_share_of_engine']:.1f}% of the engine), compute only {r['compute_only_ms']:.2f} ms, "
                 f"idle {r['idle_ms']:.2f} ms; time / (bytes at the engine's speed) {r['ratio_to_engine_bytes']:.2f}",
                 flush=True,
+            )
+            print(
+                f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
+                f"{r['short_gaps_ms']:.3f} ms; longer ones {r['long_gaps_ms']:.3f} ms; "
+                f"{r['copy_launches']:.0f} copy launches"
             )
             for n, ms in r["exposed_top"]:
                 print(f"    {ms:7.3f} ms  {n}")

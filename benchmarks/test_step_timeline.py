@@ -1,6 +1,6 @@
 """The span arithmetic that splits a step's time into copying, compute alone and idle (step_timeline.py)."""
 
-from step_timeline import outside, union
+from step_timeline import gaps, outside, union
 
 
 def test_union_merges_overlapping_and_touching_spans():
@@ -12,3 +12,8 @@ def test_outside_is_the_part_no_covered_span_holds():
     assert outside((0, 10), covered) == 7
     assert outside((2, 5.5), covered) == 2  # 3..5
     assert outside((1, 3), covered) == 0
+
+
+def test_gaps_are_the_holes_between_spans():
+    assert gaps(union([(0, 2), (3, 4), (4, 5), (9, 10)])) == [1, 4]
+    assert gaps([(0, 1)]) == []
