@@ -101,9 +101,11 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         "short_gaps": len(short) / steps,  # between copies, per token: kernel boundaries
         "short_gaps_ms": sum(short) / steps / 1e3,
         "long_gaps_ms": (sum(holes) - sum(short)) / steps / 1e3,  # between copies: waiting for compute
+        # the longest hole of each step's share: where a step ends and the next begins (tail and head)
+        "largest_gaps_ms": sum(sorted(holes)[-steps:]) / steps / 1e3,
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
         "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
-        "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(8)],
+        "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(12)],
     }
 
 
@@ -142,8 +144,8 @@ def main():
             )
             print(
                 f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
-                f"{r['short_gaps_ms']:.3f} ms; longer ones {r['long_gaps_ms']:.3f} ms; "
-                f"{r['copy_launches']:.0f} copy launches"
+                f"{r['short_gaps_ms']:.3f} ms; longer ones {r['long_gaps_ms']:.3f} ms, of which the longest one per "
+                f"step {r['largest_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
             )
             for n, ms in r["exposed_top"]:
                 print(f"    {ms:7.3f} ms  {n}")
