@@ -8,7 +8,8 @@ kernels' spans (the link is busy); "compute only": kernels running while no copy
 copies' speed in the step is bytes / copying, against the copy engine's (pinned `copy_`, same run). The kernels
 that fill "compute only" are listed by their share of it: what a longer prefetch would have to hide.
 Routing as the latency suite's (`trace`: the embedded model's, `oracle`: its gate arrays nominate each layer's
-own experts, benchmarks/oracle.py); `--budgets 0` is no prefetch.
+own experts, benchmarks/oracle.py; `router`: the random-weight model's own); `--budgets 0` is no prefetch.
+`--out` keeps each case's figures and its last three steps' GPU events, to read offline.
 """
 
 from __future__ import annotations
@@ -55,13 +56,25 @@ def gaps(spans: list[tuple[float, float]]) -> list[float]:
     return [b[0] - a[1] for a, b in zip(spans, spans[1:])]
 
 
-def kernels(prof) -> list[tuple[str, float, float]]:
+def gpu_events(prof) -> list[dict]:
+    """The GPU's kernels, copies and memsets, each as name, category, stream, start and end (us)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    return [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    gpu = [
+        {
+            "name": e["name"],
+            "cat": e["cat"],
+            "stream": e["args"].get("stream"),
+            "start": e["ts"],
+            "end": e["ts"] + e["dur"],
+        }
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    return sorted(gpu, key=lambda e: e["start"])
 
 
 def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
@@ -77,7 +90,8 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         end.record()
         torch.cuda.synchronize()
     ms = start.elapsed_time(end) / steps
-    ks = kernels(prof)
+    events = gpu_events(prof)
+    ks = [(e["name"], e["start"], e["end"]) for e in events if e["cat"] == "kernel"]
     if not ks:
         raise RuntimeError("the profiler recorded no kernels of the graph: this CUDA/CUPTI does not trace graph nodes")
     copying = union([(a, b) for n, a, b in ks if n.startswith(COPY_KERNEL)])
@@ -106,6 +120,7 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
         "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
         "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(12)],
+        "last_events": events[-len(events) // steps * 3 :],  # about the last 3 steps', for reading offline
     }
 
 
@@ -129,7 +144,7 @@ def main():
                 copy.deepcopy(base),
                 cache=args.cache,
                 prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
-                replay=trace_for(args.shape, routing),
+                replay=None if routing == "router" else trace_for(args.shape, routing),
             )
             r = {"routing": routing, "budget": budget, **timeline(model, args.steps, prompt)}
             r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
