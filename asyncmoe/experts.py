@@ -7,12 +7,14 @@ The module's layout flags say how its weights are stored and combined; we honour
 module's own `_apply_gate`'s business. Routing weights are applied and summed over k in the same
 order and precision as transformers' own backends, so outputs match the unmodified model.
 
-Quantized slots (formats: fp8, mxfp4, int4), by pairs per slot, each path the fastest measured there
-(docs/decisions.md#quantized-matmul-by-pairs-per-slot): few pairs (decode), one fused dequantizing GEMV per
-projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, 4-bit slots go through the fused grouped
-kernel (`asyncmoe::dequant_mm`: pairs sorted by slot, weights dequantized tile by tile in registers), and fp8 slots,
-or 4-bit ones at a long prompt's hundreds of pairs a slot, are dequantized to the compute dtype once and take
-the dense path.
+Dense slots on CUDA at decode sizes (at most DENSE_GEMV_PAIRS_PER_SLOT pairs a slot) take one GEMV per
+projection over the routed slots (`asyncmoe::slot_gemv`), without the grouped GEMM's sort; larger calls, and the
+CPU, the grouped GEMM (bf16) or the gathered bmm. Quantized slots (formats: fp8, mxfp4, int4), by pairs per slot,
+each path the fastest measured there (docs/decisions.md#quantized-matmul-by-pairs-per-slot): few pairs (decode),
+one fused dequantizing GEMV per projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, 4-bit
+slots go through the fused grouped kernel (`asyncmoe::dequant_mm`: pairs sorted by slot, weights dequantized tile
+by tile in registers), and fp8 slots, or 4-bit ones at a long prompt's hundreds of pairs a slot, are dequantized
+to the compute dtype once and take the dense path.
 
 Dims: T tokens, H hidden, k top-k, S = T*k (token, expert) pairs, C slots.
 Slot id -1 marks a pair served by another wave: its output row is garbage, to be masked by the caller.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import kernels, ops
 from .formats import Format, Fp8
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -31,6 +33,7 @@ GATHER_BYTES = 256 * 2**20  # the gather path copies each pair's expert weights;
 DEQUANT_BYTES = 128 * 2**20  # float32 temporaries of the prompt path's dequantization, per step
 # pairs per slot up to which a path is the fastest (docs/decisions.md#quantized-matmul-by-pairs-per-slot)
 GEMV_PAIRS_PER_SLOT = {"fp8": 16, "mxfp4": 4, "int4": 4}
+DENSE_GEMV_PAIRS_PER_SLOT = 1  # dense slots on CUDA (docs/decisions.md#dense-decode-gemv)
 FUSED_PAIRS_PER_SLOT = 128  # 4-bit: the fused grouped kernel up to here, dequantize + the dense path above
 
 
@@ -50,6 +53,12 @@ def _use_grouped_mm(w: torch.Tensor) -> bool:
     return w.device.type == "cpu"
 
 
+def _use_slot_gemv(w: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Dense slots at decode sizes on CUDA: the GEMV (kernels/slot_gemv.py) where pairs are at most
+    DENSE_GEMV_PAIRS_PER_SLOT a slot. Decided by shapes and device, so a capture always takes the same path."""
+    return kernels.available(w) and slots.numel() <= DENSE_GEMV_PAIRS_PER_SLOT * w.shape[0]
+
+
 def routed_outputs(
     experts, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.Tensor], fmt: Format | None = None
 ) -> torch.Tensor:
@@ -57,6 +66,8 @@ def routed_outputs(
     up, up_bias, down, down_bias = layer_weight_names(experts)
     if fmt is not None and up + fmt.suffix in weights:
         return _quantized(experts, x, slots, weights, fmt)
+    if _use_slot_gemv(weights[up], slots):
+        return _gemv(experts, x, slots, weights, None)
     args = (experts, x, slots, weights[up], weights.get(up_bias), weights[down], weights.get(down_bias))
     return _grouped(*args) if _use_grouped_mm(weights[up]) else _gathered(*args)
 
@@ -73,18 +84,20 @@ def _quantized(experts, x, slots, weights, fmt: Format):
     return routed_outputs(experts, x, slots, {**weights, **dense})
 
 
-def _gemv(experts, x, slots, weights, fmt: Format):
-    """One dequantizing GEMV per projection over the routed slots: each pair reads its expert's bytes once."""
+def _gemv(experts, x, slots, weights, fmt: Format | None):
+    """One GEMV per projection over the routed slots, dequantizing where `fmt` is a format (None: dense): each
+    pair reads its expert's bytes once."""
     up, up_bias, down, down_bias = layer_weight_names(experts)
     t = experts.is_transposed
     idx = slots.reshape(-1)  # [S]
 
     def linear(inp, name, bias):
-        w, s = weights[name], weights[name + fmt.suffix]
-        if isinstance(fmt, Fp8):
-            out = ops.fp8_matmul(inp, w, s, idx, fmt.block, t)
+        if fmt is None:
+            out = torch.ops.asyncmoe.slot_gemv(inp, weights[name], idx, t)
+        elif isinstance(fmt, Fp8):
+            out = ops.fp8_matmul(inp, weights[name], weights[name + fmt.suffix], idx, fmt.block, t)
         else:  # 4-bit slots are stored [C, N, K/2] whatever the module's layout
-            out = torch.ops.asyncmoe.gemv4(inp, w, s, idx, fmt.name)
+            out = torch.ops.asyncmoe.gemv4(inp, weights[name], weights[name + fmt.suffix], idx, fmt.name)
         return out if bias is None else out + weights[bias][idx.clamp(min=0)]
 
     h = linear(x.repeat_interleave(slots.shape[1], dim=0), up, up_bias)

@@ -40,7 +40,7 @@ from .cache.state import (
     CacheState,
 )
 from .formats import FP8, scale_shape
-from .kernels import clock, dequant_mm, fp8_gemv, gemv4
+from .kernels import clock, dequant_mm, fp8_gemv, gemv4, slot_gemv
 from .predict import predictors
 from .predict.prefetch import Request, predict_and_plan, predict_and_prefetch
 
@@ -377,6 +377,24 @@ def _(previous, routed, transitions):
 
 def observe(previous: ExpertCache, cache: ExpertCache) -> None:
     torch.ops.asyncmoe.observe(previous.routed, cache.routed, cache.transitions)
+
+
+@torch.library.custom_op("asyncmoe::slot_gemv", mutates_args=())
+def _slot_gemv(x: Tensor, w: Tensor, slots: Tensor, transposed: bool) -> Tensor:
+    """Each pair's expert matmul from dense slots: out [S, N] = w[slots[s]] @ x[s] (kernels/slot_gemv.py); a pair
+    of another wave (slot -1) gets zeros. An op so that torch.compile need not trace the Triton kernel."""
+    return slot_gemv.slot_gemv(x, w, slots, transposed)
+
+
+@_slot_gemv.register_fake
+def _(x, w, slots, transposed):
+    S, K = x.shape
+    torch._check(slots.shape == (S,), lambda: f"slots must be [{S}] (one per pair), got {tuple(slots.shape)}")
+    torch._check(
+        w.dim() == 3 and K == (w.shape[1] if transposed else w.shape[2]),
+        lambda: f"x has {K} inputs, the weights {tuple(w.shape)} (transposed={transposed}) take another number",
+    )
+    return x.new_empty(S, w.shape[2] if transposed else w.shape[1], dtype=w.dtype)
 
 
 @torch.library.custom_op("asyncmoe::fp8_gemv", mutates_args=())

@@ -1,6 +1,6 @@
-"""The experts MLP computed from slot buffers (experts.py): `routed_outputs` on both paths (grouped_mm and the
-gathered bmm) for every layout flag, against a plain per-pair computation from the module's own weights; and
-`combine`."""
+"""The experts MLP computed from slot buffers (experts.py): `routed_outputs` on its dense paths (grouped_mm, the
+gathered bmm and the decode GEMV) for every layout flag, against a plain per-pair computation from the module's own
+weights; and `combine`."""
 
 import inspect
 import itertools
@@ -92,19 +92,21 @@ LAYOUTS = [dict(has_gate=g, has_bias=b, is_transposed=t) for g, b, t in itertool
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(k for k, v in d.items() if v) or "plain")
-@pytest.mark.parametrize("path", ["gathered", "grouped"])
+@pytest.mark.parametrize("path", ["gathered", "grouped", "gemv"])
 @torch.no_grad()
 def test_routed_outputs_equal_a_per_pair_computation(layout, path, monkeypatch):
-    dtype = torch.float32 if path == "gathered" else torch.bfloat16  # grouped_mm runs bf16
+    dtype = torch.bfloat16 if path == "grouped" else torch.float32  # grouped_mm runs bf16
     m = experts_module(**layout)
     x, slots, held = case(dtype)
     weights = slot_weights(m, held, dtype)
     assert asyncmoe.experts._use_grouped_mm(weights["gate_up_proj" if m.has_gate else "up_proj"]) == (path == "grouped")
+    if path == "gemv":  # the CUDA decode path; here its op runs the kernel's reference
+        monkeypatch.setattr(asyncmoe.experts, "_use_slot_gemv", lambda w, slots: True)
     got = routed_outputs(m, x, slots, weights)
     want = per_pair(m, x, slots, weights)
     served = (slots >= 0).reshape(-1)
     assert got.shape == (slots.numel(), H) and got.dtype == dtype
-    if path == "gathered":
+    if path != "grouped":
         torch.testing.assert_close(got[served].double(), want[served], rtol=1e-5, atol=1e-5)
     else:  # bf16 intermediates: within bf16 rounding of the float64 computation from the same bf16 weights
         torch.testing.assert_close(got[served].double(), want[served], rtol=2e-2, atol=2e-2)
@@ -192,3 +194,25 @@ def test_quantized_paths_by_pairs_per_slot(quantize, family, monkeypatch):
         served = (slots >= 0).reshape(-1)
         want = per_pair(m, x, slots, dense)[served]
         torch.testing.assert_close(got[served].double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_decode_takes_the_gemv_on_cuda_and_equals_the_grouped_path(monkeypatch):
+    """Up to one pair a slot the GEMV (a decode step: T*k <= C), above it the grouped GEMM; the same outputs."""
+    m = experts_module(True, False, False).cuda().bfloat16()
+    weights = {n: p.detach() for n, p in m.named_parameters(recurse=False)}  # every expert in a slot: C = E
+    taken = []
+    for path in ("_gemv", "_grouped"):
+        real = getattr(asyncmoe.experts, path)
+        monkeypatch.setattr(asyncmoe.experts, path, lambda *a, real=real, path=path: taken.append(path) or real(*a))
+    for T, path in ((3, "_gemv"), (4, "_grouped")):  # top-2 over E = 6 slots: 6 pairs, then 8
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, generator=g).cuda().bfloat16()
+        slots = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]).cuda()
+        taken.clear()
+        got = routed_outputs(m, x, slots, weights)
+        assert taken == [path]
+        want = per_pair(m, x.cpu(), slots.cpu(), {n: t.cpu() for n, t in weights.items()})
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
