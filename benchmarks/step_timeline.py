@@ -32,6 +32,7 @@ from shapes import random_model
 
 COPY_KERNEL = "_gather_copy_kernel"
 SHORT_GAP_US = 20.0  # a hole between two copies shorter than this is a kernel boundary, not compute waited for
+WHOLE_LAYER_US = 200.0  # a hole longer than this spans a layer's whole compute (OLMoE-1B-7B's: ~0.27 ms)
 
 
 def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -54,6 +55,21 @@ def outside(span: tuple[float, float], covered: list[tuple[float, float]]) -> fl
 def gaps(spans: list[tuple[float, float]]) -> list[float]:
     """The holes between consecutive sorted, disjoint spans."""
     return [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+
+
+def long_holes(events: list[dict], steps: int) -> dict:
+    """The holes between copies longer than a kernel boundary, per step: those under WHOLE_LAYER_US (compute a
+    prefetch's copy did not cover) and those over it (a layer's whole compute with nothing to copy, or a step's
+    tail and the next one's head), each as a count and ms."""
+    copying = union([(e["start"], e["end"]) for e in events if e["name"].startswith(COPY_KERNEL)])
+    holes = [g for g in gaps(copying) if g >= SHORT_GAP_US]
+    part, whole = [g for g in holes if g < WHOLE_LAYER_US], [g for g in holes if g >= WHOLE_LAYER_US]
+    return {
+        "partial": len(part) / steps,
+        "partial_ms": sum(part) / steps / 1e3,
+        "whole": len(whole) / steps,
+        "whole_ms": sum(whole) / steps / 1e3,
+    }
 
 
 def gpu_events(prof) -> list[dict]:
@@ -117,6 +133,7 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         "long_gaps_ms": (sum(holes) - sum(short)) / steps / 1e3,  # between copies: waiting for compute
         # the longest hole of each step's share: where a step ends and the next begins (tail and head)
         "largest_gaps_ms": sum(sorted(holes)[-steps:]) / steps / 1e3,
+        "long_holes": long_holes(events, steps),
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
         "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
         "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(12)],
@@ -161,6 +178,11 @@ def main():
                 f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
                 f"{r['short_gaps_ms']:.3f} ms; longer ones {r['long_gaps_ms']:.3f} ms, of which the longest one per "
                 f"step {r['largest_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
+            )
+            h = r["long_holes"]
+            print(
+                f"    longer holes a step: {h['partial']:.1f} under {WHOLE_LAYER_US:.0f} us, {h['partial_ms']:.3f} ms; "
+                f"{h['whole']:.1f} over it, {h['whole_ms']:.3f} ms"
             )
             for n, ms in r["exposed_top"]:
                 print(f"    {ms:7.3f} ms  {n}")
