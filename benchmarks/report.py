@@ -8,7 +8,7 @@ Writes bench-<date>-<profile>.json under `--out` (pytest-benchmark's JSON, every
 rewritten after each finished case: a run cut short keeps them), bench-<date>-<profile>.md and, with matplotlib
 (`pip install -e ".[bench]"`), ...-ms.png (ms/token against cache size per system) and ...-hits.png (hit rate
 per layer). Per case: median ms/token and its spread over rounds, tokens/s, hit rate, prefetch recall, MB moved
-per token, the host->GPU bandwidth measured in the same run (GPU only), floor = max(resident ms/token, bytes moved
+per token, the host->GPU bandwidth measured right after the case (GPU only), floor = max(resident ms/token, bytes moved
 / that bandwidth), the Belady floor (the same with the fewest bytes any cache of that size must move on the trace),
 limit ratio = time / Belady floor (trace routing) or time / floor, the speedups over accelerate and the seed, and
 beside the latter the most any cache of that size could gain over the seed: the seed's time / the Belady floor.

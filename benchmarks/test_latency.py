@@ -446,9 +446,9 @@ def reference(request, shape: str, routing: str) -> tuple[dict, dict]:
     return references(shape, routing, tuple(batches), tuple(prompts))
 
 
-@functools.cache
 def h2d_bandwidth() -> float:
-    """GB/s of a pinned host -> GPU copy_ of 512 MB, median of 10, measured in this run."""
+    """GB/s of a pinned host -> GPU copy_ of 512 MB, median of 10, measured right after each case, so that a case's
+    floor and ratios use the link as measured beside it, not one figure for the whole run."""
     from decode_step import h2d_bandwidth as measure
 
     return measure()
