@@ -8,8 +8,9 @@ Scores that see only the past: freq / (1 + age) ** p with freq decayed by `decay
 15/16, p 1; LFU p 0; a pure recency order p large); a reuse-distance score that keeps the expert whose next use,
 last use + a running mean of its gaps, comes soonest; and a transition score, learned online, that keeps the
 experts the current token's experts were most often followed by in the next token (LFRU breaks its ties).
-One score sees the future: the next token's experts in the layer, exactly (LFRU among the rest), the bound for
-any predictor of the next call. Misses against Belady's, summed over layers, before prefetch.
+Scores that see the future: the next token's experts in the layer, exactly (LFRU among the rest), the bound for
+any predictor of the next call; and the next `w` tokens' experts, Belady's rule within them (how far ahead a
+policy must see to come near Belady). Misses against Belady's, summed over layers, before prefetch.
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ class NextTokenKnown(History):
     def keep(self, x, t):
         following = self.ids[t + 1] if t + 1 < len(self.ids) else ()
         return (x in following) * 1e9 + super().keep(x, t)
+
+
+class LookaheadKnown(History):
+    """The next `window` tokens known exactly: keep the expert used soonest within them (Belady's rule inside the
+    window), LFRU among the rest. window=1 is NextTokenKnown; a window as long as the trace is Belady."""
+
+    def __init__(self, ids, num_experts, window: int = 1):
+        super().__init__(ids, num_experts)
+        self.window = window
+        self.next_use = np.full((len(ids) + 1, num_experts), np.iinfo(np.int64).max)  # [t, e]: first use after t
+        for t in range(len(ids) - 1, -1, -1):
+            self.next_use[t] = self.next_use[t + 1]
+            self.next_use[t, ids[t]] = t
+        self.next_use = self.next_use[1:]  # [t]: first use at t + 1 or later
+
+    def keep(self, x, t):
+        ahead = self.next_use[t, x] - t  # >= 1
+        return (ahead <= self.window) * 1e9 * (self.window + 1 - ahead) + super().keep(x, t)
 
 
 class Transition(History):
@@ -112,6 +131,7 @@ SCORES = {
     "transition, forget 0.99": Transition,
     "transition, forget 0.95": lambda ids, E: Transition(ids, E, forget=0.95),
     "next token known (a bound, not a policy)": NextTokenKnown,
+    **{f"next {w} tokens known": lambda ids, E, w=w: LookaheadKnown(ids, E, w) for w in (1, 2, 4, 8, 16, 64)},
 }
 
 
