@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
-from .cache.state import COUNTERS, TIMER_WAIT_NS
+from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
 from .predict.prefetch_gate import MIN_PRECISION, gate_precision
 
 
@@ -203,7 +203,7 @@ def read_stats(
             torch.cat(
                 [
                     c.counters,
-                    c.timer[TIMER_WAIT_NS:] if c.timer.numel() else c.counters.new_zeros(2),
+                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS]] if c.timer.numel() else c.counters.new_zeros(2),
                     c.counters.new_tensor([c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]),
                 ]
             )
