@@ -57,13 +57,17 @@ def gaps(spans: list[tuple[float, float]]) -> list[float]:
     return [b[0] - a[1] for a, b in zip(spans, spans[1:])]
 
 
-def long_holes(events: list[dict], steps: int) -> dict:
+def copy_spans(events: list[dict]) -> list[tuple[float, float]]:
+    """When the copy kernels run: the union of their spans (the link is busy)."""
+    return union([(e["start"], e["end"]) for e in events if e["name"].startswith(COPY_KERNEL)])
+
+
+def long_holes(holes: list[float], steps: int) -> dict:
     """The holes between copies longer than a kernel boundary, per step: those under WHOLE_LAYER_US (compute a
     prefetch's copy did not cover) and those over it (a layer's whole compute with nothing to copy, or a step's
     tail and the next one's head), each as a count and ms."""
-    copying = union([(e["start"], e["end"]) for e in events if e["name"].startswith(COPY_KERNEL)])
-    holes = [g for g in gaps(copying) if g >= SHORT_GAP_US]
-    part, whole = [g for g in holes if g < WHOLE_LAYER_US], [g for g in holes if g >= WHOLE_LAYER_US]
+    part = [g for g in holes if SHORT_GAP_US <= g < WHOLE_LAYER_US]
+    whole = [g for g in holes if g >= WHOLE_LAYER_US]
     return {
         "partial": len(part) / steps,
         "partial_ms": sum(part) / steps / 1e3,
@@ -110,7 +114,7 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
     ks = [(e["name"], e["start"], e["end"]) for e in events if e["cat"] == "kernel"]
     if not ks:
         raise RuntimeError("the profiler recorded no kernels of the graph: this CUDA/CUPTI does not trace graph nodes")
-    copying = union([(a, b) for n, a, b in ks if n.startswith(COPY_KERNEL)])
+    copying = copy_spans(events)
     busy = union([(a, b) for _, a, b in ks])
     copy_us = sum(b - a for a, b in copying)
     busy_us = sum(b - a for a, b in busy)
@@ -130,10 +134,9 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         "copy_launches": sum(n.startswith(COPY_KERNEL) for n, _, _ in ks) / steps,
         "short_gaps": len(short) / steps,  # between copies, per token: kernel boundaries
         "short_gaps_ms": sum(short) / steps / 1e3,
-        "long_gaps_ms": (sum(holes) - sum(short)) / steps / 1e3,  # between copies: waiting for compute
         # the longest hole of each step's share: where a step ends and the next begins (tail and head)
         "largest_gaps_ms": sum(sorted(holes)[-steps:]) / steps / 1e3,
-        "long_holes": long_holes(events, steps),
+        "long_holes": long_holes(holes, steps),  # between copies: waiting for compute
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
         "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
         "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(12)],
@@ -176,13 +179,12 @@ def main():
             )
             print(
                 f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
-                f"{r['short_gaps_ms']:.3f} ms; longer ones {r['long_gaps_ms']:.3f} ms, of which the longest one per "
-                f"step {r['largest_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
+                f"{r['short_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
             )
             h = r["long_holes"]
             print(
                 f"    longer holes a step: {h['partial']:.1f} under {WHOLE_LAYER_US:.0f} us, {h['partial_ms']:.3f} ms; "
-                f"{h['whole']:.1f} over it, {h['whole_ms']:.3f} ms"
+                f"{h['whole']:.1f} over it, {h['whole_ms']:.3f} ms, the longest one {r['largest_gaps_ms']:.3f} ms"
             )
             for n, ms in r["exposed_top"]:
                 print(f"    {ms:7.3f} ms  {n}")

@@ -1,6 +1,6 @@
 """The span arithmetic that splits a step's time into copying, compute alone and idle (step_timeline.py)."""
 
-from step_timeline import COPY_KERNEL, gaps, long_holes, outside, union
+from step_timeline import COPY_KERNEL, copy_spans, gaps, long_holes, outside, union
 
 
 def test_union_merges_overlapping_and_touching_spans():
@@ -28,5 +28,5 @@ def test_long_holes_split_at_a_whole_layer():
         {"name": copy, "start": 250, "end": 300},  # 50 us: compute a copy did not cover
         {"name": copy, "start": 600, "end": 700},  # 300 us: a whole layer with nothing to copy
     ]
-    holes = long_holes(events, steps=2)
+    holes = long_holes(gaps(copy_spans(events)), steps=2)
     assert holes == {"partial": 0.5, "partial_ms": 0.025, "whole": 0.5, "whole_ms": 0.15}

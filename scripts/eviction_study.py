@@ -56,15 +56,9 @@ class ReuseDistance(History):
         return -(self.last[x] + self.gap[x])
 
 
-class NextTokenKnown(History):
-    def keep(self, x, t):
-        following = self.ids[t + 1] if t + 1 < len(self.ids) else ()
-        return (x in following) * 1e9 + super().keep(x, t)
-
-
 class LookaheadKnown(History):
     """The next `window` tokens known exactly: keep the expert used soonest within them (Belady's rule inside the
-    window), LFRU among the rest. window=1 is NextTokenKnown; a window as long as the trace is Belady."""
+    window), LFRU among the rest. window=1: the next token known; a window as long as the trace is Belady."""
 
     def __init__(self, ids, num_experts, window: int = 1):
         super().__init__(ids, num_experts)
@@ -130,8 +124,8 @@ SCORES = {
     "reuse distance": ReuseDistance,
     "transition, forget 0.99": Transition,
     "transition, forget 0.95": lambda ids, E: Transition(ids, E, forget=0.95),
-    "next token known (a bound, not a policy)": NextTokenKnown,
-    **{f"next {w} tokens known": lambda ids, E, w=w: LookaheadKnown(ids, E, w) for w in (1, 2, 4, 8, 16, 64)},
+    "next token known (a bound, not a policy)": LookaheadKnown,
+    **{f"next {w} tokens known": lambda ids, E, w=w: LookaheadKnown(ids, E, w) for w in (2, 4, 8, 16, 64)},
 }
 
 
