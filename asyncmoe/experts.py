@@ -33,7 +33,7 @@ GATHER_BYTES = 256 * 2**20  # the gather path copies each pair's expert weights;
 DEQUANT_BYTES = 128 * 2**20  # float32 temporaries of the prompt path's dequantization, per step
 # pairs per slot up to which a path is the fastest (docs/decisions.md#quantized-matmul-by-pairs-per-slot)
 GEMV_PAIRS_PER_SLOT = {"fp8": 16, "mxfp4": 4, "int4": 4}
-DENSE_GEMV_PAIRS_PER_SLOT = 1  # dense slots on CUDA (docs/decisions.md#dense-decode-gemv)
+DENSE_GEMV_PAIRS_PER_SLOT = 4  # dense slots on CUDA (docs/decisions.md#dense-decode-gemv)
 FUSED_PAIRS_PER_SLOT = 128  # 4-bit: the fused grouped kernel up to here, dequantize + the dense path above
 
 

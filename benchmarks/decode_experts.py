@@ -59,19 +59,21 @@ def main():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config(shape), dtype=torch.bfloat16)
         _, m = find_experts(model)[0]  # its flags and callables; the matrices come from `weights`
-        up, _, down, _ = experts.layer_weight_names(m)
+        up, up_bias, down, down_bias = experts.layer_weight_names(m)  # biases: None where the layout has none
         g = torch.Generator(dev).manual_seed(0)
         weights = {
             n: torch.randn(C, *getattr(m, n).shape[1:], device=dev, dtype=torch.bfloat16, generator=g) * 0.02
-            for n in (up, down)
+            for n in (up, up_bias, down, down_bias)
+            if n is not None
         }
+        grouped_args = (weights[up], weights.get(up_bias), weights[down], weights.get(down_bias))
         k = routing_shape(shape)[1]
         for T in args.tokens:
             x = torch.randn(T, model.config.hidden_size, device=dev, dtype=torch.bfloat16, generator=g)
             slots = torch.stack([torch.randperm(C, device=dev, generator=g)[:k] for _ in range(T)])
             ways = {
                 "gemv": functools.partial(experts._gemv, m, x, slots, weights, None),
-                "grouped": functools.partial(experts._grouped, m, x, slots, weights[up], None, weights[down], None),
+                "grouped": functools.partial(experts._grouped, m, x, slots, *grouped_args),
             }
             want = ways["grouped"]().float()
             err = (ways["gemv"]().float() - want).abs().max().item() / want.pow(2).mean().sqrt().item()

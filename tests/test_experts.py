@@ -200,14 +200,16 @@ def test_quantized_paths_by_pairs_per_slot(quantize, family, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
 def test_decode_takes_the_gemv_on_cuda_and_equals_the_grouped_path(monkeypatch):
-    """Up to one pair a slot the GEMV (a decode step: T*k <= C), above it the grouped GEMM; the same outputs."""
+    """Up to DENSE_GEMV_PAIRS_PER_SLOT pairs a slot the GEMV (decode, small batches), above it the grouped GEMM;
+    the same outputs."""
     m = experts_module(True, False, False).cuda().bfloat16()
     weights = {n: p.detach() for n, p in m.named_parameters(recurse=False)}  # every expert in a slot: C = E
     taken = []
     for path in ("_gemv", "_grouped"):
         real = getattr(asyncmoe.experts, path)
         monkeypatch.setattr(asyncmoe.experts, path, lambda *a, real=real, path=path: taken.append(path) or real(*a))
-    for T, path in ((3, "_gemv"), (4, "_grouped")):  # top-2 over E = 6 slots: 6 pairs, then 8
+    most = asyncmoe.experts.DENSE_GEMV_PAIRS_PER_SLOT * E // 2  # tokens: top-2 over E = 6 slots
+    for T, path in ((1, "_gemv"), (most, "_gemv"), (most + 1, "_grouped")):
         g = torch.Generator().manual_seed(T)
         x = torch.randn(T, H, generator=g).cuda().bfloat16()
         slots = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]).cuda()
