@@ -5,7 +5,8 @@ the device inside a CUDA graph (switch nodes pick each copy's source).
 
     python benchmarks/copy_bandwidth.py --out bw.json
 
-OLMoE-size experts (gate_up 2048x2048 + down 2048x1024, bf16: 12.6 MB), 64 in host memory. Median of `--reps`
+OLMoE-size experts (gate_up 2048x2048 + down 2048x1024, bf16: 12.6 MB), 64 in host memory (`--huge-pages`: on
+2 MB transparent huge pages, not the allocator's 4 KB ones). Median of `--reps`
 timed copies with CUDA events; the source experts rotate so every copy reads host memory, not a cache. "beside
 compute": the copy runs on a side stream while the compute stream replays a graph of decode-sized GEMVs (bf16,
 weights read from HBM) that outlasts it, as a prefetch runs beside a layer's compute; the copy's own events time it.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import statistics
 import time
 
@@ -169,10 +171,26 @@ class SwitchCopy:
         self.graph.replay()
 
 
-def host_experts(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+class HugePageBlock:
+    """`nbytes` of anonymous memory backed by 2 MB transparent huge pages where the kernel grants them, pinned in
+    place: the host store's memory on another page size (PinnedBlock's has the allocator's 4 KB pages)."""
+
+    def __init__(self, nbytes: int):
+        self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.data, self.nbytes = torch.frombuffer(self.map, dtype=torch.uint8), nbytes
+        self.data.zero_()  # fault the pages in now, as huge pages
+        rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2))  # portable | mapped
+        assert rc == 0, f"cudaHostRegister failed with CUDA error {rc}"
+        with open("/proc/self/smaps_rollup") as f:
+            huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+        print(f"host store: {huge_kb / 1024:.0f} of {nbytes / 2**20:.0f} MB on huge pages", flush=True)
+
+
+def host_experts(dev: torch.device, huge_pages: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """E random OLMoE-size experts [E, EXPERT_ELEMS] in pinned memory, and their UVA view on `dev`."""
     spec = [(torch.Size([E, EXPERT_ELEMS]), torch.bfloat16)]
-    block = PinnedBlock(E * EXPERT_ELEMS * 2)
+    block = (HugePageBlock if huge_pages else PinnedBlock)(E * EXPERT_ELEMS * 2)
     (host,) = carve(block.data, spec)
     host.copy_(torch.randn(E, EXPERT_ELEMS, dtype=torch.bfloat16))
     (view,) = carve(uva_view(block, dev), spec)
@@ -232,10 +250,11 @@ def main():
         default=["kernel", "engine"],
         choices=["kernel", "unrolled", "engine", "tma", "switch"],
     )
+    p.add_argument("--huge-pages", action="store_true", help="the host store on 2 MB transparent huge pages")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
-    host, view = host_experts(dev)
+    host, view = host_experts(dev, args.huge_pages)
     slots = torch.empty(max(args.counts), EXPERT_ELEMS, dtype=torch.bfloat16, device=dev)
     expert_mb = EXPERT_ELEMS * 2 / 1e6
     rows = []
