@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from asyncmoe.kernels import slot_gemv
 from asyncmoe.kernels.slot_gemv import slot_gemv_reference, slot_gemv_triton
 
 from devices import devices
@@ -19,7 +20,9 @@ def case(transposed: bool, C=5, N=72, K=300, S=7, seed=0):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("transposed", [False, True])
-def test_kernel_matches_reference(device, transposed):
+@pytest.mark.parametrize("min_programs", [1, slot_gemv.MIN_PROGRAMS])  # the default splits this case's inputs
+def test_kernel_matches_reference(device, transposed, min_programs, monkeypatch):
+    monkeypatch.setattr(slot_gemv, "MIN_PROGRAMS", min_programs)
     x, w, slots = (t.to(device) for t in case(transposed))
     dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])  # the interpreter has no bf16 math
     for dtype in dtypes:
