@@ -7,14 +7,15 @@ The module's layout flags say how its weights are stored and combined; we honour
 module's own `_apply_gate`'s business. Routing weights are applied and summed over k in the same
 order and precision as transformers' own backends, so outputs match the unmodified model.
 
-Dense slots on CUDA at decode sizes (at most DENSE_GEMV_PAIRS_PER_SLOT pairs a slot) take one GEMV per
-projection over the routed slots (`asyncmoe::slot_gemv`), without the grouped GEMM's sort; larger calls, and the
-CPU, the grouped GEMM (bf16) or the gathered bmm. Quantized slots (formats: fp8, mxfp4, int4), by pairs per slot,
-each path the fastest measured there (docs/decisions.md#quantized-matmul-by-pairs-per-slot): few pairs (decode),
-one fused dequantizing GEMV per projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, 4-bit
-slots go through the fused grouped kernel (`asyncmoe::dequant_mm`: pairs sorted by slot, weights dequantized tile
-by tile in registers), and fp8 slots, or 4-bit ones at a long prompt's hundreds of pairs a slot, are dequantized
-to the compute dtype once and take the dense path.
+Dense `[out, in]` slots on CUDA at decode sizes (at most DENSE_GEMV_PAIRS_PER_SLOT pairs a slot) take one GEMV
+per projection over the routed slots (`asyncmoe::slot_gemv`), without the grouped GEMM's sort; larger calls,
+transposed experts, and the CPU, the grouped GEMM (bf16) or the gathered bmm. Quantized slots (formats: fp8,
+mxfp4, int4), by pairs per slot, each path the fastest measured there
+(docs/decisions.md#quantized-matmul-by-pairs-per-slot): few pairs (decode), one fused dequantizing GEMV per
+projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, 4-bit slots go through the fused
+grouped kernel (`asyncmoe::dequant_mm`: pairs sorted by slot, weights dequantized tile by tile in registers), and
+fp8 slots, or 4-bit ones at a long prompt's hundreds of pairs a slot, are dequantized to the compute dtype once
+and take the dense path.
 
 Dims: T tokens, H hidden, k top-k, S = T*k (token, expert) pairs, C slots.
 Slot id -1 marks a pair served by another wave: its output row is garbage, to be masked by the caller.
@@ -53,10 +54,13 @@ def _use_grouped_mm(w: torch.Tensor) -> bool:
     return w.device.type == "cpu"
 
 
-def _use_slot_gemv(w: torch.Tensor, slots: torch.Tensor) -> bool:
+def _use_slot_gemv(experts, w: torch.Tensor, slots: torch.Tensor) -> bool:
     """Dense slots at decode sizes on CUDA: the GEMV (kernels/slot_gemv.py) where pairs are at most
-    DENSE_GEMV_PAIRS_PER_SLOT a slot. Decided by shapes and device, so a capture always takes the same path."""
-    return kernels.available(w) and slots.numel() <= DENSE_GEMV_PAIRS_PER_SLOT * w.shape[0]
+    DENSE_GEMV_PAIRS_PER_SLOT a slot, for `[out, in]` experts; transposed ones (GPT-OSS) read slower through it
+    than through the grouped GEMM. Decided by layout, shapes and device, so a capture always takes the same path."""
+    return (
+        not experts.is_transposed and kernels.available(w) and slots.numel() <= DENSE_GEMV_PAIRS_PER_SLOT * w.shape[0]
+    )
 
 
 def routed_outputs(
@@ -66,7 +70,7 @@ def routed_outputs(
     up, up_bias, down, down_bias = layer_weight_names(experts)
     if fmt is not None and up + fmt.suffix in weights:
         return _quantized(experts, x, slots, weights, fmt)
-    if _use_slot_gemv(weights[up], slots):
+    if _use_slot_gemv(experts, weights[up], slots):
         return _gemv(experts, x, slots, weights, None)
     args = (experts, x, slots, weights[up], weights.get(up_bias), weights[down], weights.get(down_bias))
     return _grouped(*args) if _use_grouped_mm(weights[up]) else _gathered(*args)
@@ -93,7 +97,7 @@ def _gemv(experts, x, slots, weights, fmt: Format | None):
 
     def linear(inp, name, bias):
         if fmt is None:
-            out = torch.ops.asyncmoe.slot_gemv(inp, weights[name], idx, t)
+            out = torch.ops.asyncmoe.slot_gemv(inp, weights[name], idx)  # [out, in] slots (_use_slot_gemv)
         elif isinstance(fmt, Fp8):
             out = ops.fp8_matmul(inp, weights[name], weights[name + fmt.suffix], idx, fmt.block, t)
         else:  # 4-bit slots are stored [C, N, K/2] whatever the module's layout

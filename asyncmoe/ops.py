@@ -380,21 +380,21 @@ def observe(previous: ExpertCache, cache: ExpertCache) -> None:
 
 
 @torch.library.custom_op("asyncmoe::slot_gemv", mutates_args=())
-def _slot_gemv(x: Tensor, w: Tensor, slots: Tensor, transposed: bool) -> Tensor:
+def _slot_gemv(x: Tensor, w: Tensor, slots: Tensor) -> Tensor:
     """Each pair's expert matmul from dense slots: out [S, N] = w[slots[s]] @ x[s] (kernels/slot_gemv.py); a pair
     of another wave (slot -1) gets zeros. An op so that torch.compile need not trace the Triton kernel."""
-    return slot_gemv.slot_gemv(x, w, slots, transposed)
+    return slot_gemv.slot_gemv(x, w, slots)
 
 
 @_slot_gemv.register_fake
-def _(x, w, slots, transposed):
+def _(x, w, slots):
     S, K = x.shape
     torch._check(slots.shape == (S,), lambda: f"slots must be [{S}] (one per pair), got {tuple(slots.shape)}")
     torch._check(
-        w.dim() == 3 and K == (w.shape[1] if transposed else w.shape[2]),
-        lambda: f"x has {K} inputs, the weights {tuple(w.shape)} (transposed={transposed}) take another number",
+        w.dim() == 3 and K == w.shape[2],
+        lambda: f"x has {K} inputs, the weights {tuple(w.shape)} ([slots, out, in]) take another number",
     )
-    return x.new_empty(S, w.shape[2] if transposed else w.shape[1], dtype=w.dtype)
+    return x.new_empty(S, w.shape[1], dtype=w.dtype)
 
 
 @torch.library.custom_op("asyncmoe::fp8_gemv", mutates_args=())

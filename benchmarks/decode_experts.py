@@ -6,8 +6,7 @@
 One wave of `--slots` slots of a shape's real expert matrices (`shapes.py`), `T` tokens each routed to top-k
 distinct slots; each path's whole `routed_outputs` (the grouped path's sort and counts, the matmuls, the
 activation) captured in a CUDA graph, as the Decoder runs it; median over `--reps` timings of 10 replays each.
-The GEMV's outputs are checked against the grouped path's; `--min-programs` tries the GEMV's split of its inputs
-at several thresholds (`slot_gemv.MIN_PROGRAMS`).
+The GEMV's outputs are checked against the grouped path's.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import transformers
 
 from asyncmoe import experts
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.kernels import slot_gemv
 
 from shapes import config, routing_shape
 
@@ -54,7 +52,6 @@ def main():
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--min-programs", type=int, nargs="+", default=[slot_gemv.MIN_PROGRAMS], help="see slot_gemv")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev, C, rows = torch.device("cuda"), args.slots, []
@@ -62,6 +59,8 @@ def main():
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config(shape), dtype=torch.bfloat16)
         _, m = find_experts(model)[0]  # its flags and callables; the matrices come from `weights`
+        if m.is_transposed:
+            raise SystemExit(f"{shape}: experts stored [in, out]; the GEMV takes [out, in] ones (_use_slot_gemv)")
         up, up_bias, down, down_bias = experts.layer_weight_names(m)  # biases: None where the layout has none
         g = torch.Generator(dev).manual_seed(0)
         weights = {
@@ -74,21 +73,20 @@ def main():
         for T in args.tokens:
             x = torch.randn(T, model.config.hidden_size, device=dev, dtype=torch.bfloat16, generator=g)
             slots = torch.stack([torch.randperm(C, device=dev, generator=g)[:k] for _ in range(T)])
-            grouped = functools.partial(experts._grouped, m, x, slots, *grouped_args)
-            want, grouped_ms = grouped().float(), graph_ms(grouped, args.reps)
-            for least in args.min_programs:
-                slot_gemv.MIN_PROGRAMS = least  # read at each launch, so also at the graph's capture
-                gemv = functools.partial(experts._gemv, m, x, slots, weights, None)
-                err = (gemv().float() - want).abs().max().item() / want.pow(2).mean().sqrt().item()
-                row = dict(shape=shape, slots=C, tokens=T, pairs_per_slot=T * k / C, min_programs=least)
-                row.update(gemv_rel_err=err, gemv_ms=graph_ms(gemv, args.reps), grouped_ms=grouped_ms)
-                rows.append(row)
-                print(
-                    f"{shape:<17} T={T:<3} {T * k / C:5.2f} pairs/slot, min programs {least:<5}: gemv "
-                    f"{row['gemv_ms']:.4f} ms, grouped {grouped_ms:.4f} ms ({row['gemv_ms'] / grouped_ms:.2f}x); "
-                    f"gemv rel. err {err:.1e}",
-                    flush=True,
-                )
+            ways = {
+                "gemv": functools.partial(experts._gemv, m, x, slots, weights, None),
+                "grouped": functools.partial(experts._grouped, m, x, slots, *grouped_args),
+            }
+            want = ways["grouped"]().float()
+            err = (ways["gemv"]().float() - want).abs().max().item() / want.pow(2).mean().sqrt().item()
+            row = dict(shape=shape, slots=C, tokens=T, pairs_per_slot=T * k / C, gemv_rel_err=err)
+            row.update({f"{way}_ms": graph_ms(fn, args.reps) for way, fn in ways.items()})
+            rows.append(row)
+            print(
+                f"{shape:<17} T={T:<3} {T * k / C:5.2f} pairs/slot: gemv {row['gemv_ms']:.4f} ms, grouped "
+                f"{row['grouped_ms']:.4f} ms ({row['gemv_ms'] / row['grouped_ms']:.2f}x); gemv rel. err {err:.1e}",
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -100,9 +100,13 @@ def test_routed_outputs_equal_a_per_pair_computation(layout, path, monkeypatch):
     x, slots, held = case(dtype)
     weights = slot_weights(m, held, dtype)
     assert asyncmoe.experts._use_grouped_mm(weights["gate_up_proj" if m.has_gate else "up_proj"]) == (path == "grouped")
-    if path == "gemv":  # the CUDA decode path; here its op runs the kernel's reference
-        monkeypatch.setattr(asyncmoe.experts, "_use_slot_gemv", lambda w, slots: True)
+    taken = []
+    if path == "gemv":  # the CUDA decode path, for [out, in] experts; here its op runs the kernel's reference
+        monkeypatch.setattr(asyncmoe.kernels, "available", lambda t: True)
+        gemv = asyncmoe.experts._gemv
+        monkeypatch.setattr(asyncmoe.experts, "_gemv", lambda *a: taken.append(a) or gemv(*a))
     got = routed_outputs(m, x, slots, weights)
+    assert bool(taken) == (path == "gemv" and not m.is_transposed)  # transposed experts keep the other paths
     want = per_pair(m, x, slots, weights)
     served = (slots >= 0).reshape(-1)
     assert got.shape == (slots.numel(), H) and got.dtype == dtype

@@ -3,31 +3,27 @@
 import pytest
 import torch
 
-from asyncmoe.kernels import slot_gemv
 from asyncmoe.kernels.slot_gemv import slot_gemv_reference, slot_gemv_triton
 
 from devices import devices
 
 
-def case(transposed: bool, C=5, N=72, K=300, S=7, seed=0):
+def case(C=5, N=72, K=300, S=7, seed=0):
     """N and K not multiples of the kernel's blocks; one pair of another wave (-1)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn((C, K, N) if transposed else (C, N, K), generator=g)
+    w = torch.randn(C, N, K, generator=g)
     x = torch.randn(S, K, generator=g)
     slots = torch.tensor([0, 3, 4, -1, 2, 1, 3][:S])
     return x, w, slots
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("min_programs", [1, slot_gemv.MIN_PROGRAMS])  # the default splits this case's inputs
-def test_kernel_matches_reference(device, transposed, min_programs, monkeypatch):
-    monkeypatch.setattr(slot_gemv, "MIN_PROGRAMS", min_programs)
-    x, w, slots = (t.to(device) for t in case(transposed))
+def test_kernel_matches_reference(device):
+    x, w, slots = (t.to(device) for t in case())
     dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])  # the interpreter has no bf16 math
     for dtype in dtypes:
-        want = slot_gemv_reference(x.to(dtype), w.to(dtype), slots, transposed)
-        got = slot_gemv_triton(x.to(dtype), w.to(dtype), slots, transposed)
+        want = slot_gemv_reference(x.to(dtype), w.to(dtype), slots)
+        got = slot_gemv_triton(x.to(dtype), w.to(dtype), slots)
         assert got.dtype == dtype and got.shape == (7, 72)
         # only the order of the float32 sums differs; bf16 output rounds once more
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
@@ -35,24 +31,22 @@ def test_kernel_matches_reference(device, transposed, min_programs, monkeypatch)
         assert torch.equal(got[3], torch.zeros_like(got[3]))  # another wave's pair: zeros, nothing read
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_reference_is_each_pairs_matmul(transposed):
-    x, w, slots = case(transposed)
+def test_reference_is_each_pairs_matmul():
+    x, w, slots = case()
     x64, w64 = x.double(), w.double()
-    rows = [(w64[s].T if transposed else w64[s]) @ x64[j] if s >= 0 else x64.new_zeros(72) for j, s in enumerate(slots)]
-    got = slot_gemv_reference(x, w, slots, transposed).double()
+    rows = [w64[s] @ x64[j] if s >= 0 else x64.new_zeros(72) for j, s in enumerate(slots)]
+    got = slot_gemv_reference(x, w, slots).double()
     torch.testing.assert_close(got, torch.stack(rows), atol=1e-4, rtol=1e-4)  # float32 sums against float64
 
 
 def test_op_passes_opcheck():
-    for transposed in (False, True):
-        x, w, slots = case(transposed)
-        torch.library.opcheck(torch.ops.asyncmoe.slot_gemv.default, (x, w, slots, transposed))
+    x, w, slots = case()
+    torch.library.opcheck(torch.ops.asyncmoe.slot_gemv.default, (x, w, slots))
 
 
 def test_fake_states_the_contract():
-    x, w, slots = case(False)
+    x, w, slots = case()
     mode = torch._subclasses.FakeTensorMode()
     fakes = [mode.from_tensor(t) for t in (x[:, :10].contiguous(), w, slots)]
     with mode, pytest.raises(Exception, match="take another number"):
-        torch.ops.asyncmoe.slot_gemv(*fakes, False)
+        torch.ops.asyncmoe.slot_gemv(*fakes)
