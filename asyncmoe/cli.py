@@ -228,7 +228,7 @@ def _demo(args) -> int:
         + f" {'MB moved/token':>15}"
     )
     print(
-        f"{f'fully resident ({experts}/{experts})':<44} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} "
+        f"{f'transformers, fully resident ({experts}/{experts})':<44} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} "
         f"{'-':>9}" + (f" {'-':>16}" if recall else "") + f" {'-':>15}"
     )
     for name, run, stats, prefetching in runs:
