@@ -227,8 +227,9 @@ def _demo(args) -> int:
         + (f" {'prefetch recall':>16}" if recall else "")
         + f" {'MB moved/token':>15}"
     )
+    resident_row = f"transformers, fully resident ({experts}/{experts})"
     print(
-        f"{f'transformers, fully resident ({experts}/{experts})':<44} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} "
+        f"{resident_row:<44} {base.tokens_per_s:>9.1f} {base.decode_ms_per_token:>9.2f} "
         f"{'-':>9}" + (f" {'-':>16}" if recall else "") + f" {'-':>15}"
     )
     for name, run, stats, prefetching in runs:
