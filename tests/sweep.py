@@ -15,6 +15,8 @@ SMALL = {
     "intermediate_size": 64,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "first_dense_intermediate_size": 64,
     "num_hidden_layers": 2,
     "num_layers": 2,
     "num_attention_heads": 4,
@@ -63,6 +65,17 @@ EXTRA = {
     "mimo_v2_flash": dict(head_dim=32, v_head_dim=32),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
     "flint": dict(mlp_only_layers=[]),
+    "kolibri1_1": dict(  # one sliding and one indexed layer, each keeping its own K/V; one indexer head per K/V head
+        layer_types=["sliding_attention", "indexed_attention"],
+        index_layers=[1],
+        kv_source_layers=[0, 1],
+        index_num_heads=1,
+        index_topk=16,
+        index_pool_size=64,
+        index_num_local_tokens=4,
+        index_num_sink_tokens=2,
+        mlp_only_layers=[],
+    ),
 }
 
 
