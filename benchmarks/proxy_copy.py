@@ -6,14 +6,19 @@ knows; in a captured step only the device knows which experts move. Here the gra
 
     graph (any stream)                      proxy thread                     copy stream
     _post: request row -> pinned memory
-    host node: sem_post(doorbell)    ->     wakes from sem_wait, reads the
-    _wait: spins until done == seq          row, issues cuMemcpyAsync    ->  copies; done = seq
+    wake the thread                  ->     reads the row,
+                                            issues cuMemcpyAsync       ->    copies; done = seq
+    _wait: spins until done == seq
     ... work that reads the slots
 
-The host node is libc's `sem_post` itself (no Python, no GIL, no CUDA call in the driver's callback thread);
-the proxy thread blocks in `sem_wait` with the GIL released, so nothing stays queued on any stream between steps
-(a pending stream wait would hang every `torch.cuda.synchronize()`). The row is complete when the host node runs:
-it follows `_post`'s completion. The spin gives up after `TIMEOUT_NS` and sets `stalled`, so a dead thread is an
+Two ways to wake it (`wake`):
+- "doorbell": a host node that is libc's `sem_post` itself (no Python, no GIL, no CUDA call in the driver's
+  callback thread); the thread blocks in `sem_wait` with the GIL released. The row is complete when the host node
+  runs: it follows `_post`'s completion.
+- "poll": no host node. `_post` fences its row at system scope, then writes the request's number to pinned memory;
+  the thread polls that number, yielding the GIL between reads (`os.sched_yield`), so it costs a CPU core.
+Either way nothing stays queued on any stream between steps (a pending stream wait would hang every
+`torch.cuda.synchronize()`). The spin gives up after `TIMEOUT_NS` and sets `stalled`, so a dead thread is an
 error, not a hang. Dims: E experts, C slots, M planned copies (rows).
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 
 import torch
@@ -58,13 +64,18 @@ def _libc() -> ctypes.CDLL:
 
 
 @triton.jit
-def _post(row_ptr, seq_ptr, src_ptr, dst_ptr, count_ptr, M: tl.constexpr, BM: tl.constexpr):
-    """row = [count, src[0:M], dst[0:M]] in pinned memory; seq += 1 on the device."""
+def _post(row_ptr, seq_ptr, posted_ptr, src_ptr, dst_ptr, count_ptr, M: tl.constexpr, BM: tl.constexpr):
+    """row = [count, src[0:M], dst[0:M]] in pinned memory; seq += 1 on the device, then posted = seq in pinned
+    memory (read by a polling thread) once every thread's row stores are fenced at system scope."""
     i = tl.arange(0, BM)
     tl.store(row_ptr + 1 + i, tl.load(src_ptr + i, mask=i < M).to(tl.int32), mask=i < M)
     tl.store(row_ptr + 1 + M + i, tl.load(dst_ptr + i, mask=i < M).to(tl.int32), mask=i < M)
     tl.store(row_ptr, tl.load(count_ptr).to(tl.int32))
-    tl.store(seq_ptr, tl.load(seq_ptr) + 1)
+    s = tl.load(seq_ptr) + 1
+    tl.store(seq_ptr, s)
+    fenced = tl.inline_asm_elementwise("fence.sc.sys;\n mov.b32 $0, $1;", "=r,r", [i], tl.int32, False, 1)
+    tl.debug_barrier()
+    tl.store(posted_ptr + 0 * tl.max(fenced, 0), s)
 
 
 @triton.jit
@@ -87,17 +98,20 @@ class CopyProxy:
     `copy(src, dst, count)` is stream-ordered and capturable; a replayed graph posts a new request each time.
     """
 
-    def __init__(self, host: torch.Tensor, slots: torch.Tensor, planned: int):
+    def __init__(self, host: torch.Tensor, slots: torch.Tensor, planned: int, wake: str = "doorbell"):
+        if wake not in ("doorbell", "poll"):
+            raise ValueError(f"wake is 'doorbell' or 'poll', not {wake!r}")
         if not host.is_pinned():
             raise ValueError("CopyProxy copies from pinned host memory: pass host.pin_memory()")
         dev = slots.device
-        self.host, self.slots, self.M = host, slots, planned
+        self.host, self.slots, self.M, self.wake = host, slots, planned, wake
         self.row = torch.zeros(1 + 2 * planned, dtype=torch.int32).pin_memory()
+        self.posted = torch.zeros(1, dtype=torch.int32).pin_memory()
         self.seq = torch.zeros(1, dtype=torch.int32, device=dev)
         self.done = torch.zeros(1, dtype=torch.int32, device=dev)
         self.stalled = torch.zeros(1, dtype=torch.int32, device=dev)
         self._copy = torch.cuda.Stream(dev)
-        self._row = self.row.numpy()
+        self._row, self._posted = self.row.numpy(), self.posted.numpy()
         self._bytes = host[0].numel() * host.element_size()
         self._bell = ctypes.create_string_buffer(_SEM_BYTES)
         if _libc().sem_init(self._bell, 0, 0) != 0:
@@ -114,8 +128,10 @@ class CopyProxy:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor) -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _post[(1,)](self.row, self.seq, src, dst, count, self.M, triton.next_power_of_2(self.M))
-        check(_driver().cuLaunchHostFunc(stream, self._ring, ctypes.addressof(self._bell)), "cuLaunchHostFunc")
+        BM = triton.next_power_of_2(self.M)
+        _post[(1,)](self.row, self.seq, self.posted, src, dst, count, self.M, BM, num_warps=1)
+        if self.wake == "doorbell":
+            check(_driver().cuLaunchHostFunc(stream, self._ring, ctypes.addressof(self._bell)), "cuLaunchHostFunc")
         _wait[(1,)](self.seq, self.done, self.stalled, TIMEOUT_NS, num_warps=1)
 
     def close(self) -> None:
@@ -133,8 +149,12 @@ class CopyProxy:
         host, slots, nbytes, M = self.host.data_ptr(), self.slots.data_ptr(), self._bytes, self.M
         seq = 0
         while True:
-            while libc.sem_wait(self._bell) != 0:  # EINTR: a signal woke it, wait again
-                pass
+            if self.wake == "doorbell":
+                while libc.sem_wait(self._bell) != 0:  # EINTR: a signal woke it, wait again
+                    pass
+            else:
+                while self._posted[0] == seq and not self._stop:
+                    os.sched_yield()  # releases the GIL
             if self._stop:
                 return
             seq += 1
@@ -165,8 +185,14 @@ def main():
     M = max(args.counts)
     slots = torch.empty(args.calls * M, EXPERT_ELEMS, dtype=torch.bfloat16, device=dev)
     expert_mb = EXPERT_ELEMS * 2 / 1e6
-    proxy = CopyProxy(host, slots, M)
+    proxies = {wake: CopyProxy(host, slots, M, wake) for wake in ("doorbell", "poll")}
     compute_stream = torch.cuda.Stream()
+
+    def stalled():
+        for wake, proxy in proxies.items():
+            if proxy.stalled.item():
+                raise RuntimeError(f"the copy proxy ({wake}) stalled: its thread did not answer")
+
     rows = []
     try:
         for n in args.counts:
@@ -179,15 +205,14 @@ def main():
             def kernel(c, src=src, dst=dst, count=count):
                 gc.gather_copy_triton(view, slots, src[c], dst[c], count[c])
 
-            def by_proxy(c, src=src, dst=dst, count=count):
-                proxy.copy(src[c], dst[c], count[c])
+            def by_proxy(wake, src=src, dst=dst, count=count):
+                return lambda c: proxies[wake].copy(src[c], dst[c], count[c])
 
             def captured(one):
                 for c in range(args.calls):
                     one(c)  # compile and warm up, eagerly
                 torch.cuda.synchronize()
-                if proxy.stalled.item():
-                    raise RuntimeError("the copy proxy stalled: its thread did not answer")
+                stalled()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
                     for c in range(args.calls):
@@ -203,7 +228,8 @@ def main():
 
             paths = {
                 "kernel, graph": captured(kernel),
-                "copy engine by proxy, graph": captured(by_proxy),
+                "copy engine by proxy (doorbell), graph": captured(by_proxy("doorbell")),
+                "copy engine by proxy (polling), graph": captured(by_proxy("poll")),
                 "copy engine, host-issued": host_issued,
             }
             for name, run in paths.items():
@@ -222,8 +248,7 @@ def main():
                         b.record()
                         torch.cuda.synchronize()
                         times.append(a.elapsed_time(b))
-                    if proxy.stalled.item():
-                        raise RuntimeError("the copy proxy stalled: its thread did not answer")
+                    stalled()
                     used = dst[:, :n].reshape(-1)
                     ok = torch.equal(slots[used].cpu(), host.index_select(0, src[:, :n].reshape(-1).cpu()))
                     slots.zero_()
@@ -241,12 +266,13 @@ def main():
                         }
                     )
                     print(
-                        f"{n} experts x {args.calls} calls  {name:<28} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s"
+                        f"{n} experts x {args.calls} calls  {name:<40} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s"
                         f"  {'ok' if ok else 'WRONG BYTES'}",
                         flush=True,
                     )
     finally:
-        proxy.close()
+        for proxy in proxies.values():
+            proxy.close()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "expert_MB": expert_mb, "rows": rows}, f, indent=1)
