@@ -68,7 +68,8 @@ def predict_and_prefetch(
     use_kernel: bool | None = None,
 ) -> None:
     """Score the target's experts into `s.predicted` / `s.nominated`, apply the prefetch gate, and prefetch."""
-    algorithm.copy_in(hosts, slots, predict_and_plan(r, s, routed_before, slots, use_kernel), r.copy_programs)
+    copies = predict_and_plan(r, s, routed_before, slots, use_kernel)
+    algorithm.copy_in(hosts, slots, copies, r.copy_programs, "prefetch")
 
 
 def predict_and_plan(
