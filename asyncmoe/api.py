@@ -28,7 +28,6 @@ def compile(
     replay: Trace | str | os.PathLike | None = None,
     time_stalls: bool = False,
     quantize: str | None = None,
-    copies: str = "engine",
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
 
@@ -51,9 +50,6 @@ def compile(
     `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its own
     decision and copies (`stats` reports them); three one-thread kernels per layer call, so off by default
     (docs/decisions.md#stall-timing-off).
-    `copies` (CUDA): how experts reach the slots. "engine", the copy engine at the link's full speed, issued by a
-    host thread that polls for the device's requests (one CPU core busy while the model runs, idle a few ms
-    after); "kernel", the GPU's SMs reading the host store (about 10% slower, no host thread).
     Returns the same model.
     """
     if isinstance(replay, (str, os.PathLike)):
@@ -62,7 +58,7 @@ def compile(
         raise TypeError(
             f"replay must be an asyncmoe.trace.Trace or the path of its .npz file, got {type(replay).__name__}"
         )
-    return install(model, cache, policy, device, prefetch, replay, time_stalls, quantize, copies)
+    return install(model, cache, policy, device, prefetch, replay, time_stalls, quantize)
 
 
 def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
@@ -80,7 +76,6 @@ def from_pretrained(
     prefetch: bool | Prefetch | None = None,
     time_stalls: bool = False,
     quantize: str | None = None,
-    copies: str = "engine",
     **kwargs,
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
@@ -97,7 +92,7 @@ def from_pretrained(
     experts over the ranks: each rank loads only its own experts, and caches them (`cache` slots of its own).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load(path, cache, dtype, device, policy, prefetch, time_stalls, quantize, copies, **kwargs)
+    return load(path, cache, dtype, device, policy, prefetch, time_stalls, quantize, **kwargs)
 
 
 def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:

@@ -233,7 +233,7 @@ def _prefetch(
         copies = predict_and_plan(request, s, routed_before, slots)
         SIDE.planned(s.expert_to_slot).record()
     with torch.cuda.stream(SIDE.copier(s.expert_to_slot, source, copies)):
-        algorithm.copy_in(hosts, slots, copies, request.copy_programs, "prefetch")
+        algorithm.copy_in(hosts, slots, copies, request.copy_programs)
         SIDE.ready(s.expert_to_slot).record()
 
 

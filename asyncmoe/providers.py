@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from . import kernels, ops
-from .cache import algorithm
 from .cache.expert_cache import ExpertCache, num_waves
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
 from .experts import absent_zeroed, combine, routed_outputs
 from .formats import Format
+from .kernels.gather_copy import gather_copy
 from .predict.predictors import Prefetch
 
 
@@ -204,7 +204,8 @@ def copy_ns(cache: ExpertCache, repeats: int = 5) -> int:
     for _ in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        algorithm.copy_in(cache.hosts, cache.slots, (src, dst, one), kind="prefetch")
+        for host, slot in zip(cache.hosts, cache.slots):
+            gather_copy(host, slot, src, dst, one)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))  # ms

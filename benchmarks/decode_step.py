@@ -131,7 +131,6 @@ def main():
         help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)",
     )
     p.add_argument("--policies", nargs="+", default=[DEFAULT_POLICY], help="eviction policies to try")
-    p.add_argument("--copies", nargs="+", default=["engine"], help="compile's copies to try: engine, kernel")
     p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -162,8 +161,7 @@ def main():
             if cache < experts
             else []
         )
-        cases = [(policy, plan, c) for policy in args.policies for plan in plans + [None] for c in args.copies]
-        for policy, plan, copies in cases:
+        for policy, plan in [(policy, plan) for policy in args.policies for plan in plans + [None]]:
             model = asyncmoe.compile(
                 copy.deepcopy(base),
                 cache=cache,
@@ -171,12 +169,10 @@ def main():
                 prefetch=plan or False,
                 replay=args.replay,
                 time_stalls=args.time_stalls and cache < experts,
-                copies=copies,
             )
             label = (
                 f"asyncmoe cache={cache}"
                 + (f" {policy}" if len(args.policies) > 1 else "")
-                + (f" copies={copies}" if len(args.copies) > 1 else "")
                 + (
                     f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}"
                     if plan

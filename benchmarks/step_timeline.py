@@ -3,9 +3,8 @@ time the link is copying, time only compute runs, and time the GPU idles.
 
     python benchmarks/step_timeline.py --shape olmoe-1b-7b --cache 16 --routings trace oracle --budgets 1 8
 
-Per case, per token: ms (CUDA events around the profiled steps); "copying": the union of the copies' spans, the
-copy engine's host-to-device copies and the gather-copy kernels (`--copies`: compile's), when the link is busy;
-"compute only": kernels running while no copy runs; "idle": neither. The
+Per case, per token: ms (CUDA events around the profiled steps); "copying": the union of the gather-copy
+kernels' spans (the link is busy); "compute only": kernels running while no copy runs; "idle": neither. The
 copies' speed in the step is bytes / copying, against the copy engine's (pinned `copy_`, same run). The kernels
 that fill "compute only" are listed by their share of it: what a longer prefetch would have to hide.
 Routing as the latency suite's (`trace`: the embedded model's, `oracle`: its gate arrays nominate each layer's
@@ -58,13 +57,9 @@ def gaps(spans: list[tuple[float, float]]) -> list[float]:
     return [b[0] - a[1] for a, b in zip(spans, spans[1:])]
 
 
-def is_copy(e: dict) -> bool:
-    return e["name"].startswith(COPY_KERNEL) or e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]
-
-
 def copy_spans(events: list[dict]) -> list[tuple[float, float]]:
-    """When the copies run: the union of their spans (the link is busy)."""
-    return union([(e["start"], e["end"]) for e in events if is_copy(e)])
+    """When the copy kernels run: the union of their spans (the link is busy)."""
+    return union([(e["start"], e["end"]) for e in events if e["name"].startswith(COPY_KERNEL)])
 
 
 def long_holes(holes: list[float], steps: int) -> dict:
@@ -136,7 +131,7 @@ def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
         "copying_ms": copy_us / steps / 1e3,
         "compute_only_ms": (busy_us - copy_us) / steps / 1e3,
         "idle_ms": ms - busy_us / steps / 1e3,
-        "copy_launches": sum(map(is_copy, events)) / steps,
+        "copy_launches": sum(n.startswith(COPY_KERNEL) for n, _, _ in ks) / steps,
         "short_gaps": len(short) / steps,  # between copies, per token: kernel boundaries
         "short_gaps_ms": sum(short) / steps / 1e3,
         # the longest hole of each step's share: where a step ends and the next begins (tail and head)
@@ -156,7 +151,6 @@ def main():
     p.add_argument("--routings", nargs="+", default=["trace", "oracle"])
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 1, 8])
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--copies", nargs="+", default=["engine"], help="compile's copies: engine, kernel")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
@@ -164,39 +158,38 @@ def main():
     engine = h2d_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape}, cache {args.cache}")
     rows = []
-    for routing, budget, copies in [(r, b, c) for r in args.routings for b in args.budgets for c in args.copies]:
-        model = asyncmoe.compile(
-            copy.deepcopy(base),
-            cache=args.cache,
-            prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
-            replay=None if routing == "router" else trace_for(args.shape, routing),
-            copies=copies,
-        )
-        r = {"routing": routing, "budget": budget, "copies": copies, **timeline(model, args.steps, prompt)}
-        r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
-        r["ratio_to_engine_bytes"] = r["ms_per_token"] / (r["MB_per_token"] / engine)  # MB / (GB/s) = ms
-        rows.append(r)
-        print(
-            f"{routing:<8} budget {budget} copies {copies}: {r['ms_per_token']:.2f} ms/token, "
-            f"{r['MB_per_token']:.0f} MB, "
-            f"hit {100 * r['hit_rate']:.1f}%; copying {r['copying_ms']:.2f} ms at {r['copy_GB_per_s']:.1f} GB/s "
-            f"({100 * r['copy_share_of_engine']:.1f}% of the engine), compute only {r['compute_only_ms']:.2f} ms, "
-            f"idle {r['idle_ms']:.2f} ms; time / (bytes at the engine's speed) {r['ratio_to_engine_bytes']:.2f}",
-            flush=True,
-        )
-        print(
-            f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
-            f"{r['short_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
-        )
-        h = r["long_holes"]
-        print(
-            f"    longer holes a step: {h['partial']:.1f} under {WHOLE_LAYER_US:.0f} us, {h['partial_ms']:.3f} ms; "
-            f"{h['whole']:.1f} over it, {h['whole_ms']:.3f} ms, the longest one {r['largest_gaps_ms']:.3f} ms"
-        )
-        for n, ms in r["exposed_top"]:
-            print(f"    {ms:7.3f} ms  {n}")
-        del model
-        torch.cuda.empty_cache()
+    for routing in args.routings:
+        for budget in args.budgets:
+            model = asyncmoe.compile(
+                copy.deepcopy(base),
+                cache=args.cache,
+                prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
+                replay=None if routing == "router" else trace_for(args.shape, routing),
+            )
+            r = {"routing": routing, "budget": budget, **timeline(model, args.steps, prompt)}
+            r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
+            r["ratio_to_engine_bytes"] = r["ms_per_token"] / (r["MB_per_token"] / engine)  # MB / (GB/s) = ms
+            rows.append(r)
+            print(
+                f"{routing:<8} budget {budget}: {r['ms_per_token']:.2f} ms/token, {r['MB_per_token']:.0f} MB, "
+                f"hit {100 * r['hit_rate']:.1f}%; copying {r['copying_ms']:.2f} ms at {r['copy_GB_per_s']:.1f} GB/s "
+                f"({100 * r['copy_share_of_engine']:.1f}% of the engine), compute only {r['compute_only_ms']:.2f} ms, "
+                f"idle {r['idle_ms']:.2f} ms; time / (bytes at the engine's speed) {r['ratio_to_engine_bytes']:.2f}",
+                flush=True,
+            )
+            print(
+                f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
+                f"{r['short_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
+            )
+            h = r["long_holes"]
+            print(
+                f"    longer holes a step: {h['partial']:.1f} under {WHOLE_LAYER_US:.0f} us, {h['partial_ms']:.3f} ms; "
+                f"{h['whole']:.1f} over it, {h['whole_ms']:.3f} ms, the longest one {r['largest_gaps_ms']:.3f} ms"
+            )
+            for n, ms in r["exposed_top"]:
+                print(f"    {ms:7.3f} ms  {n}")
+            del model
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": engine, "rows": rows}, f, indent=1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..kernels import cache_step, engine_copy
+from ..kernels import cache_step
 from ..kernels.gather_copy import gather_copy
 from .expert_cache import expert_bytes
 from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_CONSTANTS, Policy, get_policy
@@ -63,15 +63,8 @@ def ensure_plan(
     return out.view(top_k_index.shape), copies
 
 
-def copy_in(
-    hosts: list[torch.Tensor], slots: list[torch.Tensor], copies: Copies, programs: int | None = None, kind="miss"
-):
-    """Make a decision's copies, host -> slot: by the copy engine where the cache has a channel of `kind` ("miss"
-    or "prefetch"), else tensor by tensor of the experts by the gather-copy kernel (`programs` caps its grid)."""
-    channel = engine_copy.channel(slots, kind)
-    if channel is not None:
-        channel.copy(*copies)
-        return
+def copy_in(hosts: list[torch.Tensor], slots: list[torch.Tensor], copies: Copies, programs: int | None = None):
+    """Make a decision's copies, host -> slot, tensor by tensor of the experts."""
     for host, slot in zip(hosts, slots):
         gather_copy(host, slot, *copies, programs)
 
@@ -87,7 +80,7 @@ def prefetch(
 ) -> None:
     """Admit the `budget` likeliest experts by `s.predicted` (score > 0) that are not resident, as
     prefetched-unused slots tagged with their `s.nominated` sources. `copy_programs` caps the copy's grid."""
-    copy_in(hosts, slots, prefetch_plan(budget, policy, s, slots, use_kernel), copy_programs, "prefetch")
+    copy_in(hosts, slots, prefetch_plan(budget, policy, s, slots, use_kernel), copy_programs)
 
 
 def prefetch_plan(budget: int, policy: str, s: CacheState, slots: list[torch.Tensor], use_kernel=None) -> Copies:

@@ -11,11 +11,8 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.engine_copy import KINDS, Channel
 from .policies import get_policy
 from .state import COUNTERS, TIMER_SIZE, CacheState
-
-COPIES = ("engine", "kernel")
 
 
 class ExpertCache(nn.Module):
@@ -24,9 +21,7 @@ class ExpertCache(nn.Module):
     `hosts` maps each per-expert tensor name of the experts module (`gate_up_proj`, `down_proj`, biases, ...)
     to its host store `[E, ...]` as the device sees it: a UVA view of pinned memory for a CUDA cache, the
     host tensor itself for a CPU one. `pace` is the tensor the linked layers share (a new one if None);
-    `transitions_from` is E' when a transition predictor feeds this layer (0: none). `copies` (CUDA): "engine",
-    misses and prefetches copied by the copy engine through a host thread (`kernels.engine_copy`), or "kernel",
-    by the gather-copy kernel's own reads.
+    `transitions_from` is E' when a transition predictor feeds this layer (0: none).
     """
 
     def __init__(
@@ -37,7 +32,6 @@ class ExpertCache(nn.Module):
         time_stalls: bool = False,
         pace: torch.Tensor | None = None,
         transitions_from: int = 0,
-        copies: str = "engine",
     ):
         super().__init__()
         learns = get_policy(policy).learns  # and fail on a bad name now, not at the first forward
@@ -80,11 +74,6 @@ class ExpertCache(nn.Module):
         assert tuple(buffers) == CacheState._fields
         for name, buf in buffers.items():
             self.register_buffer(name, buf, persistent=False)
-        if copies not in COPIES:
-            raise ValueError(f"copies must be one of {COPIES}, got {copies!r}")
-        self.copies = copies if device.type == "cuda" else "kernel"
-        # held here, found by the ops through the slots' address; removed from the thread with the cache
-        self.channels = [Channel(self.hosts, self.slots, k) for k in KINDS] if self.copies == "engine" else []
 
     @property
     def state(self) -> CacheState:

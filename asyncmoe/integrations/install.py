@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils.logging import tqdm
 
-from ..cache.expert_cache import COPIES, ExpertCache
+from ..cache.expert_cache import ExpertCache
 from ..cache.host import PinnedBlock, block_bytes, carve, check_host_memory, human_bytes, uva_view
 from ..formats import FP8, QUANTIZE_METHODS, SCALE, Format, Fp8, parse_quantize, weight_names
 from ..predict.predictors import Prefetch
@@ -60,7 +60,6 @@ class CacheSpec:
     device: torch.device
     time_stalls: bool
     fmt: Format | None  # the experts' format in host memory and the slots; None: the model's dtype
-    copies: str  # "engine" or "kernel" (ExpertCache)
 
 
 def parse_budget(cache: str) -> int:
@@ -312,7 +311,7 @@ def _offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from
         setattr(m, name, host)
     _keep_shard_mark(m, sharded)
     hosts = dict(zip(names, views))
-    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace, transitions_from, spec.copies)
+    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace, transitions_from)
     cache.pinned_block = block  # keeps the registration alive as long as the cache
     m._asyncmoe_offloaded = tuple(names)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)
@@ -368,11 +367,8 @@ def install(
     replay: Trace | None = None,
     time_stalls: bool = False,
     quantize=None,
-    copies: str = "engine",
 ) -> nn.Module:
     """Give every experts module of `model` a provider and switch it to the `"asyncmoe"` implementation."""
-    if copies not in COPIES:
-        raise ValueError(f"copies={copies!r}: choose 'engine' (the copy engine, driven by a host thread) or 'kernel'")
     experts = find_experts(model)
     _check(model, experts, cache)
     fmt = _format(model, experts, quantize)
@@ -398,7 +394,7 @@ def install(
         # Experts already on the GPU are copied out before their memory is freed: all of it is new host memory.
         check_host_memory(on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
 
-    spec = CacheSpec(num_slots, policy, device, time_stalls, fmt, copies)
+    spec = CacheSpec(num_slots, policy, device, time_stalls, fmt)
     pace = torch.zeros(3, dtype=torch.int64, device=device)  # one for every linked layer (providers.link)
     transition = prefetch is not None and "transition" in prefetch.sources
     cached = []

@@ -80,7 +80,6 @@ def load(
     prefetch: bool | Prefetch | None,
     time_stalls: bool,
     quantize=None,
-    copies: str = "engine",
     **kwargs,
 ) -> nn.Module:
     """Load a checkpoint onto the CPU, then install asyncmoe on `device`: with transformers (its own weight
@@ -123,7 +122,7 @@ def load(
         if local.exists():
             check_host_memory(checkpoint_bytes(checkpoint_files(local), dtype), f"loading {path} in {dtype}")
         model = AutoModelForCausalLM.from_pretrained(local if local.exists() else path, dtype=dtype, **kwargs)
-    model = install(model, cache, policy, device, prefetch, time_stalls=time_stalls, quantize=quantize, copies=copies)
+    model = install(model, cache, policy, device, prefetch, time_stalls=time_stalls, quantize=quantize)
     providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
     cached = [p for p in providers if isinstance(p, CachedProvider)]
     blocks = [p.cache.pinned_block for p in cached]

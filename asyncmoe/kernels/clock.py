@@ -28,12 +28,12 @@ STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` cal
 if triton is not None:
 
     @triton.jit
-    def now():
+    def _now():
         return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
     @triton.jit
     def _stamp(times_ptr, AT: tl.constexpr):
-        tl.store(times_ptr + AT, now())
+        tl.store(times_ptr + AT, _now())
 
     @triton.jit
     def _lap(
@@ -44,19 +44,19 @@ if triton is not None:
         WAIT_NS: tl.constexpr,
         ENSURE_NS: tl.constexpr,
     ):
-        t = now()
+        now = _now()
         start, wait_from, waited = (
             tl.load(times_ptr + START),
             tl.load(times_ptr + WAIT_FROM),
             tl.load(times_ptr + WAITED),
         )
         tl.store(times_ptr + WAIT_NS, tl.load(times_ptr + WAIT_NS) + (waited - wait_from))
-        tl.store(times_ptr + ENSURE_NS, tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (t - waited))
+        tl.store(times_ptr + ENSURE_NS, tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited))
 
     @triton.jit
     def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
         start = tl.load(pace_ptr + STAMP)
-        tl.store(pace_ptr + WINDOW, tl.where(start > 0, now() - start, 0))  # no stamp yet: nothing measured
+        tl.store(pace_ptr + WINDOW, tl.where(start > 0, _now() - start, 0))  # no stamp yet: nothing measured
 
 
 def stamp(times: torch.Tensor, at: int) -> None:

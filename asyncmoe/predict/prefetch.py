@@ -68,8 +68,7 @@ def predict_and_prefetch(
     use_kernel: bool | None = None,
 ) -> None:
     """Score the target's experts into `s.predicted` / `s.nominated`, apply the prefetch gate, and prefetch."""
-    copies = predict_and_plan(r, s, routed_before, slots, use_kernel)
-    algorithm.copy_in(hosts, slots, copies, r.copy_programs, "prefetch")
+    algorithm.copy_in(hosts, slots, predict_and_plan(r, s, routed_before, slots, use_kernel), r.copy_programs)
 
 
 def predict_and_plan(
