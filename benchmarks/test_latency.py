@@ -48,6 +48,7 @@ from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 
 from baselines import accelerate_offload, seed_lru
+from decode_step import h2d_bandwidth
 from oracle import oracle
 from oracle import parse as parse_oracle
 from shapes import SHAPES, dense_experts, random_model, routing_shape
@@ -446,14 +447,6 @@ def reference(request, shape: str, routing: str) -> tuple[dict, dict]:
     return references(shape, routing, tuple(batches), tuple(prompts))
 
 
-def h2d_bandwidth() -> float:
-    """GB/s of a pinned host -> GPU copy_ of 512 MB, median of 10, measured right after each case, so that a case's
-    floor and ratios use the link as measured beside it, not one figure for the whole run."""
-    from decode_step import h2d_bandwidth as measure
-
-    return measure()
-
-
 def host_bytes(system: str, model: torch.nn.Module) -> int:
     """Host memory holding experts: pinned for asyncmoe and the seed, pageable for accelerate."""
     if system == "unmodified":
@@ -552,6 +545,7 @@ def test_decode(benchmark, case, request):
         setup_s=setup_s,
     )
     if CUDA:
+        # the link measured right after each case: its floor and ratios use the link as it was beside it
         info.update(h2d_GB_per_s=h2d_bandwidth(), peak_gpu_bytes=torch.cuda.max_memory_allocated())
     info["host_bytes"] = host_bytes(system, model)
     if cached:
