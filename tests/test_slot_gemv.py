@@ -50,3 +50,16 @@ def test_fake_states_the_contract():
     fakes = [mode.from_tensor(t) for t in (x[:, :10].contiguous(), w, slots)]
     with mode, pytest.raises(Exception, match="take another number"):
         torch.ops.asyncmoe.slot_gemv(*fakes)
+
+
+@pytest.mark.cuda
+def test_bf16_outputs_are_the_exact_sums_rounded():
+    """float32 sums over 2048 inputs, rounded to nearest once: the bf16 outputs are the float64 products rounded
+    to bf16, as torch's own bf16 matmul's are (a truncating cast or bf16 partial sums would miss most of them)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(8, 512, 2048, device="cuda", generator=g).bfloat16()
+    x = torch.randn(32, 2048, device="cuda", generator=g).bfloat16()
+    slots = torch.randint(0, 8, (32,), device="cuda", generator=g)
+    exact = torch.bmm(w[slots].double(), x.double().unsqueeze(-1)).squeeze(-1).bfloat16()
+    got = slot_gemv_triton(x, w, slots)
+    assert (got != exact).float().mean() < 0.005
