@@ -10,7 +10,9 @@ last use + a running mean of its gaps, comes soonest; and a transition score, le
 experts the current token's experts were most often followed by in the next token (LFRU breaks its ties).
 Scores that see the future: the next token's experts in the layer, exactly (LFRU among the rest), the bound for
 any predictor of the next call; and the next `w` tokens' experts, Belady's rule within them (how far ahead a
-policy must see to come near Belady). Misses against Belady's, summed over layers, before prefetch.
+policy must see to come near Belady). `--admit A`: each score also with bypass, a miss not cached when its score
+is below 1/A of the expert it would evict, beside Belady's bound when misses may bypass. Misses against
+Belady's, summed over layers, before prefetch.
 """
 
 from __future__ import annotations
@@ -99,8 +101,10 @@ class Transition(History):
         return self.weight * self.likely[x] + lfru / (1 + lfru)
 
 
-def misses(ids: np.ndarray, cache: int, score: History) -> int:
-    """Misses of a `cache`-slot cache on one layer's `ids` [N, k], evicting the lowest `score.keep`."""
+def misses(ids: np.ndarray, cache: int, score: History, admit: float | None = None) -> int:
+    """Misses of a `cache`-slot cache on one layer's `ids` [N, k], evicting the lowest `score.keep`. With `admit`,
+    a miss whose score times `admit` is below the one it would evict is served from host memory and not cached
+    (a bypass: the same bytes cross the link, nothing is evicted)."""
     resident: set[int] = set()
     count = 0
     for t, row in enumerate(ids):
@@ -109,9 +113,32 @@ def misses(ids: np.ndarray, cache: int, score: History) -> int:
         for e in need - resident:
             count += 1
             if len(resident) >= cache:
-                resident.discard(min(resident - need, key=lambda x: score.keep(x, t)))
+                victim = min(resident - need, key=lambda x: score.keep(x, t))
+                if admit is not None and admit * score.keep(e, t) < score.keep(victim, t):
+                    continue
+                resident.discard(victim)
             resident.add(e)
         score.after(t, need)
+    return count
+
+
+def belady_bypass_misses(ids: np.ndarray, cache: int) -> int:
+    """Belady's misses when a miss may bypass the cache: after each row keep the `cache` experts, used by it or
+    not, used soonest again (a bound for caches that can compute an expert from host memory)."""
+    rows = [list(dict.fromkeys(row.tolist())) for row in ids]
+    next_use: list[dict[int, float]] = [{} for _ in rows]
+    upcoming: dict[int, float] = {}
+    for t in range(len(rows) - 1, -1, -1):
+        for e in rows[t]:
+            next_use[t][e] = upcoming.get(e, float("inf"))
+        for e in rows[t]:
+            upcoming[e] = t
+    resident: dict[int, float] = {}
+    count = 0
+    for t, need in enumerate(rows):
+        count += sum(e not in resident for e in need)
+        resident.update((e, next_use[t][e]) for e in need)
+        resident = dict(sorted(resident.items(), key=lambda item: item[1])[:cache])
     return count
 
 
@@ -136,6 +163,7 @@ def main() -> None:
     p.add_argument("--cache", type=int, nargs="+", default=[16])
     p.add_argument("--tokens", type=int, default=2000)
     p.add_argument("--scores", nargs="+", default=None, help="names of SCORES to run (default: all)")
+    p.add_argument("--admit", type=float, nargs="+", default=[], help="also run each score with these bypasses")
     args = p.parse_args()
     if args.synthetic:
         sys.path.insert(0, str(DEMO.parents[1]))
@@ -150,12 +178,18 @@ def main() -> None:
     print("| score | " + " | ".join(f"{c} slots" for c in args.cache) + " |")
     print("|---" * (len(args.cache) + 1) + "|")
     belady = {c: sum(belady_misses(ids[:, l], c) for l in range(trace.layers)) for c in args.cache}
-    for name in names:
+    for name, admit in [(n, a) for n in names for a in [None, *args.admit]]:
         ratios = []
         for c in args.cache:
-            total = sum(misses(ids[:, l], c, SCORES[name](ids[:, l], trace.num_experts)) for l in range(trace.layers))
+            total = sum(
+                misses(ids[:, l], c, SCORES[name](ids[:, l], trace.num_experts), admit) for l in range(trace.layers)
+            )
             ratios.append(f"{total / belady[c]:.3f}")
-        print(f"| {name} | " + " | ".join(ratios) + " |", flush=True)
+        label = name if admit is None else f"{name}, bypass below {admit:g}x the victim"
+        print(f"| {label} | " + " | ".join(ratios) + " |", flush=True)
+    if args.admit:
+        bound = [sum(belady_bypass_misses(ids[:, l], c) for l in range(trace.layers)) / belady[c] for c in args.cache]
+        print("| Belady with bypass (a bound) | " + " | ".join(f"{r:.3f}" for r in bound) + " |")
 
 
 if __name__ == "__main__":
