@@ -204,8 +204,7 @@ def copy_ns(cache: ExpertCache, repeats: int = 5) -> int:
     for _ in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for host, slot in zip(cache.hosts, cache.slots):
-            gather_copy(host, slot, src, dst, one)
+        gather_copy(cache.hosts, cache.slots, src, dst, one)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))  # ms

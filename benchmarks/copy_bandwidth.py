@@ -269,7 +269,7 @@ def main():
                 slots[j].copy_(host[e], non_blocking=True)
 
         def kernel(i, programs=None, src_dev=src_dev, dst=dst, count=count):
-            gc.gather_copy_triton(view, slots, src_dev[i], dst, count, programs)
+            gc.gather_copy_triton([view], [slots], src_dev[i], dst, count, programs)
 
         variants, timing_only = {}, {}  # timing_only: not checked, they leave the slots as they were
         if "engine" in args.paths:

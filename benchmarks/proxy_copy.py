@@ -203,7 +203,7 @@ def main():
             compute = gemv_graph(args.calls * 0.3 * max(n, 1))  # outlasts the copies
 
             def kernel(c, src=src, dst=dst, count=count):
-                gc.gather_copy_triton(view, slots, src[c], dst[c], count[c])
+                gc.gather_copy_triton([view], [slots], src[c], dst[c], count[c])
 
             def by_proxy(wake, src=src, dst=dst, count=count):
                 return lambda c: proxies[wake].copy(src[c], dst[c], count[c])

@@ -304,4 +304,4 @@ def switch_copy(
         "cuStreamUpdateCaptureDependencies",
     )
     for stage, slot in zip(stages, slots):
-        gather_copy_triton(stage, slot, rows, dst, count)
+        gather_copy_triton([stage], [slot], rows, dst, count)

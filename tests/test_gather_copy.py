@@ -31,7 +31,7 @@ def test_kernel_matches_reference(device, dtype, count):
     host, slots, src, dst = case(dtype, device)
     ours, ref = slots.clone(), slots.clone()
     n = torch.tensor(count, device=device)
-    gather_copy_triton(host, ours, src, dst, n)
+    gather_copy_triton([host], [ours], src, dst, n)
     gather_copy_reference(host, ref, src, dst, n)
     assert torch.equal(bits(ours), bits(ref))
     assert torch.equal(bits(ref[dst[:count]]), bits(host[src[:count]]))
@@ -46,7 +46,7 @@ def test_odd_row_sizes_use_narrow_words(device):
         host, slots, src, dst = case(torch.float8_e4m3fn, device, row=row, seed=len(row))
         ours, ref = slots.clone(), slots.clone()
         n = torch.tensor(3, device=device)
-        gather_copy_triton(host, ours, src, dst, n)
+        gather_copy_triton([host], [ours], src, dst, n)
         gather_copy_reference(host, ref, src, dst, n)
         assert torch.equal(bits(ours), bits(ref))
 
@@ -58,6 +58,25 @@ def test_capped_grid_copies_every_block(device, programs):
     host, slots, src, dst = case(torch.float32, device, row=(5, 4000), seed=3)
     ours, ref = slots.clone(), slots.clone()
     n = torch.tensor(3, device=device)
-    gather_copy_triton(host, ours, src, dst, n, programs)
+    gather_copy_triton([host], [ours], src, dst, n, programs)
     gather_copy_reference(host, ref, src, dst, n)
     assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("programs", [2, None])
+def test_one_launch_copies_every_tensor_of_the_experts(device, programs):
+    """Five tensors of the same experts, of other dtypes and row sizes (one of 80 KB rows: three blocks): the
+    first four in one launch, the fifth in a second; each equals the reference's copy."""
+    shapes = [(torch.bfloat16, (3, 33)), (torch.float8_e4m3fn, (5, 3)), (torch.float32, (5, 4000)),
+              (torch.uint8, (7,)), (torch.float16, (2, 2))]  # fmt: skip
+    tensors = [case(dtype, device, row=row, seed=i) for i, (dtype, row) in enumerate(shapes)]
+    src, dst = tensors[0][2], tensors[0][3]  # the same pairs for every tensor
+    hosts = [t[0] for t in tensors]
+    ours = [t[1].clone() for t in tensors]
+    n = torch.tensor(3, device=device)
+    gather_copy_triton(hosts, ours, src, dst, n, programs)
+    for host, slots, got in zip(hosts, [t[1] for t in tensors], ours):
+        want = slots.clone()
+        gather_copy_reference(host, want, src, dst, n)
+        assert torch.equal(bits(got), bits(want))

@@ -64,9 +64,8 @@ def ensure_plan(
 
 
 def copy_in(hosts: list[torch.Tensor], slots: list[torch.Tensor], copies: Copies, programs: int | None = None):
-    """Make a decision's copies, host -> slot, tensor by tensor of the experts."""
-    for host, slot in zip(hosts, slots):
-        gather_copy(host, slot, *copies, programs)
+    """Make a decision's copies, host -> slot, every tensor of the experts."""
+    gather_copy(hosts, slots, *copies, programs)
 
 
 def prefetch(

@@ -45,21 +45,43 @@ def gather_copy_reference(
     slots.index_copy_(0, dst, rows)
 
 
+MAX_TENSORS = 4  # an expert's tensors one launch copies: weights and biases, or weights and scales, of two projections
+
 if triton is not None:
 
     @triton.jit
+    def _copy_block(host_ptr, slot_ptr, s, d, row_elems, block, BLOCK: tl.constexpr):
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_elems
+        x = tl.load(host_ptr + s * row_elems + offs, mask=mask)
+        tl.store(slot_ptr + d * row_elems + offs, x, mask=mask)
+
+    @triton.jit
     def _gather_copy_kernel(
-        src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, count_ptr, row_elems, row_blocks, BLOCK: tl.constexpr
-    ):
-        work = tl.load(count_ptr) * row_blocks  # blocks to move: row i's blocks are i*row_blocks ...
+        src_idx_ptr,
+        dst_idx_ptr,
+        count_ptr,
+        h0, s0, n0, b0, h1, s1, n1, b1, h2, s2, n2, b2, h3, s3, n3, b3,  # per tensor: host, slots, row words, blocks
+        W0: tl.constexpr,  # per tensor: words a block
+        W1: tl.constexpr,
+        W2: tl.constexpr,
+        W3: tl.constexpr,
+    ):  # fmt: skip
+        per_pair = b0 + b1 + b2 + b3  # a pair's blocks: tensor 0's, then tensor 1's, ...
+        work = tl.load(count_ptr) * per_pair
         for w in range(tl.program_id(0), work, tl.num_programs(0)):
-            pair = w // row_blocks
+            pair = w // per_pair
+            r = w % per_pair
             s = tl.load(src_idx_ptr + pair).to(tl.int64)
             d = tl.load(dst_idx_ptr + pair).to(tl.int64)
-            offs = (w % row_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < row_elems
-            x = tl.load(src_ptr + s * row_elems + offs, mask=mask)
-            tl.store(dst_ptr + d * row_elems + offs, x, mask=mask)
+            if r < b0:
+                _copy_block(h0, s0, s, d, n0, r, W0)
+            elif r < b0 + b1:
+                _copy_block(h1, s1, s, d, n1, r - b0, W1)
+            elif r < b0 + b1 + b2:
+                _copy_block(h2, s2, s, d, n2, r - b0 - b1, W2)
+            else:
+                _copy_block(h3, s3, s, d, n3, r - b0 - b1 - b2, W3)
 
 
 BLOCK_BYTES = 32768  # per block; 12.6 MB experts -> ~400 blocks each (docs/decisions.md#gather-copy-blocks)
@@ -74,29 +96,33 @@ def _word_dtype(row_bytes: int) -> torch.dtype:
     return torch.uint8
 
 
-def gather_copy_triton(host, slots, src, dst, count, programs: int | None = None) -> None:
-    row_bytes = slots[0].numel() * slots.element_size()
-    word = _word_dtype(row_bytes)
-    row_elems = row_bytes // word.itemsize
-    block = BLOCK_BYTES // word.itemsize
-    row_blocks = triton.cdiv(row_elems, block)
-    grid = (min(src.numel() * row_blocks, programs or src.numel() * row_blocks),)
-    _gather_copy_kernel[grid](
-        host.view(host.shape[0], -1).view(word),
-        slots.view(slots.shape[0], -1).view(word),
-        src,
-        dst,
-        count.reshape(1),
-        row_elems,
-        row_blocks,
-        BLOCK=block,
-        num_warps=NUM_WARPS,
-    )
+def gather_copy_triton(hosts, slots, src, dst, count, programs: int | None = None) -> None:
+    """One launch per MAX_TENSORS of the experts' tensors: `hosts` [E, ...] and `slots` [C, ...], paired."""
+    for i in range(0, len(hosts), MAX_TENSORS):
+        _launch(hosts[i : i + MAX_TENSORS], slots[i : i + MAX_TENSORS], src, dst, count, programs)
 
 
-def gather_copy(host, slots, src, dst, count, programs: int | None = None) -> None:
-    """The copy the cache uses: the Triton kernel on CUDA, the reference elsewhere."""
-    if slots.is_cuda and triton is not None:
-        gather_copy_triton(host, slots, src, dst, count, programs)
+def _launch(hosts, slots, src, dst, count, programs: int | None) -> None:
+    args, words = [], []
+    for host, slot in zip(hosts, slots):
+        row_bytes = slot[0].numel() * slot.element_size()
+        word = _word_dtype(row_bytes)
+        row_elems, block = row_bytes // word.itemsize, BLOCK_BYTES // word.itemsize
+        args += [host.view(host.shape[0], -1).view(word), slot.view(slot.shape[0], -1).view(word)]
+        args += [row_elems, triton.cdiv(row_elems, block)]
+        words.append(block)
+    while len(words) < MAX_TENSORS:  # unused: no blocks, never read
+        args += args[:2] + [0, 0]
+        words.append(words[0])
+    full = src.numel() * sum(args[3::4])
+    _gather_copy_kernel[(min(full, programs or full),)](src, dst, count.reshape(1), *args, *words, num_warps=NUM_WARPS)
+
+
+def gather_copy(hosts, slots, src, dst, count, programs: int | None = None) -> None:
+    """The copy the cache uses, every tensor of the experts (`hosts`, `slots`: paired lists): the Triton kernel on
+    CUDA, the reference elsewhere; none for a cache with no data (the simulator)."""
+    if slots and slots[0].is_cuda and triton is not None:
+        gather_copy_triton(hosts, slots, src, dst, count, programs)
     else:
-        gather_copy_reference(host, slots, src, dst, count)
+        for host, slot in zip(hosts, slots):
+            gather_copy_reference(host, slot, src, dst, count)
