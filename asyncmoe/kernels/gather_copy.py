@@ -1,16 +1,18 @@
-"""Copy whole experts from the host store into slots: `slots[dst[i]] = host[src[i]]` for i < count.
+"""Copy whole experts from the host store into slots: `slots[dst[i]] = host[src[i]]` for i < count, per tensor.
 
 M pairs are planned (a static maximum), `count` of them are real, and `count` lives in device
 memory: the host never learns it, so the copy can sit inside a CUDA graph and be replayed with
 different indices. Reading the source through the UVA view streams host memory over PCIe from the
 SMs (~50 GB/s on an H200, Gen5 x16), with no copy engine and no host involvement.
 
-The work is `count` rows cut into 32 KB blocks, handed out grid-stride. By default the grid has a
-program per planned block (M rows' worth; those past `count` return at once), the fastest when the
-compute waits for the copy anyway. `programs=P` caps the grid: a prefetch running beside the
-compute then holds P programs' worth of SMs instead of flooding every SM with copy programs that
-the compute stream's kernels would queue behind; a few dozen programs keep enough loads in flight
-to fill the link (docs/decisions.md#copy-programs).
+An expert is several tensors (weights and biases, or weights and scales); one launch copies up to
+MAX_TENSORS of them, since a call launches its copy even when `count` is 0 (every expert resident) and
+each launch is time on the compute stream. The work is `count` experts' tensors cut into 32 KB blocks,
+handed out grid-stride. By default the grid has a program per planned block (M experts' worth; those
+past `count` return at once), the fastest when the compute waits for the copy anyway. `programs=P` caps
+the grid: a prefetch running beside the compute then holds P programs' worth of SMs instead of flooding
+every SM with copy programs that the compute stream's kernels would queue behind; a few dozen programs
+keep enough loads in flight to fill the link (docs/decisions.md#copy-programs).
 
 Dims: E experts, C slots, M planned copies.
 """
