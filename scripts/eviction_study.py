@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from asyncmoe.trace import Trace
-from asyncmoe.trace.simulate import belady_misses
+from asyncmoe.trace.simulate import belady_misses, next_uses
 
 DEMO = pathlib.Path(__file__).parents[1] / "benchmarks" / "traces" / "demo_val.npz"
 
@@ -125,14 +125,7 @@ def misses(ids: np.ndarray, cache: int, score: History, admit: float | None = No
 def belady_bypass_misses(ids: np.ndarray, cache: int) -> int:
     """Belady's misses when a miss may bypass the cache: after each row keep the `cache` experts, used by it or
     not, used soonest again (a bound for caches that can compute an expert from host memory)."""
-    rows = [list(dict.fromkeys(row.tolist())) for row in ids]
-    next_use: list[dict[int, float]] = [{} for _ in rows]
-    upcoming: dict[int, float] = {}
-    for t in range(len(rows) - 1, -1, -1):
-        for e in rows[t]:
-            next_use[t][e] = upcoming.get(e, float("inf"))
-        for e in rows[t]:
-            upcoming[e] = t
+    rows, next_use = next_uses(ids)
     resident: dict[int, float] = {}
     count = 0
     for t, need in enumerate(rows):

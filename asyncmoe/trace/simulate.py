@@ -181,14 +181,8 @@ def gate_scores(trace: Trace) -> torch.Tensor:
     return predictors.top_scores(ids, probs, trace.num_experts)
 
 
-def belady_misses(ids: np.ndarray, cache: int) -> int:
-    """Fewest misses of a `cache`-slot cache serving `ids` [N, k]: each row's experts resident together,
-    or, for a row with more distinct experts than slots (a batch's decode step), in waves.
-
-    Belady's rule: after each row keep the experts used soonest again. A row of d <= cache experts
-    leaves room for cache - d others; a row served in waves, for at most cache - 1 (one slot at least
-    cycles through the row's experts). With waves this bounds every cache from below; it may not be
-    reachable (it lets the waves be as small as one expert)."""
+def next_uses(ids: np.ndarray) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """Each row's distinct experts, in order, and for each of them the next row that uses it (inf: none)."""
     rows = [list(dict.fromkeys(row.tolist())) for row in ids]
     next_use: list[dict[int, float]] = [{} for _ in rows]
     upcoming: dict[int, float] = {}
@@ -197,6 +191,18 @@ def belady_misses(ids: np.ndarray, cache: int) -> int:
             next_use[t][e] = upcoming.get(e, float("inf"))
         for e in rows[t]:
             upcoming[e] = t
+    return rows, next_use
+
+
+def belady_misses(ids: np.ndarray, cache: int) -> int:
+    """Fewest misses of a `cache`-slot cache serving `ids` [N, k]: each row's experts resident together,
+    or, for a row with more distinct experts than slots (a batch's decode step), in waves.
+
+    Belady's rule: after each row keep the experts used soonest again. A row of d <= cache experts
+    leaves room for cache - d others; a row served in waves, for at most cache - 1 (one slot at least
+    cycles through the row's experts). With waves this bounds every cache from below; it may not be
+    reachable (it lets the waves be as small as one expert)."""
+    rows, next_use = next_uses(ids)
     resident: dict[int, float] = {}  # expert -> its next use
     misses = 0
     for t, need in enumerate(rows):
