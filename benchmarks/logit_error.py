@@ -11,7 +11,6 @@ model's largest logit error against float32, float32's top-2 gap, and which mode
 
 import argparse
 import copy
-import inspect
 
 import torch
 from test_latency import PROMPT, prompt, trace_for
@@ -19,6 +18,7 @@ from transformers import DynamicCache
 
 import asyncmoe
 from asyncmoe.integrations.replay import replay_routing, rewind_replay
+from asyncmoe.runtime.decoder import kv_keyword
 
 from shapes import random_model
 
@@ -34,8 +34,7 @@ def greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
 def logits_along(model, seq: torch.Tensor) -> torch.Tensor:
     """The next-token logits after the prompt and after each later token of `seq`, fed one at a time: [T, V]."""
     rewind_replay(model)
-    params = inspect.signature(model.forward).parameters
-    kv = {"cache" if "cache" in params else "past_key_values": DynamicCache(config=model.config)}  # renamed in 5.2x
+    kv = {kv_keyword(model): DynamicCache(config=model.config)}
     rows = [model(seq[:, :PROMPT], **kv).logits[0, -1].float()]
     for t in range(PROMPT, seq.shape[1] - 1):
         rows.append(model(seq[:, t : t + 1], **kv).logits[0, -1].float())

@@ -105,18 +105,19 @@ def gather_copy_triton(hosts, slots, src, dst, count, programs: int | None = Non
 
 
 def _launch(hosts, slots, src, dst, count, programs: int | None) -> None:
-    args, words = [], []
+    tensors, words = [], []  # per tensor: (host, slots, row words, blocks a row); words a block
     for host, slot in zip(hosts, slots):
         row_bytes = slot[0].numel() * slot.element_size()
         word = _word_dtype(row_bytes)
         row_elems, block = row_bytes // word.itemsize, BLOCK_BYTES // word.itemsize
-        args += [host.view(host.shape[0], -1).view(word), slot.view(slot.shape[0], -1).view(word)]
-        args += [row_elems, triton.cdiv(row_elems, block)]
+        rows = (host.view(host.shape[0], -1).view(word), slot.view(slot.shape[0], -1).view(word))
+        tensors.append((*rows, row_elems, triton.cdiv(row_elems, block)))
         words.append(block)
-    while len(words) < MAX_TENSORS:  # unused: no blocks, never read
-        args += args[:2] + [0, 0]
+    while len(tensors) < MAX_TENSORS:  # unused: no blocks, never read
+        tensors.append((*tensors[0][:2], 0, 0))
         words.append(words[0])
-    full = src.numel() * sum(args[3::4])
+    full = src.numel() * sum(t[3] for t in tensors)
+    args = [a for t in tensors for a in t]
     _gather_copy_kernel[(min(full, programs or full),)](src, dst, count.reshape(1), *args, *words, num_warps=NUM_WARPS)
 
 

@@ -155,6 +155,11 @@ def static_cache(model: nn.Module, max_length: int) -> transformers.StaticCache:
 CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
 
 
+def kv_keyword(model: nn.Module) -> str:
+    """The keyword `model.forward` takes its KV cache by: `past_key_values` up to transformers 5.2x, then `cache`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Decoder:
     """Generate with a static KV cache, one CUDA graph per step (eager steps on the CPU).
 
@@ -187,8 +192,7 @@ class Decoder:
         if self.graphed and not waves:
             check_capturable(model, batch_size)
         self.kv = static_cache(model, max_length)
-        # the KV cache's keyword: `past_key_values` up to transformers 5.2x, then `cache`
-        self._kv_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._kv_arg = kv_keyword(model)
         i64 = dict(dtype=torch.long, device=self.device)
         self.tok = torch.zeros(batch_size, 1, **i64)  # the token fed to the next step
         self.pos = torch.zeros(1, **i64)  # its position
