@@ -1,6 +1,6 @@
 """Host -> GPU expert copies, alone and beside compute: the gather-copy kernel (SMs reading pinned memory through
 UVA), variants of it (`unrolled`: more loads in flight, cache hints; `tma`: bulk tensor-memory-accelerator
-loads and stores), the copy engine (`copy_` per expert, host-known addresses), and the copy engine driven from
+loads and stores; `hinted`: PTX loads with L2 fetch-size hints, and bulk prefetches into L2), the copy engine (`copy_` per expert, host-known addresses), and the copy engine driven from
 the device inside a CUDA graph (switch nodes pick each copy's source).
 
     python benchmarks/copy_bandwidth.py --out bw.json
@@ -101,6 +101,52 @@ if triton is not None:
             x = src_desc.load([src_row, 0])
             dst_desc.store([dst_row, 0], x)
 
+    BULK_PREFETCH_BYTES = 32768
+    _BULK_PREFETCH = tl.constexpr(  # one thread of the program asks the TMA unit to bring a block into L2
+        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        f"@p cp.async.bulk.prefetch.L2.global [$1], {BULK_PREFETCH_BYTES}; mov.u32 $0, 0; }}"
+    )
+
+    @triton.jit
+    def _gather_copy_hinted(
+        src_ptr,
+        dst_ptr,
+        src_idx_ptr,
+        dst_idx_ptr,
+        count_ptr,
+        row_chunks,
+        row_blocks,
+        CHUNKS: tl.constexpr,
+        LOAD: tl.constexpr,
+        PREFETCH: tl.constexpr,
+    ):
+        """gather_copy's kernel with its host reads written in PTX (`LOAD`: 16 B a thread, with an L2 fetch-size
+        hint, `.L2::256B`, that may widen the link's read requests) and, with PREFETCH, a bulk prefetch into L2 of the
+        block PREFETCH turns ahead, issued by one thread. Rows are whole blocks of CHUNKS 16 B chunks."""
+        work = tl.load(count_ptr) * row_blocks
+        for w in range(tl.program_id(0), work, tl.num_programs(0)):
+            if PREFETCH > 0:
+                ahead = tl.minimum(w + PREFETCH * tl.num_programs(0), work - 1)
+                s_ahead = tl.load(src_idx_ptr + ahead // row_blocks).to(tl.int64)
+                first = src_ptr + (s_ahead * row_chunks + (ahead % row_blocks).to(tl.int64) * CHUNKS) * 2
+                tl.inline_asm_elementwise(
+                    _BULK_PREFETCH, "=r,l", [first + tl.zeros([1], tl.int64)], dtype=tl.int32, is_pure=False, pack=1
+                )
+            pair = w // row_blocks
+            s = tl.load(src_idx_ptr + pair).to(tl.int64)
+            d = tl.load(dst_idx_ptr + pair).to(tl.int64)
+            chunk = (w % row_blocks).to(tl.int64) * CHUNKS + tl.arange(0, CHUNKS)
+            lo, hi = tl.inline_asm_elementwise(
+                LOAD,
+                "=l,=l,l",
+                [src_ptr + (s * row_chunks + chunk) * 2],
+                dtype=(tl.int64, tl.int64),
+                is_pure=True,
+                pack=1,
+            )
+            words = (w % row_blocks).to(tl.int64) * CHUNKS * 2 + tl.arange(0, 2 * CHUNKS)
+            tl.store(dst_ptr + d * row_chunks * 2 + words, tl.join(lo, hi).reshape(2 * CHUNKS))
+
 
 def tma(view, slots, src, dst, count, stages: int, programs: int | None, tile_rows=256):
     """The TMA variant: host store and slots as [rows, 64] int16 (128 B rows), tiles of `tile_rows` rows."""
@@ -136,6 +182,35 @@ def unrolled(view, slots, src, dst, count, unroll: int, hints: bool, programs: i
         UNROLL=unroll,
         HINTS=hints,
         num_warps=warps,
+    )
+
+
+HINTED_LOADS = {  # PTX for one thread's 16 B read of host memory, by L2 fetch-size hint
+    "no hint": "ld.global.v2.b64 {$0, $1}, [$2];",
+    "L2::128B": "ld.global.L2::128B.v2.b64 {$0, $1}, [$2];",
+    "L2::256B": "ld.global.L2::256B.v2.b64 {$0, $1}, [$2];",
+    "nc L2::256B": "ld.global.nc.L1::no_allocate.L2::256B.v2.b64 {$0, $1}, [$2];",
+}
+
+
+def hinted(view, slots, src, dst, count, load: str, prefetch: int, programs: int | None, block_bytes=32768):
+    """The PTX-load variant; rows must be whole blocks."""
+    row_bytes = slots[0].numel() * slots.element_size()
+    assert row_bytes % block_bytes == 0, "the hinted variant copies whole blocks only"
+    row_blocks = row_bytes // block_bytes
+    full = src.numel() * row_blocks
+    _gather_copy_hinted[(min(full, programs or full),)](
+        view.view(view.shape[0], -1).view(torch.int64),
+        slots.view(slots.shape[0], -1).view(torch.int64),
+        src,
+        dst,
+        count.reshape(1),
+        row_bytes // 16,
+        row_blocks,
+        CHUNKS=block_bytes // 16,
+        LOAD=HINTED_LOADS[load],
+        PREFETCH=prefetch,
+        num_warps=4,
     )
 
 
@@ -248,7 +323,7 @@ def main():
         "--paths",
         nargs="+",
         default=["kernel", "engine"],
-        choices=["kernel", "unrolled", "engine", "tma", "switch"],
+        choices=["kernel", "unrolled", "engine", "tma", "switch", "hinted"],
     )
     p.add_argument("--huge-pages", action="store_true", help="the host store on 2 MB transparent huge pages")
     p.add_argument("--out", default=None)
@@ -284,6 +359,19 @@ def main():
                     name = f"unrolled x{unroll}{' hints' if hints else ''} programs={cap or 'full'}"
                     variants[name] = lambda i, u=unroll, h=hints, c=cap, s=src_dev, d=dst, k=count: unrolled(
                         view, slots, s[i], d, k, u, h, c
+                    )
+        if "hinted" in args.paths:
+            for load in HINTED_LOADS:
+                for cap in (None, 32):
+                    name = f"hinted {load} programs={cap or 'full'}"
+                    variants[name] = lambda i, ld=load, c=cap, s=src_dev, d=dst, k=count: hinted(
+                        view, slots, s[i], d, k, ld, 0, c
+                    )
+            for ahead in (1, 2):
+                for cap in (32, 132):
+                    name = f"hinted L2::256B bulk prefetch {ahead} ahead programs={cap}"
+                    variants[name] = lambda i, a=ahead, c=cap, s=src_dev, d=dst, k=count: hinted(
+                        view, slots, s[i], d, k, "L2::256B", a, c
                     )
         if "tma" in args.paths:
             for stages in (2, 4):
