@@ -1,7 +1,8 @@
 """Host -> GPU expert copies, alone and beside compute: the gather-copy kernel (SMs reading pinned memory through
 UVA), variants of it (`unrolled`: more loads in flight, cache hints; `tma`: bulk tensor-memory-accelerator
-loads and stores; `hinted`: PTX loads with L2 fetch-size hints, and bulk prefetches into L2), the copy engine (`copy_` per expert, host-known addresses), and the copy engine driven from
-the device inside a CUDA graph (switch nodes pick each copy's source).
+loads and stores; `hinted`: PTX loads with L2 fetch-size hints, and bulk prefetches into L2), the copy engine
+(`copy_` per expert, host-known addresses), and the copy engine driven from the device inside a CUDA graph
+(switch nodes pick each copy's source).
 
     python benchmarks/copy_bandwidth.py --out bw.json
 

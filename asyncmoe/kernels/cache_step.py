@@ -31,6 +31,20 @@ if triton is not None:
     _SLOT_BITS = tl.constexpr(SLOT_BITS)
     _SLOT_MASK = tl.constexpr((1 << SLOT_BITS) - 1)
 
+    @triton.jit
+    def _order(flags):
+        """Each set entry's rank among the set ones, in id order; -1 where unset."""
+        return tl.where(flags != 0, tl.cumsum(flags, axis=0) - 1, -1)
+
+    @triton.jit
+    def _nth(order, j0, n, BE: tl.constexpr, BR: tl.constexpr):
+        """Ids of the set entries j0 .. j0+BR-1 (by `_order`) and which of them exist (< n): a [BR, BE] comparison
+        in registers, so that a loop over a call's routed experts' rows of Markov's table runs as many blocks as
+        they fill, not E / BR."""
+        j = j0 + tl.arange(0, BR)
+        ids = tl.sum(tl.where(order[None, :] == j[:, None], tl.arange(0, BE)[None, :], 0), axis=1)
+        return ids, j < n
+
     # Triton compiles a scalar argument equal to 0 or 1 as a Python constant; `wave` must stay a tensor scalar
     @triton.jit(do_not_specialize=["wave", "n_pairs", "E", "C", "M"])
     def _cache_step(
@@ -141,11 +155,12 @@ if triton is not None:
             later = (wave_of > wave).to(tl.int32)
             if POLICY == POLICY_MARKOV:  # the last call's experts' rows learn this call's (Markov.observe)
                 if wave == 0:
-                    for r0 in range(0, E, BR):
-                        r = r0 + tl.arange(0, BR)
-                        before = tl.load(routed_ptr + r, mask=r < E, other=0) != 0
+                    before = (tl.load(routed_ptr + e, mask=emask, other=0) != 0).to(tl.int32)
+                    order, n_before = _order(before), tl.sum(before, axis=0)
+                    for j0 in range(0, n_before, BR):  # the last call's experts' rows only, BR at a time
+                        r, rm = _nth(order, j0, n_before, BE, BR)
                         at = follows_ptr + r[:, None].to(tl.int64) * E + e[None, :]
-                        m = before[:, None] & emask[None, :]
+                        m = rm[:, None] & emask[None, :]
                         f = tl.load(at, mask=m, other=0)
                         tl.store(at, f - (f >> FOLLOW_SHIFT) + need[None, :] * FOLLOW_UNIT, mask=m)
                     tl.debug_barrier()  # every row read `routed` before it changes
@@ -185,14 +200,14 @@ if triton is not None:
         else:  # Markov.score: the mean of `follows` rows of the routed experts at each slot's expert, then LFRU
             tl.static_assert(POLICY == POLICY_MARKOV)
             likely = tl.zeros([BC], dtype=tl.int64)
-            n_routed = tl.sum((tl.load(routed_ptr + e, mask=emask, other=0) != 0).to(tl.int64), axis=0)
-            for r0 in range(0, E, BR):
-                r = r0 + tl.arange(0, BR)
-                on = tl.load(routed_ptr + r, mask=r < E, other=0) != 0
+            on = (tl.load(routed_ptr + e, mask=emask, other=0) != 0).to(tl.int32)
+            order, n_routed = _order(on), tl.sum(on, axis=0)
+            for j0 in range(0, n_routed, BR):  # the routed experts' rows only
+                r, rm = _nth(order, j0, n_routed, BE, BR)
                 at = follows_ptr + r[:, None].to(tl.int64) * E + tl.maximum(s2e, 0)[None, :]
-                f = tl.load(at, mask=on[:, None] & (cmask & (s2e >= 0))[None, :], other=0)
+                f = tl.load(at, mask=rm[:, None] & (cmask & (s2e >= 0))[None, :], other=0)
                 likely += tl.sum(f.to(tl.int64), axis=0)
-            likely = tl.minimum(likely // tl.maximum(n_routed, 1), LIKELY_MAX)
+            likely = tl.minimum(likely // tl.maximum(n_routed, 1).to(tl.int64), LIKELY_MAX)
             score = (likely << LIKELY_SHIFT) | tl.minimum(lfru, LFRU_MAX)
         key = (tier.to(tl.int64) << 59) | (score << _SLOT_BITS) | c
         key = tl.where(cmask, key, (1 << 62))
