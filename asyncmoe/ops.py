@@ -300,12 +300,13 @@ def _gate_scores(
         _score_gate(x, weight, bias, per_token, out, recorded)
         return
     with torch.cuda.stream(SIDE.fork(out.device, source)):
-        _score_gate(x, weight, bias, per_token, out, recorded)
-        SIDE.read(out).record()
+        _score_gate(x, weight, bias, per_token, out, recorded, SIDE.read(out))
 
 
-def _score_gate(x, weight, bias, per_token, out, recorded) -> None:
+def _score_gate(x, weight, bias, per_token, out, recorded, read: torch.cuda.Event | None = None) -> None:
     predictors.gate_scores(x, weight, bias, per_token, out)
+    if read is not None:  # the last read of x: `gate_join` waits for this, not for the recorded gate's work
+        read.record()
     if recorded:
         predictors.recorded_gate_scores(recorded, x.shape[0], per_token, out)
 
