@@ -8,7 +8,13 @@ from asyncmoe.cache import algorithm
 from asyncmoe.cache.expert_cache import ExpertCache
 from asyncmoe.cache.state import GATE, TEMPORAL, TRANSITION, WASTED, Counter
 from asyncmoe.kernels import scores as score_kernels
-from asyncmoe.predict.predictors import TRANSITION_DECAY, gate_scores, gate_scores_reference, observe_reference
+from asyncmoe.predict.predictors import (
+    TRANSITION_DECAY,
+    gate_scores,
+    gate_scores_reference,
+    observe_reference,
+    recorded_scores_reference,
+)
 from asyncmoe.predict.prefetch import Request, predict_and_prefetch
 
 from devices import assert_same, devices
@@ -131,3 +137,21 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
     if "gate" in sources:
         assert reference.counters[Counter.PREFETCHED] > 0
         assert reference.outcomes[WASTED] > 0  # wasted prefetches: the gate's estimate moved
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("T, E, g, per_token", [(1, 64, 8, 8), (3, 6, 4, 2), (5, 128, 8, 6)])
+def test_recorded_kernel_matches_reference(device, T, E, g, per_token):
+    """A replayed trace's recorded gate, from a cursor near the end (rows wrap), -1 ids for no nomination, and
+    the per-layer slice of the trace's [N, L, g] arrays as the replay holds it."""
+    gen = torch.Generator().manual_seed(E + T)
+    N = 7
+    ids = torch.stack([torch.randperm(E, generator=gen)[:g] for _ in range(N * 2)]).view(N, 2, g)
+    ids[0, 0, -1] = ids[N - 1, 0, 0] = -1
+    probs = torch.rand(N, 2, g, generator=gen)
+    recorded = [ids[:, 0].to(device), probs[:, 0].to(device), torch.tensor([N - 2], device=device)]
+    want, got = torch.full((2, E), -1.0, device=device)  # written whole, not added to
+    recorded_scores_reference(recorded, T, per_token, want)
+    score_kernels.recorded_scores_triton(recorded, T, per_token, got)
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+    assert torch.equal(got > 0, want > 0)

@@ -10,10 +10,12 @@ Compute stream:
   replayed graph decides as the eager step does.
 - `observe_triton`: the transition counts' decay-and-add, one program per row.
 Side stream:
+- `recorded_scores_triton`: a replayed trace's recorded gate for the tokens from its cursor on, scored as the
+  gate scores them, in one program (the torch code is ~10 kernels, which the compute stream's join then waits for).
 - `prefetch_scores_triton`: the temporal and transition scores, their combination with the gate's, and
   the prefetch gate, ~35 kernels of the torch code, in one program.
 
-References: `predict.predictors.gate_scores_reference` and `observe_reference`, and
+References: `predict.predictors.gate_scores_reference`, `recorded_scores_reference` and `observe_reference`, and
 `predict.prefetch.scores_reference`. The kernels agree with them to rounding: the matmuls and row sums
 accumulate in another order, and an update may fuse its multiply-add.
 Dims: T tokens, H hidden, E experts (target layer), E' experts (previous layer).
@@ -59,6 +61,35 @@ if triton is not None:
                 left = tl.where(pick, -1.0, left)
             total += tl.sum(tl.where(tmask[:, None], chosen, 0.0), axis=0)
         tl.store(out_ptr + e, total / T, mask=emask)
+
+    @triton.jit
+    def _recorded_scores(
+        ids_ptr,
+        probs_ptr,
+        cursor_ptr,
+        out_ptr,
+        T,
+        N,
+        E,
+        ids_row,
+        ids_col,
+        probs_row,
+        probs_col,  # strides
+        PER_TOKEN: tl.constexpr,
+        BP: tl.constexpr,
+        BE: tl.constexpr,
+    ):
+        e = tl.arange(0, BE)
+        j = tl.arange(0, BP)
+        jmask = j < PER_TOKEN
+        cursor = tl.load(cursor_ptr)
+        total = tl.zeros([BE], dtype=tl.float32)
+        for t in range(0, T):  # rows from the cursor on, wrapping as the replay does
+            row = (cursor + t) % N
+            ids = tl.load(ids_ptr + row * ids_row + j * ids_col, mask=jmask, other=-1)
+            p = tl.load(probs_ptr + row * probs_row + j * probs_col, mask=jmask, other=0.0).to(tl.float32)
+            total += tl.sum(tl.where(ids[:, None] == e[None, :], p[:, None], 0.0), axis=0)
+        tl.store(out_ptr + e, total / T, mask=e < E)
 
     @triton.jit
     def _observe(previous_ptr, routed_ptr, transitions_ptr, E, DECAY, BE: tl.constexpr):
@@ -186,6 +217,27 @@ def gate_scores_triton(
     T, E = logits.shape
     BE = max(16, triton.next_power_of_2(E))
     _gate_scores[(1,)](logits, out, T, E, logits.stride(0), PER_TOKEN=min(per_token, E), BT=16, BE=BE, num_warps=4)
+
+
+def recorded_scores_triton(recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor) -> None:
+    """`recorded`: (ids [N, g], probs [N, g], cursor [1]) of a replay; tokens <= MAX_TOKENS -> out [E] float32."""
+    ids, probs, cursor = recorded
+    (N, g), E = ids.shape, out.shape[0]
+    _recorded_scores[(1,)](
+        ids,
+        probs,
+        cursor,
+        out,
+        tokens,
+        N,
+        E,
+        *ids.stride(),
+        *probs.stride(),
+        PER_TOKEN=min(per_token, g),
+        BP=triton.next_power_of_2(min(per_token, g)),
+        BE=max(16, triton.next_power_of_2(E)),
+        num_warps=4,
+    )
 
 
 def observe_triton(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, decay: float) -> None:

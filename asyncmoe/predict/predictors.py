@@ -100,9 +100,20 @@ def gate_top(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, p
     return probs.topk(min(per_token, probs.shape[-1]), dim=-1)
 
 
-def recorded_gate_scores(recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor) -> None:
+def recorded_gate_scores(
+    recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor, use_kernel: bool | None = None
+) -> None:
     """What the gate predicted when a trace was recorded, for the `tokens` rows from its replay cursor on, into
-    `out` [E] as `gate_scores` scores them. `recorded`: (ids [N, g], probs [N, g], cursor [1]) of the replay."""
+    `out` [E] as `gate_scores` scores them. `recorded`: (ids [N, g], probs [N, g], cursor [1]) of the replay.
+    The Triton kernel for a decode-sized call on CUDA, the reference otherwise."""
+    fits = tokens <= score_kernels.MAX_TOKENS
+    if (kernels.available(out) if use_kernel is None else use_kernel) and fits:
+        score_kernels.recorded_scores_triton(recorded, tokens, per_token, out)
+    else:
+        recorded_scores_reference(recorded, tokens, per_token, out)
+
+
+def recorded_scores_reference(recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor) -> None:
     ids, probs, cursor = recorded
     rows = (cursor + torch.arange(tokens, device=ids.device)) % ids.shape[0]
     torch.mean(top_scores(ids[rows, :per_token], probs[rows, :per_token], out.shape[0]), dim=0, out=out)
