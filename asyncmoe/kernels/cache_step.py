@@ -206,7 +206,7 @@ if triton is not None:
                 r, rm = _nth(order, j0, n_routed, BE, BR)
                 at = follows_ptr + r[:, None].to(tl.int64) * E + tl.maximum(s2e, 0)[None, :]
                 f = tl.load(at, mask=rm[:, None] & (cmask & (s2e >= 0))[None, :], other=0)
-                likely += tl.sum(f.to(tl.int64), axis=0)
+                likely += tl.sum(f, axis=0).to(tl.int64)  # int32: BR entries of ~256 at most
             likely = tl.minimum(likely // tl.maximum(n_routed, 1).to(tl.int64), LIKELY_MAX)
             score = (likely << LIKELY_SHIFT) | tl.minimum(lfru, LFRU_MAX)
         key = (tier.to(tl.int64) << 59) | (score << _SLOT_BITS) | c
