@@ -5,9 +5,8 @@ OLMoE-1B-7B's bf16 experts (two tensors) and DeepSeek-V2-Lite's in MXFP4 (weight
     python benchmarks/copy_launches.py     # CUDA
 """
 
-import statistics
-
 import torch
+from decode_experts import graph_ms
 
 from asyncmoe.cache.host import PinnedBlock, block_bytes, carve, uva_view
 from asyncmoe.kernels.gather_copy import gather_copy_triton
@@ -21,26 +20,6 @@ SHAPES = {
     ),
 }
 E, C, CALLS = 12, 16, 16
-
-
-def timed(fn, reps=25):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[3:])  # ms
 
 
 def per_tensor(hosts, slots, src, dst, count):
@@ -65,7 +44,7 @@ def main():
         for n in (0, 1, 2):
             count = torch.full((1,), n, device=dev)
             args = (hosts, slots, src, dst, count)
-            t_old, t_new = timed(lambda: per_tensor(*args)), timed(lambda: fused(*args))  # noqa: B023
+            t_old, t_new = graph_ms(lambda: per_tensor(*args), 25, 1), graph_ms(lambda: fused(*args), 25, 1)  # noqa: B023
             gb = CALLS * n * nbytes / 1e6
             extra = f"; GB/s {gb / t_old:.1f} -> {gb / t_new:.1f}" if n else ""
             print(

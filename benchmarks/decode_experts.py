@@ -25,7 +25,8 @@ from asyncmoe.integrations.transformers import find_experts
 from shapes import config, routing_shape
 
 
-def graph_ms(fn, reps: int) -> float:
+def graph_ms(fn, reps: int, replays: int = 10) -> float:
+    """`fn` captured in a CUDA graph: the median over `reps` of the mean time of `replays` back-to-back replays, ms."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS workspaces
@@ -38,11 +39,11 @@ def graph_ms(fn, reps: int) -> float:
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(10):
+        for _ in range(replays):
             graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 10)
+        times.append(a.elapsed_time(b) / replays)
     return statistics.median(times)
 
 
