@@ -12,7 +12,8 @@ per token, the host->GPU bandwidth measured right after the case (GPU only), flo
 / that bandwidth), the Belady floor (the same with the fewest bytes any cache of that size must move on the trace),
 limit ratio = time / Belady floor (trace routing) or time / floor, the speedups over accelerate and the seed, and
 beside the latter the most any cache of that size could gain over the seed: the seed's time / the Belady floor.
-Below the tables, the targets for the cases the run has, each met or missed.
+Then where each batch-1 decode case's time goes: copies, compute and their overlap (`split_rows`). Below the
+tables, the targets for the cases the run has, each met or missed.
 """
 
 from __future__ import annotations
@@ -134,10 +135,12 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
                 f"{r['speedup_vs_seed']:.1f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}"
             )
     out += format_targets(table, prefill)
+    out += split_targets(split_rows(table))
     return ["", "Targets for the cases of this run:", "", *out] if out else []
 
 
 FORMAT_TARGETS = {"fp8": 0.55, "mxfp4": 0.35, "int4": 0.35}  # at most this times bf16's time at equal GPU memory
+FORMATS = tuple(FORMAT_TARGETS)
 
 
 def format_targets(table: list[dict], prefill: list[dict]) -> list[str]:
@@ -184,6 +187,60 @@ def format_targets(table: list[dict], prefill: list[dict]) -> list[str]:
                 f"- {r['shape']}, {r['routing']}, prompt {r['prompt']}, {r['system']} {r['cache']}/{r['experts']}: "
                 f"{ratio:.2f}x bf16's at the same slots, at most 1.3: {ok(ratio <= 1.3)}"
             )
+    return out
+
+
+def split_rows(table: list[dict]) -> list[dict]:
+    """Where a batch-1 decode case's time goes: its copies (bytes moved / the bandwidth measured beside it), its
+    compute (the same format fully resident: the unmodified model in bf16, asyncmoe's graph for a quantized format)
+    and their overlap = compute + copies - time (negative: time beyond both). A prefetching case also gets its time
+    over the graph's without prefetch at the same cache in the same run; under an oracle's gate arrays that is the
+    trace's, since they change only what prefetch nominates."""
+
+    def find(**want):
+        return next((d for d in table if all(d.get(k) == v for k, v in want.items())), None)
+
+    out = []
+    for r in table:
+        if r["batch"] != 1 or not r["system"].startswith("asyncmoe") or not r.get("bytes_per_token"):
+            continue
+        fmt = r.get("format")
+        resident = (
+            dict(system=f"asyncmoe-graph-{fmt}", cache=r["experts"]) if fmt in FORMATS else {"system": "unmodified"}
+        )
+        compute = find(shape=r["shape"], batch=1, **resident)
+        if not compute or not r.get("h2d_GB_per_s"):
+            continue
+        s = dict(r, copies_ms=r["bytes_per_token"] / (r["h2d_GB_per_s"] * 1e6), compute_ms=compute["ms_per_token"])
+        s["overlap_ms"] = s["compute_ms"] + s["copies_ms"] - r["ms_per_token"]
+        if "-prefetch" in r["system"]:
+            routing = "trace" if r["routing"].startswith("oracle") else r["routing"]
+            none = find(
+                shape=r["shape"],
+                routing=routing,
+                batch=1,
+                cache=r["cache"],
+                system=r["system"].replace("-prefetch", ""),
+            )
+            if none:
+                s["over_no_prefetch"] = r["ms_per_token"] / none["ms_per_token"]
+        out.append(s)
+    return out
+
+
+def split_targets(split: list[dict]) -> list[str]:
+    """With every prediction right (`oracle`), time within 1.10x the copies or 1.05x the compute; where predictions
+    are mostly wrong (`oracle-q*`) or nothing predicts the routing (`router`), prefetch at most 1.02x no prefetch."""
+    out = []
+    for s in split:
+        case = f"- {s['shape']}, {s['routing']}, batch 1, {s['cache']}/{s['experts']}, {s['system']}: "
+        if s["routing"] == "oracle":
+            copies, compute = s["ms_per_token"] / s["copies_ms"], s["ms_per_token"] / s["compute_ms"]
+            met = copies <= 1.10 or compute <= 1.05
+            out.append(case + f"{copies:.2f}x its copies, {compute:.2f}x its compute, at most 1.10x / 1.05x: {ok(met)}")
+        elif "over_no_prefetch" in s and (s["routing"].startswith("oracle-q") or s["routing"] == "router"):
+            x = s["over_no_prefetch"]
+            out.append(case + f"{x:.3f}x no prefetch, at most 1.02x: {ok(x <= 1.02)}")
     return out
 
 
@@ -311,6 +368,33 @@ def markdown(table: list[dict], data: dict) -> str:
                 str(r["first_token_agrees"]),
             ]
             lines.append("| " + " | ".join(cells) + " |")
+    split = split_rows(table)
+    if split:
+        head = [
+            "shape",
+            "routing",
+            "system",
+            "cache",
+            "ms/token",
+            "x no prefetch",
+            "copies ms",
+            "compute ms",
+            "overlap ms",
+        ]
+        lines += ["", "Where the time goes, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for s in split:
+            cells = [
+                s["shape"],
+                s["routing"],
+                s["system"],
+                f"{s['cache']}/{s['experts']}",
+                f(s, "ms_per_token", ".3f"),
+                f(s, "over_no_prefetch", ".3f"),
+                f(s, "copies_ms", ".3f"),
+                f(s, "compute_ms", ".3f"),
+                f(s, "overlap_ms", ".3f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + targets(table, prefill)) + "\n"
 
 
@@ -375,7 +459,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument(
         "--profile",
-        help="the profile: smoke, quick, full-1, full-2, full-3, full (the default), link, formats-1 or formats-2",
+        help="the profile: smoke, quick, full-1, -2, -3, full (the default), link, link-fp8, formats-1 or formats-2",
     )
     p.add_argument("--quick", action="store_true", help="--profile quick")
     p.add_argument("--out", default="docs/results", help="the folder the JSON, table and plots go to")

@@ -2,6 +2,7 @@
 time the link is copying, time only compute runs, and time the GPU idles.
 
     python benchmarks/step_timeline.py --shape olmoe-1b-7b --cache 16 --routings trace oracle --budgets 1 8
+    python benchmarks/step_timeline.py --routings oracle --budgets 1 --quantize fp8    # fp8 experts
 
 Per case, per token: ms (CUDA events around the profiled steps); "copying": the union of the gather-copy
 kernels' spans (the link is busy); "compute only": kernels running while no copy runs; "idle": neither. The
@@ -151,18 +152,21 @@ def main():
     p.add_argument("--routings", nargs="+", default=["trace", "oracle"])
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 1, 8])
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--quantize", choices=["fp8", "mxfp4", "int4"], default=None, help="the experts' format (bf16)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
     prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
     engine = h2d_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape}, cache {args.cache}")
+    fmt = args.quantize or "bf16"
+    print(f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape} {fmt}, cache {args.cache}")
     rows = []
     for routing in args.routings:
         for budget in args.budgets:
             model = asyncmoe.compile(
                 copy.deepcopy(base),
                 cache=args.cache,
+                quantize=args.quantize,
                 prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
                 replay=None if routing == "router" else trace_for(args.shape, routing),
             )

@@ -8,7 +8,7 @@ Profiles (`--profile`; benchmarks/README.md lists the full profile's cases, what
 `smoke` the tiny shape, every system, a few steps (the only profile on the CPU); `quick` (`--quick`) the OLMoE shape,
 batch 1, trace routing, 25% of the experts cached and all of them, ~150 s on the H200; `full-1`, `full-2`, `full-3`
 the full profile, one run of under 10 minutes each; `full` all three in one process (the default on a GPU);
-`link` oracle and noisy gate arrays; `formats-1`, `formats-2` quantized experts against bf16.
+`link` (`link-fp8`: fp8 experts) oracle and noisy gate arrays; `formats-1`, `formats-2` quantized experts against bf16.
 
 Systems: `unmodified` the transformers model fully resident (CUDA graph on the GPU); `accelerate` experts
 offloaded to the CPU by accelerate's hooks (GPU only); `seed` a host-side LRU of GPU slots
@@ -112,15 +112,23 @@ FULL_RUNS = {  # each shape in one run: its rows compare within one process, and
         (["mixtral-8x7b-24l"], ["trace"], ["prompt2048"], PROMPT_LARGE),
     ],
 }
+
+
 # Overlap apart from prediction (oracle.py): the shapes whose trace records a gate, every prefetch's nominations
 # right (`oracle`) or right with probability q, against the recorded gate and no prefetch, in one run. The gate
 # arrays change only what prefetch nominates: the resident model and the graph without prefetch run once a shape.
-# The random router too, which nothing predicts: there prefetch must cost nothing.
-LINK = [
-    (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph": [0.25], "asyncmoe-graph-prefetch": [0.25]}),
-    (SHAPES_1, ["oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"], ["b1"], {"asyncmoe-graph-prefetch": [0.25]}),
-    (SHAPES_1, ["router"], ["b1"], {"asyncmoe-graph": [0.25], "asyncmoe-graph-prefetch": [0.25]}),
-]
+# The random router too, which nothing predicts: there prefetch must cost nothing. `link` in bf16, `link-fp8` with
+# fp8 experts at the same 16 of 64 slots, beside the fp8 model fully resident (its compute).
+def link(suffix: str = "") -> list[tuple]:
+    graph, prefetch = f"asyncmoe-graph{suffix}", f"asyncmoe-graph-prefetch{suffix}"
+    resident = {graph: [1.0]} if suffix else {}
+    return [
+        (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, **resident, graph: [0.25], prefetch: [0.25]}),
+        (SHAPES_1, ["oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"], ["b1"], {prefetch: [0.25]}),
+        (SHAPES_1, ["router"], ["b1"], {graph: [0.25], prefetch: [0.25]}),
+    ]
+
+
 # Quantized experts against bf16, in two runs: batch-1 decode with every format given the GPU memory of 16 of 64
 # bf16 slots (`mem0.25`), and each fully resident; a 2048-token prompt in fp8 and bf16 at the same 16 slots, and a
 # GPT-OSS-20B-shaped model in MXFP4 (the format it ships in) at 8 of its 32 experts beside it unmodified in bf16
@@ -191,7 +199,8 @@ PROFILES = {
     **{name: expand(groups, FULL_TIMING, 5) for name, groups in FULL_RUNS.items()},
     **{name: expand(groups, {1: (32, 5)}, 3) for name, groups in FORMAT_RUNS.items()},
     "full": expand([group for groups in FULL_RUNS.values() for group in groups], FULL_TIMING, 5),
-    "link": expand(LINK, FULL_TIMING, 5),
+    "link": expand(link(), FULL_TIMING, 5),
+    "link-fp8": expand(link("-fp8"), FULL_TIMING, 5),
 }
 
 

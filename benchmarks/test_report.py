@@ -229,3 +229,68 @@ def test_every_cache_compares_with_the_one_accelerate_run():
         ("seed", 64): (None, None),
         ("asyncmoe-graph", 64): (None, 4.0),
     }  # all resident: nothing offloaded
+
+
+def test_where_the_time_goes(tmp_path):
+    """A batch-1 case's copies (bytes / the bandwidth beside it), compute (its format fully resident) and overlap, its
+    time over no prefetch (the trace's row under an oracle), and the link's targets on them, worked out by hand."""
+
+    def case(system, cache, ms, routing="trace", fmt="bfloat16", moved=None):
+        info = dict(
+            shape="olmoe-1b-7b",
+            routing=routing,
+            system=system,
+            format=fmt,
+            cache=cache,
+            experts=64,
+            batch=1,
+            steps=32,
+            ms_per_token=ms,
+            device="gpu",
+            dtype="bf16",
+            tokens_agree=33,
+            host_bytes=0,
+        )
+        if moved is not None:
+            info.update(bytes_per_token=moved, h2d_GB_per_s=50.0)
+        return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+
+    data = {
+        "benchmarks": [
+            case("unmodified", 64, 4.0),
+            case("asyncmoe-graph-fp8", 64, 3.0, fmt="fp8"),
+            case("asyncmoe-graph", 16, 20.0, moved=0.5e9),  # 10 ms of copies
+            case("asyncmoe-graph-prefetch", 16, 12.0, routing="oracle", moved=0.5e9),
+            case("asyncmoe-graph-prefetch", 16, 20.5, routing="oracle-q0.7", moved=0.5e9),
+            case("asyncmoe-graph", 16, 10.0, routing="router", moved=0.2e9),
+            case("asyncmoe-graph-prefetch", 16, 10.1, routing="router", moved=0.2e9),
+            case("asyncmoe-graph-prefetch-fp8", 16, 5.4, routing="oracle", fmt="fp8", moved=0.25e9),
+        ]
+    }
+    table = report.rows(data)
+    split = {(s["system"], s["routing"]): s for s in report.split_rows(table)}
+    oracle = split[("asyncmoe-graph-prefetch", "oracle")]
+    assert (oracle["copies_ms"], oracle["compute_ms"]) == pytest.approx((10.0, 4.0))
+    assert oracle["overlap_ms"] == pytest.approx(2.0) and oracle["over_no_prefetch"] == pytest.approx(0.6)
+    assert split[("asyncmoe-graph", "trace")]["overlap_ms"] == pytest.approx(-6.0)
+    fp8 = split[("asyncmoe-graph-prefetch-fp8", "oracle")]
+    assert (fp8["copies_ms"], fp8["compute_ms"]) == pytest.approx((5.0, 3.0)) and "over_no_prefetch" not in fp8
+    lines = report.targets(table, [])
+    prefix = "- olmoe-1b-7b, "
+    assert (
+        f"{prefix}oracle, batch 1, 16/64, asyncmoe-graph-prefetch: 1.20x its copies, 3.00x its compute, "
+        "at most 1.10x / 1.05x: **missed**" in lines
+    )
+    assert (
+        f"{prefix}oracle, batch 1, 16/64, asyncmoe-graph-prefetch-fp8: 1.08x its copies, 1.80x its compute, "
+        "at most 1.10x / 1.05x: met" in lines
+    )
+    assert (
+        f"{prefix}oracle-q0.7, batch 1, 16/64, asyncmoe-graph-prefetch: 1.025x no prefetch, at most 1.02x: "
+        "**missed**" in lines
+    )
+    assert f"{prefix}router, batch 1, 16/64, asyncmoe-graph-prefetch: 1.010x no prefetch, at most 1.02x: met" in lines
+    path = tmp_path / "link.json"
+    path.write_text(json.dumps(data))
+    md = report.write(path)[0].read_text()
+    assert "| olmoe-1b-7b | oracle | asyncmoe-graph-prefetch | 16/64 | 12.000 | 0.600 | 10.000 | 4.000 | 2.000 |" in md
