@@ -121,9 +121,8 @@ FULL_RUNS = {  # each shape in one run: its rows compare within one process, and
 # fp8 experts at the same 16 of 64 slots, beside the fp8 model fully resident (its compute).
 def link(suffix: str = "") -> list[tuple]:
     graph, prefetch = f"asyncmoe-graph{suffix}", f"asyncmoe-graph-prefetch{suffix}"
-    resident = {graph: [1.0]} if suffix else {}
     return [
-        (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, **resident, graph: [0.25], prefetch: [0.25]}),
+        (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, graph: [0.25, 1.0] if suffix else [0.25], prefetch: [0.25]}),
         (SHAPES_1, ["oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"], ["b1"], {prefetch: [0.25]}),
         (SHAPES_1, ["router"], ["b1"], {graph: [0.25], prefetch: [0.25]}),
     ]

@@ -15,6 +15,7 @@ from test_latency import (
     case_of,
     seed_raises,
     slots,
+    split_format,
 )
 
 from shapes import routing_shape
@@ -57,6 +58,21 @@ def test_every_row_has_its_floor_in_its_run(name):
         assert (shape, size, prefill) in resident
         if system in ("seed", "accelerate"):
             assert (shape, routing, size, prefill) in groups
+
+
+@pytest.mark.parametrize("name", ["link", "link-fp8"])
+def test_the_link_profiles_have_each_split(name):
+    """Each cached case of a link profile has its compute (its format fully resident) and, with prefetch, its graph
+    without prefetch (the trace's, under an oracle) in the same run: the report's split and targets need both."""
+    ours = {(c[0], c[1], c[2], c[3]) for c, _ in cases(PROFILES[name])}
+    for shape, routing, system, fraction in ours:
+        if fraction == 1.0:
+            continue
+        fmt = split_format(system)[1]
+        assert (shape, "trace", f"asyncmoe-graph-{fmt}" if fmt else "unmodified", 1.0) in ours
+        if "-prefetch" in system:
+            none = "trace" if routing.startswith("oracle") else routing
+            assert (shape, none, system.replace("-prefetch", ""), fraction) in ours
 
 
 def test_the_full_profile_is_its_runs_and_its_caches_differ_on_every_shape():
