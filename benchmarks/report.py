@@ -229,8 +229,8 @@ def split_rows(table: list[dict]) -> list[dict]:
 
 
 def split_targets(split: list[dict]) -> list[str]:
-    """With every prediction right (`oracle`), time within 1.10x the copies or 1.05x the compute; where predictions
-    are mostly wrong (`oracle-q*`) or nothing predicts the routing (`router`), prefetch at most 1.02x no prefetch."""
+    """With every prediction right (`oracle`), time within 1.10x the copies or 1.05x the compute; with noisy ones
+    (`oracle-q*`) or where nothing predicts the routing (`router`), prefetch at most 1.02x no prefetch."""
     out = []
     for s in split:
         case = f"- {s['shape']}, {s['routing']}, batch 1, {s['cache']}/{s['experts']}, {s['system']}: "
