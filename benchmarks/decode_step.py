@@ -20,6 +20,8 @@ i mod its layers; docs/traces.md), e.g. benchmarks/traces/demo_val.npz, the embe
 on held-out text (scripts/routing_stats.py). The gate predictor then scores by what it predicted when
 the trace was recorded, if the trace has it (demo_val.npz does); else by the random router, which knows
 nothing of the trace (as in the latency suite's synthetic traces; the prefetch gate then keeps it off).
+`--replay trace`, `oracle` or `oracle-q0.8` routes as the latency suite's case of that name (test_latency.trace_for).
+`--quantize fp8` (mxfp4, int4) keeps asyncmoe's experts in that format; the unmodified model stays bf16.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import transformers
 import asyncmoe
 from asyncmoe.cache.policies import DEFAULT_POLICY
 
+from oracle import parse as parse_oracle
 from shapes import SHAPES, random_model, routing_shape
 
 
@@ -120,7 +123,13 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--eager-steps", type=int, default=16)
     p.add_argument("--eager-rounds", type=int, default=3)
-    p.add_argument("--replay", default=None, help="route asyncmoe models by this .npz trace (docs/traces.md)")
+    p.add_argument(
+        "--replay",
+        default=None,
+        help="route asyncmoe models by this .npz trace (docs/traces.md), or as a latency-suite routing: trace, "
+        "oracle, oracle-q0.8 (the shape's trace, its gate arrays the oracle's)",
+    )
+    p.add_argument("--quantize", choices=["fp8", "mxfp4", "int4"], default=None, help="asyncmoe's experts' format")
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument("--budgets", type=int, nargs="+", default=[asyncmoe.Prefetch.budget], help="prefetch budgets to try")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
@@ -135,6 +144,11 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    replay = args.replay
+    if replay == "trace" or (replay and parse_oracle(replay) is not None):
+        from test_latency import trace_for  # imports this module: not at the top
+
+        replay = trace_for(args.shape, replay)
     bandwidth = h2d_bandwidth()
     print(f"pinned host->GPU copy_: {bandwidth:.1f} GB/s", flush=True)
     base = random_model(args.shape, torch.bfloat16, "cuda")
@@ -167,7 +181,8 @@ def main():
                 cache=cache,
                 policy=policy,
                 prefetch=plan or False,
-                replay=args.replay,
+                quantize=args.quantize,
+                replay=replay,
                 time_stalls=args.time_stalls and cache < experts,
             )
             label = (
