@@ -273,6 +273,11 @@ def prefill_rows(data: dict) -> list[dict]:
     return sorted(out, key=lambda r: (r["shape"], r["routing"], r["prompt"], -r["cache"], r["system"]))
 
 
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
 def markdown(table: list[dict], data: dict) -> str:
     def f(r, key, fmt):
         return format(r[key], fmt) if key in r else ""
@@ -304,33 +309,35 @@ def markdown(table: list[dict], data: dict) -> str:
         "host GiB",
         "tokens agree",
     ]
-    if table:
-        lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for r in table:
-        cells = [
-            r["shape"],
-            r["routing"],
-            str(r["batch"]),
-            r["system"],
-            f"{r['cache']}/{r['experts']}",
-            f(r, "ms_per_token", ".3f"),
-            f(r, "spread_ms", ".3f"),
-            f(r, "tokens_per_s", ".1f"),
-            f(r, "hit_rate", ".1%"),
-            f(r, "prefetch_recall", ".1%"),
-            format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
-            f(r, "h2d_GB_per_s", ".1f"),
-            f(r, "floor_ms", ".3f"),
-            f(r, "belady_floor_ms", ".3f"),
-            f(r, "limit_ratio", ".2f"),
-            f(r, "speedup_vs_accelerate", ".1f"),
-            f(r, "speedup_vs_seed", ".2f"),
-            f(r, "seed_over_belady", ".2f"),
-            format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
-            format(r["host_bytes"] / 2**30, ".3f"),
-            f"{r['tokens_agree']}/{r['steps'] + 1}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(
+            [
+                r["shape"],
+                r["routing"],
+                str(r["batch"]),
+                r["system"],
+                f"{r['cache']}/{r['experts']}",
+                f(r, "ms_per_token", ".3f"),
+                f(r, "spread_ms", ".3f"),
+                f(r, "tokens_per_s", ".1f"),
+                f(r, "hit_rate", ".1%"),
+                f(r, "prefetch_recall", ".1%"),
+                format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
+                f(r, "h2d_GB_per_s", ".1f"),
+                f(r, "floor_ms", ".3f"),
+                f(r, "belady_floor_ms", ".3f"),
+                f(r, "limit_ratio", ".2f"),
+                f(r, "speedup_vs_accelerate", ".1f"),
+                f(r, "speedup_vs_seed", ".2f"),
+                f(r, "seed_over_belady", ".2f"),
+                format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
+                format(r["host_bytes"] / 2**30, ".3f"),
+                f"{r['tokens_agree']}/{r['steps'] + 1}",
+            ]
+        )
+    if table:
+        lines += ["", *md_table(head, rows)]
     if prefill:
         head = [
             "shape",
@@ -348,26 +355,28 @@ def markdown(table: list[dict], data: dict) -> str:
             "x seed",
             "first token agrees",
         ]
-        lines += ["", "Prefill, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        rows = []
         for r in prefill:
             system = r["system"] + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else "")
-            cells = [
-                r["shape"],
-                r["routing"],
-                str(r["prompt"]),
-                system,
-                f"{r['cache']}/{r['experts']}",
-                f(r, "ms_per_prefill", ".1f"),
-                f(r, "tokens_per_s", ".0f"),
-                format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
-                f(r, "h2d_GB_per_s", ".1f"),
-                f(r, "floor_ms", ".1f"),
-                f(r, "limit_ratio", ".2f"),
-                f(r, "speedup_vs_accelerate", ".1f"),
-                f(r, "speedup_vs_seed", ".2f"),
-                str(r["first_token_agrees"]),
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+            rows.append(
+                [
+                    r["shape"],
+                    r["routing"],
+                    str(r["prompt"]),
+                    system,
+                    f"{r['cache']}/{r['experts']}",
+                    f(r, "ms_per_prefill", ".1f"),
+                    f(r, "tokens_per_s", ".0f"),
+                    format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
+                    f(r, "h2d_GB_per_s", ".1f"),
+                    f(r, "floor_ms", ".1f"),
+                    f(r, "limit_ratio", ".2f"),
+                    f(r, "speedup_vs_accelerate", ".1f"),
+                    f(r, "speedup_vs_seed", ".2f"),
+                    str(r["first_token_agrees"]),
+                ]
+            )
+        lines += ["", "Prefill, batch 1:", "", *md_table(head, rows)]
     split = split_rows(table)
     if split:
         head = [
@@ -381,9 +390,8 @@ def markdown(table: list[dict], data: dict) -> str:
             "compute ms",
             "overlap ms",
         ]
-        lines += ["", "Where the time goes, batch 1:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for s in split:
-            cells = [
+        rows = [
+            [
                 s["shape"],
                 s["routing"],
                 s["system"],
@@ -394,7 +402,9 @@ def markdown(table: list[dict], data: dict) -> str:
                 f(s, "compute_ms", ".3f"),
                 f(s, "overlap_ms", ".3f"),
             ]
-            lines.append("| " + " | ".join(cells) + " |")
+            for s in split
+        ]
+        lines += ["", "Where the time goes, batch 1:", "", *md_table(head, rows)]
     return "\n".join(lines + targets(table, prefill)) + "\n"
 
 

@@ -139,26 +139,29 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
     )
 
 
+def decode_case(system, cache, ms, batch=1, **extra):
+    """An OLMoE-shaped decode case as the suite writes it (batch 1 unless given), for the hand-checked tests."""
+    info = dict(
+        shape="olmoe-1b-7b",
+        routing="trace",
+        system=system,
+        cache=cache,
+        experts=64,
+        batch=batch,
+        steps=32,
+        ms_per_token=ms,
+        device="gpu",
+        dtype="bf16",
+        tokens_agree=33,
+        host_bytes=0,
+    )
+    info.update(extra)
+    return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+
+
 def test_targets_met_and_missed():
     """The targets for the cases a run has: each says met or missed, with the measured value."""
-
-    def case(system, cache, ms, batch=1, **extra):
-        info = dict(
-            shape="olmoe-1b-7b",
-            routing="trace",
-            system=system,
-            cache=cache,
-            experts=64,
-            batch=batch,
-            steps=32,
-            ms_per_token=ms,
-            device="gpu",
-            dtype="bf16",
-            tokens_agree=33,
-            host_bytes=0,
-            **extra,
-        )
-        return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+    case = decode_case
 
     copies = dict(bytes_per_token=1e9, belady_bytes_per_token=0.5e9, h2d_GB_per_s=50.0)  # Belady floor 10 ms
     data = {
@@ -186,23 +189,7 @@ def test_targets_met_and_missed():
 def test_every_cache_compares_with_the_one_accelerate_run():
     """Accelerate has no cache of its own: the suite runs it once per case (test_profiles.py) and every cache's rows
     compare with it; the seed at the same cache; with every expert in a slot, nothing is offloaded to compare with."""
-
-    def case(system, cache, ms):
-        info = dict(
-            shape="olmoe-1b-7b",
-            routing="trace",
-            system=system,
-            cache=cache,
-            experts=64,
-            batch=1,
-            steps=32,
-            ms_per_token=ms,
-            device="gpu",
-            dtype="bf16",
-            tokens_agree=33,
-            host_bytes=0,
-        )
-        return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+    case = decode_case
 
     data = {
         "benchmarks": [
@@ -236,24 +223,8 @@ def test_where_the_time_goes(tmp_path):
     time over no prefetch (the trace's row under an oracle), and the link's targets on them, worked out by hand."""
 
     def case(system, cache, ms, routing="trace", fmt="bfloat16", moved=None):
-        info = dict(
-            shape="olmoe-1b-7b",
-            routing=routing,
-            system=system,
-            format=fmt,
-            cache=cache,
-            experts=64,
-            batch=1,
-            steps=32,
-            ms_per_token=ms,
-            device="gpu",
-            dtype="bf16",
-            tokens_agree=33,
-            host_bytes=0,
-        )
-        if moved is not None:
-            info.update(bytes_per_token=moved, h2d_GB_per_s=50.0)
-        return {"extra_info": info, "stats": {"min": ms * 32e-3, "max": ms * 32e-3}}
+        copies = {} if moved is None else dict(bytes_per_token=moved, h2d_GB_per_s=50.0)
+        return decode_case(system, cache, ms, routing=routing, format=fmt, **copies)
 
     data = {
         "benchmarks": [
