@@ -309,33 +309,32 @@ def markdown(table: list[dict], data: dict) -> str:
         "host GiB",
         "tokens agree",
     ]
-    rows = []
-    for r in table:
-        rows.append(
-            [
-                r["shape"],
-                r["routing"],
-                str(r["batch"]),
-                r["system"],
-                f"{r['cache']}/{r['experts']}",
-                f(r, "ms_per_token", ".3f"),
-                f(r, "spread_ms", ".3f"),
-                f(r, "tokens_per_s", ".1f"),
-                f(r, "hit_rate", ".1%"),
-                f(r, "prefetch_recall", ".1%"),
-                format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
-                f(r, "h2d_GB_per_s", ".1f"),
-                f(r, "floor_ms", ".3f"),
-                f(r, "belady_floor_ms", ".3f"),
-                f(r, "limit_ratio", ".2f"),
-                f(r, "speedup_vs_accelerate", ".1f"),
-                f(r, "speedup_vs_seed", ".2f"),
-                f(r, "seed_over_belady", ".2f"),
-                format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
-                format(r["host_bytes"] / 2**30, ".3f"),
-                f"{r['tokens_agree']}/{r['steps'] + 1}",
-            ]
-        )
+    rows = [
+        [
+            r["shape"],
+            r["routing"],
+            str(r["batch"]),
+            r["system"],
+            f"{r['cache']}/{r['experts']}",
+            f(r, "ms_per_token", ".3f"),
+            f(r, "spread_ms", ".3f"),
+            f(r, "tokens_per_s", ".1f"),
+            f(r, "hit_rate", ".1%"),
+            f(r, "prefetch_recall", ".1%"),
+            format(r["bytes_per_token"] / 1e6, ".1f") if "bytes_per_token" in r else "",
+            f(r, "h2d_GB_per_s", ".1f"),
+            f(r, "floor_ms", ".3f"),
+            f(r, "belady_floor_ms", ".3f"),
+            f(r, "limit_ratio", ".2f"),
+            f(r, "speedup_vs_accelerate", ".1f"),
+            f(r, "speedup_vs_seed", ".2f"),
+            f(r, "seed_over_belady", ".2f"),
+            format(r["peak_gpu_bytes"] / 2**30, ".2f") if "peak_gpu_bytes" in r else "",
+            format(r["host_bytes"] / 2**30, ".3f"),
+            f"{r['tokens_agree']}/{r['steps'] + 1}",
+        ]
+        for r in table
+    ]
     if table:
         lines += ["", *md_table(head, rows)]
     if prefill:
@@ -355,27 +354,25 @@ def markdown(table: list[dict], data: dict) -> str:
             "x seed",
             "first token agrees",
         ]
-        rows = []
-        for r in prefill:
-            system = r["system"] + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else "")
-            rows.append(
-                [
-                    r["shape"],
-                    r["routing"],
-                    str(r["prompt"]),
-                    system,
-                    f"{r['cache']}/{r['experts']}",
-                    f(r, "ms_per_prefill", ".1f"),
-                    f(r, "tokens_per_s", ".0f"),
-                    format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
-                    f(r, "h2d_GB_per_s", ".1f"),
-                    f(r, "floor_ms", ".1f"),
-                    f(r, "limit_ratio", ".2f"),
-                    f(r, "speedup_vs_accelerate", ".1f"),
-                    f(r, "speedup_vs_seed", ".2f"),
-                    str(r["first_token_agrees"]),
-                ]
-            )
+        rows = [
+            [
+                r["shape"],
+                r["routing"],
+                str(r["prompt"]),
+                r["system"] + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else ""),
+                f"{r['cache']}/{r['experts']}",
+                f(r, "ms_per_prefill", ".1f"),
+                f(r, "tokens_per_s", ".0f"),
+                format(r["bytes_per_prefill"] / 1e9, ".2f") if "bytes_per_prefill" in r else "",
+                f(r, "h2d_GB_per_s", ".1f"),
+                f(r, "floor_ms", ".1f"),
+                f(r, "limit_ratio", ".2f"),
+                f(r, "speedup_vs_accelerate", ".1f"),
+                f(r, "speedup_vs_seed", ".2f"),
+                str(r["first_token_agrees"]),
+            ]
+            for r in prefill
+        ]
         lines += ["", "Prefill, batch 1:", "", *md_table(head, rows)]
     split = split_rows(table)
     if split:
