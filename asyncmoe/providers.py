@@ -11,6 +11,7 @@ dequantizing kernels (the model's own implementations take no fp8 weights).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class CachedProvider(ExpertWeightProvider):
         self.links = Links()  # set by `link`
         self.plan: Prefetch | None = None
         self.wait = False  # a prefetch into this layer is issued earlier in each forward
+        self.paused = False  # prefetch skipped in this forward, here and in every linked layer (`prefetch_paused`)
         self.stamps = self.laps = False  # the one layer pair that measures the prefetch's window (see `link`)
         self.per_token = 1  # experts each token nominates to the gate predictor scoring this layer
         self.budget = 1  # most experts a prefetch admits into this layer per call
@@ -103,9 +105,11 @@ class CachedProvider(ExpertWeightProvider):
             )
         weights = self.cache.slot_weights()
         out, wave, waves, filled, gated = None, 0, num_waves(T * k, C, E), None, []
+        linked = not self.paused
         while wave < waves:
+            first = wave == 0 and linked
             slots = ops.ensure(
-                self.cache, top_k_index, wave, wait=self.wait and wave == 0, lap=self.laps and wave == 0
+                self.cache, top_k_index, wave, wait=self.wait and first, lap=self.laps and first
             )  # [T, k]
             if filled is not None:  # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
                 waves, filled = filled(), None
@@ -113,7 +117,7 @@ class CachedProvider(ExpertWeightProvider):
                     break  # wave 0 held every expert the call needs: this plan has nothing to copy
             if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
                 filled = self._waves_filled()
-            if wave == 0 and self.plan is not None:
+            if first and self.plan is not None:
                 gated = self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
             part = routed_outputs(experts, hidden_states, slots, weights, self.fmt)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
@@ -164,6 +168,20 @@ class CachedProvider(ExpertWeightProvider):
                 stamp = self.stamps and depth == 1
                 ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp, self.cache)
         return gated
+
+
+@contextlib.contextmanager
+def prefetch_paused(providers: list[CachedProvider]):
+    """Forwards in this block skip prefetch in the linked `providers`: no predictor, no prefetch, no wait for one,
+    so a step captured here has none of the side streams' work or dependencies. The prefetch gates' state is
+    left as it was (the evidence decays by the calls between prefetches)."""
+    for p in providers:
+        p.paused = True
+    try:
+        yield
+    finally:
+        for p in providers:
+            p.paused = False
 
 
 def _fixed_shapes(x: torch.Tensor) -> bool:

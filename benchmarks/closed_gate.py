@@ -1,16 +1,19 @@
-"""Where a closed prefetch gate's cost goes: OLMoE-1B-7B routed by its random router (nothing predicts it, so every
-layer's gate closes), 16 of 64 slots, batch-1 graph decode, bf16 and fp8 experts. Four models in one process,
+"""Where a closed prefetch gate's cost goes: by default OLMoE-1B-7B routed by its random router (nothing predicts it,
+so every layer's gate closes), 16 of 64 slots, batch-1 graph decode, bf16 and fp8 experts; `--shape` and
+`--replay` (a latency suite routing: trace, oracle, oracle-q0.7) choose another case. Models in one process,
 their rounds interleaved and compared as paired ratios to the first:
 
     none              no prefetch
-    prefetch          the default
-    no gate scoring   prefetch with the gate's router matmul and scoring taken out (nothing nominated)
+    prefetch          the default: the step captured without prefetch replays while every gate is closed
+    every step        prefetch in every step, the gates not read (the Decoder's `Gates` emptied)
+    no gate scoring   every step, with the gate's router matmul and scoring taken out (nothing nominated)
     forks only        that, and the decision and its copy taken out: only the side streams' forks and joins
 
-The variants replace package functions while their graph is captured (`patched`), so they measure the package
+The last two replace package functions while their graph is captured (`patched`), so they measure the package
 as it is, less that work.
 
     python benchmarks/closed_gate.py --out closed_gate.json     # CUDA
+    python benchmarks/closed_gate.py --variants none prefetch "every step" --shape deepseek-v2-lite --replay oracle-q0.7
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ from asyncmoe.cache import algorithm
 from asyncmoe.predict import predictors
 
 from decode_step import h2d_bandwidth
-from shapes import random_model
+from shapes import SHAPES, random_model
 
-VARIANTS = {  # name: (prefetch, what `patched` takes out)
-    "none": (False, {}),
-    "prefetch": (True, {}),
-    "no gate scoring": (True, {"no_gate": True}),
-    "forks only": (True, {"no_gate": True, "no_plan": True}),
+VARIANTS = {  # name: (prefetch, whether the Decoder reads the gates, what `patched` takes out)
+    "none": (False, True, {}),
+    "prefetch": (True, True, {}),
+    "every step": (True, False, {}),
+    "no gate scoring": (True, False, {"no_gate": True}),
+    "forks only": (True, False, {"no_gate": True, "no_plan": True}),
 }
 
 
@@ -61,17 +65,32 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="the first: the base")
+    p.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
+    p.add_argument(
+        "--replay", default=None, help="a latency suite routing (trace, oracle, oracle-q0.7); default: the router"
+    )
+    p.add_argument("--formats", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": h2d_bandwidth()}
-    for fmt in [None, "fp8"]:
-        base = random_model("olmoe-1b-7b", torch.bfloat16, "cuda")
+    replay = None
+    if args.replay:
+        from test_latency import trace_for  # imports decode_step: not at the top
+
+        replay = trace_for(args.shape, args.replay)
+    results = {"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": h2d_bandwidth(), "case": vars(args)}
+    for key in args.formats:
+        fmt = None if key == "bf16" else key
+        base = random_model(args.shape, torch.bfloat16, "cuda")
         prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
         decoders = {}
-        for name, (prefetch, takes_out) in VARIANTS.items():
-            with patched(**takes_out):  # the graph is captured in the first decode
-                model = asyncmoe.compile(copy.deepcopy(base), cache=16, quantize=fmt, prefetch=prefetch)
+        for name in args.variants:
+            prefetch, gates, takes_out = VARIANTS[name]
+            with patched(**takes_out):  # the graphs are captured in the first prefill
+                model = asyncmoe.compile(copy.deepcopy(base), cache=16, quantize=fmt, prefetch=prefetch, replay=replay)
                 dec = asyncmoe.Decoder(model, batch_size=1, max_length=16 + args.steps + 9, graph=True)
+                if not gates:
+                    dec.gates.flags = []
                 dec.prefill(prompt)
                 dec.decode(8)
             decoders[name] = (model, dec)
@@ -88,18 +107,18 @@ def main():
                 end.synchronize()
                 times[name].append(start.elapsed_time(end) / args.steps)
                 moved[name] += asyncmoe.stats(model).totals["bytes_h2d"]
-        key = fmt or "bf16"
+        base_name = args.variants[0]
         results[key] = {}
         for name in decoders:
             row = {
                 "ms": statistics.median(times[name]),
-                "paired_ratio": statistics.median(t / u for t, u in zip(times[name], times["none"], strict=True)),
+                "paired_ratio": statistics.median(t / u for t, u in zip(times[name], times[base_name], strict=True)),
                 "MB_per_token": moved[name] / args.rounds / args.steps / 1e6,
                 "rounds": times[name],
             }
             results[key][name] = row
             print(
-                f"{key:5} {name:16} {row['ms']:7.3f} ms/token  x none (paired) {row['paired_ratio']:.4f}  "
+                f"{key:5} {name:16} {row['ms']:7.3f} ms/token  x {base_name} (paired) {row['paired_ratio']:.4f}  "
                 f"{row['MB_per_token']:6.1f} MB/token",
                 flush=True,
             )

@@ -11,7 +11,8 @@ from transformers import masking_utils
 
 import asyncmoe
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.runtime.decoder import CHECK_EVERY, capturable_masks, eager_mask
+from asyncmoe.predict.prefetch_gate import EXPLORE_EVERY
+from asyncmoe.runtime.decoder import CHECK_EVERY, LEAD, cached_providers, capturable_masks, eager_mask
 
 from models import NUM_EXPERTS, TOP_K, tiny
 
@@ -238,6 +239,45 @@ def test_prompt_too_long():
         dec.prefill(torch.ones(1, 10, dtype=torch.long))
 
 
+def wrong_gate(model: torch.nn.Module) -> list:
+    """Give every layer's gate predictor a router whose expert ids are shifted, so that it always predicts wrong and
+    every prefetch gate closes; the model's own routers are unchanged. Returns the cached layers' providers."""
+    providers = cached_providers(model)
+    for p in providers:
+        if p.router is not None:
+            weight, bias = p.router
+            p.router = (weight.roll(5, 0).clone(), bias)
+    return providers
+
+
+def prefetch_steps(dec: asyncmoe.Decoder) -> list[int]:
+    """Record the decode step (`dec.length`) of every forward that runs the prefetch."""
+    steps = []
+    for p in dec.cached:
+        p._prefetch = lambda h, run=p._prefetch: steps.append(dec.length) or run(h)
+    return steps
+
+
+@torch.no_grad()
+def test_a_step_skips_prefetch_while_every_gate_is_closed():
+    """Eager steps (the CPU) follow the gates as graph steps do: once every layer's gate has closed, a step runs
+    the prefetch only one in EXPLORE_EVERY, on which closed gates explore; the tokens are transformers' own."""
+    ref = tiny("olmoe", num_hidden_layers=4)
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=True)
+    wrong_gate(model)
+    dec = asyncmoe.Decoder(model, 1, 7 + 200)
+    assert len(dec.gates.flags) == 3  # every cached layer but the first is a prefetch's target
+    steps = prefetch_steps(dec)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    out = dec.generate(ids, 200, eos_token_id=[])
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False, eos_token_id=[])
+    assert torch.equal(out.tokens, want)
+    late = sorted(set(steps))[-4:]
+    assert [b - a for a, b in zip(late, late[1:])] == [EXPLORE_EVERY] * 3
+    assert len(set(steps)) < 200 // 8
+    assert not any(c.gate_open_host.item() for c in (p.cache for p in dec.cached[1:]))
+
+
 def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tensor, steps: int) -> float:
     """Largest |logit difference| between graph replay and eager steps over `steps` greedy steps (no EOS: every
     step decodes)."""
@@ -339,6 +379,34 @@ def test_prefetch_changes_nothing_in_the_graph(family, budget):
         on.decode(1), off.decode(1)
         assert torch.equal(on.logits, off.logits)
     assert asyncmoe.stats(on.model).totals["prefetched"] > 0
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_a_graph_step_without_prefetch_replays_while_every_gate_is_closed():
+    """The device writes each gate to pinned memory and the host reads it there: once every gate has closed,
+    the step captured without prefetch replays, but for one step in EXPLORE_EVERY, and the logits are those of
+    a model without prefetch, step by step."""
+    ref = tiny("olmoe", num_hidden_layers=4, device="cuda")
+    ids = prompts("random", 1).cuda()
+    n = ids.shape[1] + 201
+    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=True), 1, n)
+    off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=False), 1, n)
+    wrong_gate(on.model)
+    on.prefill(ids), off.prefill(ids)
+    assert not off.gates and sorted(on._graphs) == [(False, 0, False), (False, 0, True)]
+    replays = {key: 0 for key in on._graphs}
+    for key, graph in on._graphs.items():
+        graph.replay = lambda key=key, run=graph.replay: replays.__setitem__(key, replays[key] + 1) or run()
+    for _ in range(200):
+        on.decode(1), off.decode(1)
+        assert torch.equal(on.logits, off.logits)
+        assert len(on._queued) <= LEAD
+    print(
+        f"\nreplays of 200 steps, with / without prefetch: {replays[(False, 0, True)]} / {replays[(False, 0, False)]}"
+    )
+    assert replays[(False, 0, False)] > 150
+    assert not any(c.gate_open_host.item() for c in (p.cache for p in on.cached[1:]))
 
 
 def api_calls(fn, *prefixes: str) -> list[int]:

@@ -11,7 +11,14 @@ from asyncmoe.cache.expert_cache import ExpertCache, num_waves
 from asyncmoe.cache.state import GATE, Counter
 from asyncmoe.predict.predictors import top_scores
 from asyncmoe.predict.prefetch import Request, predict_and_prefetch
-from asyncmoe.predict.prefetch_gate import EXPLORE_EVERY, MIN_PRECISION, explore_period, gate_precision, gate_prefetch
+from asyncmoe.predict.prefetch_gate import (
+    EXPLORE_EVERY,
+    MIN_PRECISION,
+    OUTCOME_DECAY,
+    explore_period,
+    gate_precision,
+    gate_prefetch,
+)
 from asyncmoe.stats import read_stats
 
 
@@ -186,6 +193,42 @@ def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
     assert c.counters[Counter.CALLS] == 0
     prefetch(2)
     assert prefetched() == 0
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
+def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_once_after_them(use_kernel):
+    """A decode step may skip prefetch while every gate is closed (the Decoder's `Gates`). The gate's evidence then
+    decays by the calls since its last prefetch, as if it had run on each, and a closed gate explores on its first
+    prefetch after `calls` passed a multiple of the period, once: not on a second prefetch in the same period. The
+    host reads the decision from `gate_open_host`."""
+    E, C = 16, 4
+    device = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
+    c = ExpertCache({"w": torch.randn(E, 3, device=device)}, C, "lru")
+    c.pace.copy_(torch.tensor([0, 1000, 1000]))  # half is enough, explore every 32nd call
+    prefetched = lambda: c.counters[Counter.PREFETCHED].item()  # noqa: E731
+
+    def call(prefetch_expert=None):  # the gate predicts `prefetch_expert`; then E-1 is routed
+        if prefetch_expert is not None:
+            c.gate.copy_(one_hot(prefetch_expert, E, device))
+            predict_and_prefetch(Request(GATE, 1, c.policy), c.state, None, c.hosts, c.slots, use_kernel=use_kernel)
+        ids = torch.tensor([[E - 1]], device=device)
+        algorithm.ensure(ids, 0, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
+
+    for n in range(4):  # wasted prefetches close the gate
+        call(n % 2)
+    assert c.gate_open_host.item() == 0 and c.gate_open.item() == 0
+    assert prefetched() == 1  # the first, with no evidence yet
+    evidence = c.outcomes[:2].clone()  # as the prefetch on call 3 left it
+    for _ in range(40):  # calls 4 .. 43: no prefetch
+        call()
+    before = prefetched()
+    call(2)  # call 44: the first prefetch since call 32
+    assert prefetched() == before + 1  # explored
+    assert c.visited.item() == 44
+    wasted = evidence[0] * OUTCOME_DECAY**41  # decayed over calls 4 .. 44, as prefetches on each would have
+    torch.testing.assert_close(c.outcomes[0].cpu(), wasted.cpu(), rtol=1e-5, atol=0)
+    call(3)  # call 45, in the same period: no second exploration
+    assert prefetched() == before + 1 and c.gate_open_host.item() == 0
 
 
 @pytest.mark.parametrize(

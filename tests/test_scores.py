@@ -105,7 +105,8 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
     calls that route, prefetch, waste prefetches (so the gate closes) and reach the exploring calls, with the
     prefetch's pace measured (a copy 2x or 4x the compute) or not: the 32nd does not explore (a copy 4x the
-    window explores every 128th call), the 64th does (unmeasured: every 32nd)."""
+    window explores every 128th call), the 64th does (unmeasured: every 32nd); every seventh call skips the
+    prefetch, as a step without prefetch does."""
     (kernel, reference), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
     bits = sum(BITS[s] for s in sources)
     scored = 0
@@ -119,6 +120,8 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
         for c, use_kernel in ((kernel, True), (reference, False)):
             c.pace.copy_(pace)
             algorithm.ensure(ids, 0, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
+            if step % 7 == 5:
+                continue  # a step without prefetch: the evidence decays by the calls since (prefetch_gate)
             c.gate.copy_(gate)
             predict_and_prefetch(
                 Request(bits, k, c.policy),

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from .host import host_flag
 from .policies import get_policy
 from .state import COUNTERS, TIMER_SIZE, CacheState
 
@@ -22,6 +23,8 @@ class ExpertCache(nn.Module):
     to its host store `[E, ...]` as the device sees it: a UVA view of pinned memory for a CUDA cache, the
     host tensor itself for a CPU one. `pace` is the tensor the linked layers share (a new one if None);
     `transitions_from` is E' when a transition predictor feeds this layer (0: none).
+    `gate_open` is in pinned host memory, and `gate_open_host` is the host's tensor over it: the host reads
+    what the last prefetch into this layer decided without a sync (runtime/decoder.py's `Gates`).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class ExpertCache(nn.Module):
             slot = torch.zeros((num_slots,) + host.shape[1:], dtype=host.dtype, device=device)
             self.register_buffer(f"slot_{name}", slot, persistent=False)
         C, E = num_slots, self.num_experts
+        self.gate_open_host, gate_open = host_flag(1, device)  # open until evidence closes it
         i64, f32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.float32, device=device)
         buffers = dict(
             expert_to_slot=torch.full((E + 1,), -1, **i64),
@@ -65,6 +69,8 @@ class ExpertCache(nn.Module):
             predicted=torch.zeros(E, **f32),
             nominated=torch.zeros(E, dtype=torch.int8, device=device),
             outcomes=torch.zeros(4, **f32),
+            visited=torch.zeros(1, **i64),
+            gate_open=gate_open,
             transitions=torch.zeros(transitions_from, E, **f32),
             follows=torch.zeros((E, E) if learns else (0, 0), dtype=torch.int32, device=device),
             # empty when not timed: a custom op cannot take an optional tensor it mutates under Inductor
@@ -102,6 +108,7 @@ class ExpertCache(nn.Module):
             if name != "pace":  # the pace measures the GPU, not this history
                 buf = getattr(self, name)
                 buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of") else 0)
+        self.gate_open.fill_(1)
 
     def _apply(self, fn, recurse=True):
         # `model.to()`, `.half()`, `.cpu()` reach here. Moving or casting would reallocate the slots and

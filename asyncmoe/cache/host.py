@@ -108,21 +108,37 @@ def _device_pointer(host_ptr: int) -> int:
 
 
 def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
-    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made.
+    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made. The view holds the
+    block."""
+    view = device_view(block.data, device)
+    view._asyncmoe_block = block  # carved views keep this tensor (their _base) and so the block alive
+    return view
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the pinned (registered or pinned-allocated) CPU tensor `host`: the same memory, so what a
+    kernel writes through it the host reads with no copy and no sync.
 
     Built as Inductor's cudagraph trees build storages, from the raw pointer: `torch.as_tensor` of a
     `__cuda_array_interface__` would ask the runtime which device owns the pointer, which fails for a
     device alias that differs from the host address. The storage does not own the memory: the view
-    holds the block.
+    holds `host`.
     """
     torch.cuda.init()
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    ptr = _device_pointer(block.data.data_ptr())
-    storage = torch._C._construct_storage_from_data_pointer(ptr, device, block.nbytes)
-    view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-    view._asyncmoe_block = block  # carved views keep this tensor (their _base) and so the block alive
+    nbytes = host.numel() * host.element_size()
+    storage = torch._C._construct_storage_from_data_pointer(_device_pointer(host.data_ptr()), device, nbytes)
+    view = torch.empty(0, dtype=host.dtype, device=device).set_(storage).view(host.shape)
+    view._asyncmoe_host = host
     return view
+
+
+def host_flag(value: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One int32 in pinned host memory, as the host reads it and as `device` writes it (the same tensor on the
+    CPU): a kernel's store through the device's view reaches the host with no copy and no sync."""
+    host = torch.full((1,), value, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return host, device_view(host, device) if device.type == "cuda" else host
 
 
 def carve(flat: torch.Tensor, specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:

@@ -112,6 +112,8 @@ if triton is not None:
         e2s_ptr,
         counters_ptr,
         outcomes_ptr,
+        visited_ptr,
+        gate_open_ptr,
         pace_ptr,
         E,
         E_before,
@@ -134,7 +136,7 @@ if triton is not None:
         PACE_COPY: tl.constexpr,
         MIN_SUPPORT: tl.constexpr,
         MIN_PRECISION: tl.constexpr,
-        OUTCOME_DECAY: tl.constexpr,
+        LOG2_DECAY: tl.constexpr,
         EXPLORE_EVERY: tl.constexpr,
         BE: tl.constexpr,
         BR: tl.constexpr,
@@ -182,12 +184,14 @@ if triton is not None:
             sources += tl.where(gate > 0, GATE, 0).to(tl.int32)
         # the prefetch gate: off while most recent prefetches were wasted, but for an explorer
         tl.static_assert((PAID == WASTED + 1) & (SEEN_PAID == SEEN_WASTED + 1))
+        calls, visited = tl.load(counters_ptr + CALLS), tl.load(visited_ptr)
+        decay = tl.exp2(tl.maximum(calls - visited, 1).to(tl.float32) * LOG2_DECAY)  # per call since the last
         k = tl.arange(0, 2)  # 0: wasted, 1: paid
         # misses the prefetches saved: used by their call, less the hits they cost
         saved = tl.load(counters_ptr + PREFETCH_TIMELY) - tl.load(counters_ptr + PREFETCH_VICTIMS)
         seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - saved, saved).to(tl.float32)
         fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + SEEN_WASTED + k), 0.0)
-        estimate = tl.load(outcomes_ptr + WASTED + k) * OUTCOME_DECAY + fresh_outcomes
+        estimate = tl.load(outcomes_ptr + WASTED + k) * decay + fresh_outcomes
         tl.store(outcomes_ptr + WASTED + k, estimate)
         tl.store(outcomes_ptr + SEEN_WASTED + k, seen)
         wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
@@ -202,11 +206,12 @@ if triton is not None:
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
         stride = tl.where(measured, tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
         period = EXPLORE_EVERY * stride
-        calls = tl.load(counters_ptr + CALLS)
-        explore = (1 - on.to(tl.int32)) * ((calls > 0) & (calls % period == 0)).to(tl.int32)
+        explore = (1 - on.to(tl.int32)) * ((calls > 0) & (calls // period != visited // period)).to(tl.int32)
         score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
+        tl.store(visited_ptr, calls)
+        tl.store(gate_open_ptr, on.to(tl.int32))
 
 
 def gate_scores_triton(
@@ -264,6 +269,8 @@ def prefetch_scores_triton(sources: int, routed_before: torch.Tensor | None, kee
         s.expert_to_slot,
         s.counters,
         s.outcomes,
+        s.visited,
+        s.gate_open,
         s.pace,
         E,
         routed_before.shape[0] if transition else 0,

@@ -15,12 +15,15 @@ Why each number: docs/decisions.md#prefetch-gate (the anchors below are in that 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..cache.state import PACE_COPY, PACE_WINDOW, PAID, SEEN_PAID, SEEN_WASTED, WASTED, CacheState, Counter
 
 MIN_PRECISION = 0.5  # a wasted copy costs about what a used one saves where a copy fits the window (#gate-precision)
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls (#outcome-decay)
+LOG2_DECAY = math.log2(OUTCOME_DECAY)
 EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, times the stride (#exploring)
 
 
@@ -43,18 +46,29 @@ def explore_period(pace: torch.Tensor) -> torch.Tensor:
 
 def gate_prefetch(s: CacheState) -> None:
     """Zero the target's predictions `s.predicted` (so nothing is admitted) while its prefetches are mostly
-    wasted, but for the likeliest non-resident expert on an exploring call. Calls are counted by the `calls`
-    counter (the clock counts waves); a call with none counted yet (after a stats reset) does not explore."""
+    wasted, but for the likeliest non-resident expert on an exploring call, and write the decision to
+    `s.gate_open`. Calls are counted by the `calls` counter (the clock counts waves) and the evidence decays
+    by the calls since the last prefetch (`visited`), so a step that skipped prefetch leaves both as they
+    would be; a closed gate explores on its first prefetch since `calls` passed a multiple of the period.
+    A call with none counted yet (after a stats reset) does not explore."""
     c = s.counters
+    calls, visited = c[Counter.CALLS], s.visited[0]
     saved = c[Counter.PREFETCH_TIMELY] - c[Counter.PREFETCH_VICTIMS]  # used by their call, less the hits they cost
     seen = torch.stack([c[Counter.PREFETCHED] - saved, saved]).float()  # (wasted, paid) so far
     fresh_outcomes = (seen - s.outcomes[SEEN_WASTED : SEEN_PAID + 1]).clamp(min=0)
-    s.outcomes[WASTED : PAID + 1].mul_(OUTCOME_DECAY).add_(fresh_outcomes)
+    s.outcomes[WASTED : PAID + 1].mul_(decay(calls - visited)).add_(fresh_outcomes)
     s.outcomes[SEEN_WASTED : SEEN_PAID + 1].copy_(seen)
     wasted, used = s.outcomes[WASTED], s.outcomes[PAID]
     on = (used + 1) >= gate_precision(s.pace) * (used + wasted + 2)  # with no evidence yet: on
     fresh = s.predicted.masked_fill(s.expert_to_slot[:-1] >= 0, 0)
     likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
-    calls = c[Counter.CALLS]
-    explore = ~on & (calls > 0) & (calls % explore_period(s.pace) == 0)
+    period = explore_period(s.pace)
+    explore = ~on & (calls > 0) & (calls // period != visited // period)
     s.predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
+    s.visited.copy_(calls)
+    s.gate_open.copy_(on)
+
+
+def decay(calls: torch.Tensor) -> torch.Tensor:
+    """OUTCOME_DECAY per call over `calls` calls, at least one (a stats reset sets `calls` back)."""
+    return torch.exp2(calls.clamp(min=1).float() * LOG2_DECAY)

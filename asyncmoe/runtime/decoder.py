@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import numbers
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
 from ..integrations.transformers import PROVIDER, find_experts, top_k_of
-from ..providers import CachedProvider
+from ..predict.prefetch_gate import EXPLORE_EVERY
+from ..providers import CachedProvider, prefetch_paused
 from .sampling import check_sampling, sample
 
 
@@ -153,6 +155,34 @@ def static_cache(model: nn.Module, max_length: int) -> transformers.StaticCache:
 
 
 CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
+LEAD = 4  # most graph steps the host queues ahead of the GPU while it reads the prefetch gates
+
+
+class Gates:
+    """Whether the next decode step prefetches, from the prefetch gates as the device last wrote them to pinned
+    memory (`ExpertCache.gate_open_host`: no sync). While every gate is closed a step skips prefetch
+    (`prefetch_paused`): a closed gate prefetches nothing but its exploring calls, and a step with prefetch costs
+    its side streams' dependencies all the same (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed).
+    One step in EXPLORE_EVERY still prefetches, on which closed gates explore as they would every step."""
+
+    def __init__(self, providers: list[CachedProvider]):
+        targets = {id(t): t for p in providers for t in p.links.targets}.values()
+        self.flags = [t.cache.gate_open_host.numpy() for t in targets]
+        self.closed = 0  # steps since a gate was last seen open
+
+    def __bool__(self) -> bool:
+        return bool(self.flags)
+
+    def prefetch(self) -> bool:
+        if any(flag[0] for flag in self.flags):
+            self.closed = 0
+            return True
+        self.closed += 1
+        return self.closed % EXPLORE_EVERY == 0
+
+
+def cached_providers(model: nn.Module) -> list[CachedProvider]:
+    return [p for _, m in find_experts(model) if isinstance(p := getattr(m, PROVIDER, None), CachedProvider)]
 
 
 def kv_keyword(model: nn.Module) -> str:
@@ -171,6 +201,9 @@ class Decoder:
     `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed, so capturable),
     each wave's copies on the compute stream after the previous wave's compute, and waves with nothing
     to copy still launch their kernels.
+
+    With prefetch, each step runs with it or without it as the prefetch gates ask (`Gates`; a graph of each),
+    and the host queues at most LEAD graph steps ahead of the GPU, so that it reads the gates of recent steps.
     """
 
     def __init__(
@@ -203,7 +236,10 @@ class Decoder:
         self.is_eos = None  # [V] bool, allocated with the logits
         self.temperature = torch.ones(1, device=self.device)
         self.top_p = torch.ones(1, device=self.device)
-        self._graphs: dict[tuple[bool, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}  # (do_sample, top_k, prefetch)
+        self.cached = cached_providers(model)
+        self.gates = Gates(self.cached)
+        self._queued: deque[torch.cuda.Event] = deque()  # one a graph step the GPU may not have run yet
         self._sampling = None  # (do_sample, top_k) of the last prefill: the graph's key
         self.length = 0  # tokens in `history`, kept on the host so decoding never waits for the device
         self.stops = False  # whether the last prefill has EOS ids the model can produce
@@ -231,23 +267,29 @@ class Decoder:
         self.tok.copy_(nxt[:, None])
         self.pos.add_(1)
 
-    def _graph(self, key: tuple[bool, int]) -> torch.cuda.CUDAGraph:
-        """Capture one step. Warm-up and capture run on whatever state is there; `prefill` resets it after."""
-        if key not in self._graphs:
+    def _paused(self, prefetch: bool):
+        return contextlib.nullcontext() if prefetch else prefetch_paused(self.cached)
+
+    def _capture(self, sampling: tuple[bool, int]) -> None:
+        """Capture a step with prefetch and, where the gates may close, one without. Warm-up and capture run on
+        whatever state is there; `prefill` resets it after."""
+        for prefetch in (True, False) if self.gates else (True,):
+            key = (*sampling, prefetch)
+            if key in self._graphs:
+                continue
             self.kv.reset()
             self.pos.zero_()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
-            with capturable_masks():
+            with capturable_masks(), self._paused(prefetch):
                 with torch.cuda.stream(side):  # warm-up: KV allocation, cuBLAS handles, Triton compiles
                     for _ in range(2):
-                        self._step(*key)
+                        self._step(*sampling)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    self._step(*key)
+                    self._step(*sampling)
             self._graphs[key] = graph
-        return self._graphs[key]
 
     def _set_stops(self, eos: list[int], pad: int | None) -> None:
         """Fill the EOS table and the pad in place (a captured step reads them). Ids past the logits are never
@@ -289,7 +331,7 @@ class Decoder:
         eos, pad = stop_tokens(self.model, eos_token_id, pad_token_id)
         self._sampling = (True, int(top_k)) if do_sample else (False, 0)
         if self.graphed:
-            self._graph(self._sampling)
+            self._capture(self._sampling)
         if seed is not None:
             torch.manual_seed(seed)
         self.temperature.fill_(temperature if do_sample else 1.0)
@@ -316,10 +358,17 @@ class Decoder:
             raise ValueError(f"{steps} more steps would pass max_length={self.max_length}")
         self.length += steps
         for _ in range(steps):
-            if self.graphed:
-                self._graphs[self._sampling].replay()
-            else:
-                self._step(*self._sampling)
+            prefetch = not self.gates or self.gates.prefetch()
+            if not self.graphed:
+                with self._paused(prefetch):
+                    self._step(*self._sampling)
+                continue
+            self._graphs[(*self._sampling, prefetch)].replay()
+            if self.gates:  # the gates the host reads are at most LEAD steps old
+                self._queued.append(torch.cuda.Event())
+                self._queued[-1].record()
+                if len(self._queued) > LEAD:
+                    self._queued.popleft().synchronize()
 
     def _lengths(self, prompt_length: int) -> torch.Tensor:
         """[B] prompt + new tokens of each sequence in `history`, up to and including its first EOS."""
