@@ -32,6 +32,8 @@ class LayerStats:
     hits_transition: int
     prefetch_timely: int  # prefetch hits in the very call the prefetch was for
     prefetch_victims: int  # experts a prefetch evicted that the very next call needed (hits it cost)
+    explored: int  # a closed prefetch gate's exploring nominations, scored against their call with no copy
+    explored_paid: int  # ... that the call routed to and did not hold
     expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
@@ -90,6 +92,8 @@ class Stats:
             "hits_transition",
             "prefetch_timely",
             "prefetch_victims",
+            "explored",
+            "explored_paid",
             "prefetch_bytes",
             "wasted_bytes",
             "gpu_bytes",

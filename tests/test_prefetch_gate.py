@@ -8,7 +8,7 @@ import torch
 from asyncmoe import ops
 from asyncmoe.cache import algorithm
 from asyncmoe.cache.expert_cache import ExpertCache, num_waves
-from asyncmoe.cache.state import GATE, Counter
+from asyncmoe.cache.state import GATE, PAID, Counter
 from asyncmoe.predict.predictors import top_scores
 from asyncmoe.predict.prefetch import Request, predict_and_prefetch
 from asyncmoe.predict.prefetch_gate import (
@@ -30,10 +30,10 @@ def one_hot(expert: int, E: int, device="cpu") -> torch.Tensor:
 def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
     """Every other call prefetches one expert; routing then uses it in that call (timely), in the call
     after (late), or never. Only timely prefetches keep the layer prefetching: otherwise prefetch
-    switches off, except every EXPLORE_EVERY-th call."""
+    switches off, and explores every EXPLORE_EVERY calls with no copy."""
     E, steps = 16, 6 * EXPLORE_EVERY
     cache = ExpertCache({"w": torch.randn(E, 3)}, 4, "lru")
-    admitted, guess = [], 0
+    admitted, explored, guess = [], [], 0
     for step in range(steps):
         if step % 2 == 0:
             guess = step // 2 % (E - 2)
@@ -41,15 +41,18 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
             cache.gate.copy_(one_hot(guess, E))
             ops.prefetch(cache, GATE, 1)
             admitted.append(cache.counters[Counter.PREFETCHED].item() - prefetched)
+            explored.append(int(cache.explored.item() >= 0))
             routed = guess if use == "timely" else E - 1
         else:
             routed = guess if use == "late" else E - 2
         ops.ensure(cache, torch.tensor([[routed]]), 0)
-    late = admitted[len(admitted) // 2 :]  # the prefetching calls of the second half
+    late = slice(len(admitted) // 2, None)  # the prefetching calls of the second half
     if use == "timely":
-        assert all(late)  # every prefetch admitted
+        assert all(admitted[late]) and not any(explored)  # every prefetch admitted: the gate stays open
     else:
-        assert 0 < sum(late) <= steps // 2 // EXPLORE_EVERY + 1  # only the exploring calls
+        assert not any(admitted[late])  # nothing copied
+        assert sum(explored[late]) == steps // 2 // EXPLORE_EVERY  # but every EXPLORE_EVERY-th call explores
+        assert cache.counters[Counter.EXPLORED] == sum(explored) and cache.counters[Counter.EXPLORED_PAID] == 0
 
 
 @pytest.mark.parametrize("victim_needed", [False, True])
@@ -135,8 +138,9 @@ def test_a_copy_that_outlasts_the_compute_needs_more_prefetches_to_save_a_miss()
 @pytest.mark.parametrize("waves, stride", [(1, 1), (2, 1), (1, 3)])
 def test_a_gated_layer_explores_every_period_and_reopens_where_half_is_enough(waves, stride):
     """Prefetches that are never used close the gate; the layer then explores every EXPLORE_EVERY calls, not
-    less often as it goes on (on OLMoE's trace doubling the interval up to 512 made decode 4% slower). Once
-    the predictions are right, two exploring prefetches used by their calls reopen it, where half is enough.
+    less often as it goes on (on OLMoE's trace doubling the interval up to 512 made decode 4% slower), with no
+    copy. Once the predictions are right, two explorations that would have saved their calls a miss reopen it,
+    where half is enough.
     Counted in calls, whatever a call's waves: with two a call, counting `ensure`s (the clock) would explore at
     calls 16, 32, 48, ... Where a copy takes 3x the compute it hides behind, the interval is 3x as long and
     the gate wants 75%: explores 96 calls apart keep too little of their evidence to reach it, so the gate
@@ -149,7 +153,7 @@ def test_a_gated_layer_explores_every_period_and_reopens_where_half_is_enough(wa
     assert num_waves(routed.numel(), C, E) == waves
     period = EXPLORE_EVERY * stride
     assert explore_period(cache.pace).item() == period
-    admitted, guess, right_from, end = [], 0, 4 * period, 8 * period
+    admitted, explored, guess, right_from, end = [], [], 0, 4 * period, 8 * period
     for call in range(1, end):
         ids = torch.tensor([[guess]]) if call > right_from else routed  # from then on the prediction is routed
         for wave in range(num_waves(ids.numel(), C, E)):
@@ -161,10 +165,14 @@ def test_a_gated_layer_explores_every_period_and_reopens_where_half_is_enough(wa
         ops.prefetch(cache, GATE, 1)
         if cache.counters[Counter.PREFETCHED].item() > prefetched:
             admitted.append(call)
+        if cache.explored.item() >= 0:
+            explored.append(call)
+    paid = cache.counters[Counter.EXPLORED_PAID].item()
     if stride == 1:  # open with no evidence yet; explores at 32 ... 128, 160; those at 128 and 160 paid: open again
-        assert admitted == [1, *range(period, 5 * period, period), *range(5 * period, end)]
+        assert admitted == [1, *range(5 * period + 1, end)]
+        assert explored == list(range(period, 6 * period, period)) and paid == 2
     else:
-        assert admitted == list(range(period, end, period))
+        assert admitted == [] and explored == list(range(period, end, period)) and paid == 4  # 384 ... 672
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
@@ -199,36 +207,41 @@ def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
 def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_once_after_them(use_kernel):
     """A decode step may skip prefetch while every gate is closed (the Decoder's `Gates`). The gate's evidence then
     decays by the calls since its last prefetch, as if it had run on each, and a closed gate explores on its first
-    prefetch after `calls` passed a multiple of the period, once: not on a second prefetch in the same period. The
-    host reads the decision from `gate_open_host`."""
+    prefetch after `calls` passed a multiple of the period, once: not on a second prefetch in the same period. An
+    exploration copies nothing; the call's `ensure` scores it. The host reads the decision from `gate_open_host`."""
     E, C = 16, 4
     device = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
     c = ExpertCache({"w": torch.randn(E, 3, device=device)}, C, "lru")
     c.pace.copy_(torch.tensor([0, 1000, 1000]))  # half is enough, explore every 32nd call
-    prefetched = lambda: c.counters[Counter.PREFETCHED].item()  # noqa: E731
+    count = lambda counter: c.counters[counter].item()  # noqa: E731
 
-    def call(prefetch_expert=None):  # the gate predicts `prefetch_expert`; then E-1 is routed
-        if prefetch_expert is not None:
-            c.gate.copy_(one_hot(prefetch_expert, E, device))
+    def call(predicted=None, routed=E - 1):  # the gate predicts `predicted`, then the call routes to `routed`
+        if predicted is not None:
+            c.gate.copy_(one_hot(predicted, E, device))
             predict_and_prefetch(Request(GATE, 1, c.policy), c.state, None, c.hosts, c.slots, use_kernel=use_kernel)
-        ids = torch.tensor([[E - 1]], device=device)
+        ids = torch.tensor([[routed]], device=device)
         algorithm.ensure(ids, 0, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
 
     for n in range(4):  # wasted prefetches close the gate
         call(n % 2)
     assert c.gate_open_host.item() == 0 and c.gate_open.item() == 0
-    assert prefetched() == 1  # the first, with no evidence yet
+    assert count(Counter.PREFETCHED) == 1  # the first, with no evidence yet
     evidence = c.outcomes[:2].clone()  # as the prefetch on call 3 left it
     for _ in range(40):  # calls 4 .. 43: no prefetch
         call()
-    before = prefetched()
-    call(2)  # call 44: the first prefetch since call 32
-    assert prefetched() == before + 1  # explored
-    assert c.visited.item() == 44
+    call(2)  # call 44, the first prefetch since call 32: explores, with no copy
+    assert count(Counter.EXPLORED) == 1 and count(Counter.EXPLORED_PAID) == 0 and count(Counter.PREFETCHED) == 1
+    assert c.visited.item() == 44 and c.explored.item() == -1  # scored by the call's ensure
     wasted = evidence[0] * OUTCOME_DECAY**41  # decayed over calls 4 .. 44, as prefetches on each would have
     torch.testing.assert_close(c.outcomes[0].cpu(), wasted.cpu(), rtol=1e-5, atol=0)
     call(3)  # call 45, in the same period: no second exploration
-    assert prefetched() == before + 1 and c.gate_open_host.item() == 0
+    assert count(Counter.EXPLORED) == 1 and c.gate_open_host.item() == 0
+    for _ in range(46, 70):
+        call()
+    call(5, routed=5)  # call 70: explores, and a copy would have saved the call's miss
+    assert count(Counter.EXPLORED) == 2 and count(Counter.EXPLORED_PAID) == 1 and count(Counter.PREFETCHED) == 1
+    call(6)  # the next prefetch reads it as a prefetch that paid
+    assert c.outcomes[PAID].item() == 1
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ class ExpertCache(nn.Module):
             nominated=torch.zeros(E, dtype=torch.int8, device=device),
             outcomes=torch.zeros(4, **f32),
             visited=torch.zeros(1, **i64),
+            explored=torch.full((1,), -1, **i64),
             gate_open=gate_open,
             transitions=torch.zeros(transitions_from, E, **f32),
             follows=torch.zeros((E, E) if learns else (0, 0), dtype=torch.int32, device=device),
@@ -107,7 +108,9 @@ class ExpertCache(nn.Module):
         for name in CacheState._fields:
             if name != "pace":  # the pace measures the GPU, not this history
                 buf = getattr(self, name)
-                buf.fill_(-1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of") else 0)
+                buf.fill_(
+                    -1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of", "explored") else 0
+                )
         self.gate_open.fill_(1)
 
     def _apply(self, fn, recurse=True):

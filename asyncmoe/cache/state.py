@@ -34,6 +34,8 @@ class Counter(IntEnum):
     HITS_TRANSITION = 10
     PREFETCH_TIMELY = 11  # prefetch hits in the very call the prefetch was for
     PREFETCH_VICTIMS = 12  # experts a prefetch evicted that the next call needed: hits the prefetch cost
+    EXPLORED = 13  # a closed prefetch gate's exploring nominations, scored against their call with no copy
+    EXPLORED_PAID = 14  # ... that the call routed to and did not hold: misses a prefetch would have saved
 
 
 COUNTERS = tuple(c.name.lower() for c in Counter)
@@ -79,6 +81,7 @@ class CacheState(NamedTuple):
     nominated: Tensor  # [E] int8: its sources
     outcomes: Tensor  # [4] float32: the prefetch gate's evidence (WASTED, PAID, SEEN_WASTED, SEEN_PAID)
     visited: Tensor  # [1] int64: the `calls` counter when a prefetch into this layer last ran
+    explored: Tensor  # [1] int64: the expert an exploring call nominated, for the next `ensure` to score; -1: none
     gate_open: (
         Tensor  # [1] int32: 1 while the prefetch gate into this layer is open; the host reads it (see ExpertCache)
     )

@@ -64,6 +64,7 @@ if triton is not None:
         routed_ptr,
         evicted_at_ptr,
         wave_of_ptr,
+        explored_ptr,
         counters_ptr,
         scratch_ptr,
         follows_ptr,  # Markov: [E, E] i32
@@ -103,6 +104,8 @@ if triton is not None:
         HITS_TRANSITION: tl.constexpr,
         PREFETCH_TIMELY: tl.constexpr,
         PREFETCH_VICTIMS: tl.constexpr,
+        EXPLORED: tl.constexpr,
+        EXPLORED_PAID: tl.constexpr,
         N_COUNTERS: tl.constexpr,
         N_SOURCES: tl.constexpr,
         BE: tl.constexpr,
@@ -170,6 +173,11 @@ if triton is not None:
             victims = tl.where(
                 wave == 0, tl.sum(((need != 0) & (e2s < 0) & (evicted_at == clock - 1)).to(tl.int64), axis=0), 0
             )
+            # a closed prefetch gate's exploring nomination: would a copy of it have saved this call a miss? Scored
+            # and cleared by wave 0, so later waves find none
+            explored = tl.load(explored_ptr)
+            explored_paid = tl.sum(((need != 0) & (e2s < 0) & (e == explored)).to(tl.int64), axis=0)
+            tl.store(explored_ptr, tl.full([], -1, tl.int64))
         tl.store(scratch_ptr + e, now * 2 + later, mask=emask)
 
         # --- misses first, in expert-id order, then the other experts (src defined for all M, as in the reference) ---
@@ -276,6 +284,9 @@ if triton is not None:
                 add += tl.where(k == HITS_GATE + b, hits_b, 0)
             add += tl.where(k == PREFETCH_TIMELY, tl.sum(timely.to(tl.int64), axis=0), 0)
             add += tl.where(k == PREFETCH_VICTIMS, victims, 0)
+            add += tl.where(k == EXPLORED, (explored >= 0).to(tl.int64), 0) + tl.where(
+                k == EXPLORED_PAID, explored_paid, 0
+            )
             # slot of each routed pair in this wave, -1 for other waves'
             for p0 in range(0, n_pairs, BP):
                 p = p0 + tl.arange(0, BP)
@@ -329,6 +340,7 @@ def _launch(ids, prefetch, wave, policy_id, max_new, s, expert_bytes, constants)
         s.routed,
         s.evicted_at,
         s.wave_of,
+        s.explored,
         s.counters,
         s.scratch,
         s.follows,

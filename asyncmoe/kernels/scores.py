@@ -113,6 +113,7 @@ if triton is not None:
         counters_ptr,
         outcomes_ptr,
         visited_ptr,
+        explored_ptr,
         gate_open_ptr,
         pace_ptr,
         E,
@@ -128,6 +129,8 @@ if triton is not None:
         PREFETCHED: tl.constexpr,
         PREFETCH_TIMELY: tl.constexpr,
         PREFETCH_VICTIMS: tl.constexpr,
+        EXPLORED: tl.constexpr,
+        EXPLORED_PAID: tl.constexpr,
         WASTED: tl.constexpr,
         PAID: tl.constexpr,
         SEEN_WASTED: tl.constexpr,
@@ -189,7 +192,9 @@ if triton is not None:
         k = tl.arange(0, 2)  # 0: wasted, 1: paid
         # misses the prefetches saved: used by their call, less the hits they cost
         saved = tl.load(counters_ptr + PREFETCH_TIMELY) - tl.load(counters_ptr + PREFETCH_VICTIMS)
-        seen = tl.where(k == 0, tl.load(counters_ptr + PREFETCHED) - saved, saved).to(tl.float32)
+        saved += tl.load(counters_ptr + EXPLORED_PAID)  # and the explorations that would have saved a miss
+        tried = tl.load(counters_ptr + PREFETCHED) + tl.load(counters_ptr + EXPLORED)
+        seen = tl.where(k == 0, tried - saved, saved).to(tl.float32)
         fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + SEEN_WASTED + k), 0.0)
         estimate = tl.load(outcomes_ptr + WASTED + k) * decay + fresh_outcomes
         tl.store(outcomes_ptr + WASTED + k, estimate)
@@ -206,8 +211,9 @@ if triton is not None:
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
         stride = tl.where(measured, tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
         period = EXPLORE_EVERY * stride
-        explore = (1 - on.to(tl.int32)) * ((calls > 0) & (calls // period != visited // period)).to(tl.int32)
-        score = tl.where(on.to(tl.int32) + explore * likeliest.to(tl.int32) > 0, score, 0.0)
+        explore = (on == 0) & (calls > 0) & (calls // period != visited // period) & (tl.max(fresh, axis=0) > 0)
+        tl.store(explored_ptr, tl.sum(tl.where(likeliest, e, 0), axis=0).to(tl.int64), mask=explore)
+        score = tl.where(on, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
         tl.store(visited_ptr, calls)
@@ -270,6 +276,7 @@ def prefetch_scores_triton(sources: int, routed_before: torch.Tensor | None, kee
         s.counters,
         s.outcomes,
         s.visited,
+        s.explored,
         s.gate_open,
         s.pace,
         E,

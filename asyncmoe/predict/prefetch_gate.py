@@ -6,8 +6,10 @@ cannot see) must stop. The evidence is a decayed count of the prefetches that sa
 very call they were fetched for, less any expert they evicted that the same call needed) against the
 rest, fed by the growth of the layer's counters. The gate opens while the share that saved a miss is at
 least copy / (copy + window): a used prefetch hides at most the compute beside it (the window), a wasted
-one holds the link for a whole copy; never below MIN_PRECISION. A closed layer still explores: it keeps
-its likeliest prediction every `explore_period` calls, so the estimate can recover.
+one holds the link for a whole copy; never below MIN_PRECISION. A closed layer still explores: every
+`explore_period` calls it nominates its likeliest prediction, and the call's `ensure` scores it as a
+prefetch that was never copied (docs/decisions.md#exploring-without-a-copy), so the estimate can recover
+at no cost to the link.
 Why each number: docs/decisions.md#prefetch-gate (the anchors below are in that file).
 
 `gate_prefetch` is the reference; the fused kernel (`kernels/scores.py`) runs the same rule.
@@ -24,7 +26,7 @@ from ..cache.state import PACE_COPY, PACE_WINDOW, PAID, SEEN_PAID, SEEN_WASTED, 
 MIN_PRECISION = 0.5  # a wasted copy costs about what a used one saves where a copy fits the window (#gate-precision)
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls (#outcome-decay)
 LOG2_DECAY = math.log2(OUTCOME_DECAY)
-EXPLORE_EVERY = 32  # a gated layer still prefetches its likeliest expert every 32nd call, times the stride (#exploring)
+EXPLORE_EVERY = 32  # a gated layer still scores its likeliest expert every 32nd call, times the stride (#exploring)
 
 
 def gate_precision(pace: torch.Tensor) -> torch.Tensor:
@@ -46,25 +48,27 @@ def explore_period(pace: torch.Tensor) -> torch.Tensor:
 
 def gate_prefetch(s: CacheState) -> None:
     """Zero the target's predictions `s.predicted` (so nothing is admitted) while its prefetches are mostly
-    wasted, but for the likeliest non-resident expert on an exploring call, and write the decision to
-    `s.gate_open`. Calls are counted by the `calls` counter (the clock counts waves) and the evidence decays
-    by the calls since the last prefetch (`visited`), so a step that skipped prefetch leaves both as they
-    would be; a closed gate explores on its first prefetch since `calls` passed a multiple of the period.
+    wasted, and write the decision to `s.gate_open`. A closed gate explores: on an exploring call its
+    likeliest non-resident expert goes to `s.explored`, which the call's `ensure` scores (would it have saved a
+    miss?) with no copy. Calls are counted by the `calls` counter (the clock counts waves) and the evidence
+    decays by the calls since the last prefetch (`visited`), so a step that skipped prefetch leaves both as
+    they would be; a closed gate explores on its first prefetch since `calls` passed a multiple of the period.
     A call with none counted yet (after a stats reset) does not explore."""
     c = s.counters
     calls, visited = c[Counter.CALLS], s.visited[0]
     saved = c[Counter.PREFETCH_TIMELY] - c[Counter.PREFETCH_VICTIMS]  # used by their call, less the hits they cost
-    seen = torch.stack([c[Counter.PREFETCHED] - saved, saved]).float()  # (wasted, paid) so far
+    saved = saved + c[Counter.EXPLORED_PAID]  # and the explorations that would have saved a miss
+    seen = torch.stack([c[Counter.PREFETCHED] + c[Counter.EXPLORED] - saved, saved]).float()  # (wasted, paid)
     fresh_outcomes = (seen - s.outcomes[SEEN_WASTED : SEEN_PAID + 1]).clamp(min=0)
     s.outcomes[WASTED : PAID + 1].mul_(decay(calls - visited)).add_(fresh_outcomes)
     s.outcomes[SEEN_WASTED : SEEN_PAID + 1].copy_(seen)
     wasted, used = s.outcomes[WASTED], s.outcomes[PAID]
     on = (used + 1) >= gate_precision(s.pace) * (used + wasted + 2)  # with no evidence yet: on
     fresh = s.predicted.masked_fill(s.expert_to_slot[:-1] >= 0, 0)
-    likeliest = torch.zeros_like(fresh).scatter_(0, fresh.argmax().view(1), 1.0)
     period = explore_period(s.pace)
-    explore = ~on & (calls > 0) & (calls // period != visited // period)
-    s.predicted.mul_(torch.where(on, 1.0, explore.float() * likeliest))
+    explore = ~on & (calls > 0) & (calls // period != visited // period) & (fresh.max() > 0)
+    s.explored.copy_(torch.where(explore, fresh.argmax(), s.explored))
+    s.predicted.mul_(on.float())
     s.visited.copy_(calls)
     s.gate_open.copy_(on)
 
