@@ -164,6 +164,11 @@ class Stats:
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
                 + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched for"
             )
+        if t["explored"]:
+            rows.append(
+                f"closed prefetch gates explored {t['explored']} times with no copy: {t['explored_paid']} would have "
+                "saved a miss"
+            )
         rows.append(
             f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB"
         )

@@ -276,6 +276,9 @@ def test_a_step_skips_prefetch_while_every_gate_is_closed():
     assert [b - a for a, b in zip(late, late[1:])] == [EXPLORE_EVERY] * 3
     assert len(set(steps)) < 200 // 8
     assert not any(c.gate_open_host.item() for c in (p.cache for p in dec.cached[1:]))
+    stats = asyncmoe.stats(model)
+    assert stats.totals["explored"] >= 3 * 3  # the late prefetching steps explored, in each of the three targets
+    assert f"explored {stats.totals['explored']} times with no copy" in str(stats)
 
 
 def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tensor, steps: int) -> float:
