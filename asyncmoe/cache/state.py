@@ -82,9 +82,7 @@ class CacheState(NamedTuple):
     outcomes: Tensor  # [4] float32: the prefetch gate's evidence (WASTED, PAID, SEEN_WASTED, SEEN_PAID)
     visited: Tensor  # [1] int64: the `calls` counter when a prefetch into this layer last ran
     explored: Tensor  # [1] int64: the expert an exploring call nominated, for the next `ensure` to score; -1: none
-    gate_open: (
-        Tensor  # [1] int32: 1 while the prefetch gate into this layer is open; the host reads it (see ExpertCache)
-    )
+    gate_open: Tensor  # [1] int32: 1 while the prefetch gate into this layer is open; in host memory (ExpertCache)
     transitions: Tensor  # [E', E] float32: decayed (expert at the previous layer -> here) counts; [0, E] if unused
     follows: Tensor  # [E, E] int32: the Markov policy's (expert in a call -> in the next call) counts; [0, 0] if unused
     timer: Tensor  # [TIMER_SIZE] int64 (TIMER_*), or [0] when stall timing is off

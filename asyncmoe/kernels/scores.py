@@ -185,7 +185,7 @@ if triton is not None:
             gate = tl.load(gate_ptr + e, mask=emask, other=0.0)
             score = tl.where(gate > 0, 1 + gate, score)
             sources += tl.where(gate > 0, GATE, 0).to(tl.int32)
-        # the prefetch gate: off while most recent prefetches were wasted, but for an explorer
+        # the prefetch gate: off while most recent prefetches were wasted; a closed one's explorer is scored, not copied
         tl.static_assert((PAID == WASTED + 1) & (SEEN_PAID == SEEN_WASTED + 1))
         calls, visited = tl.load(counters_ptr + CALLS), tl.load(visited_ptr)
         decay = tl.exp2(tl.maximum(calls - visited, 1).to(tl.float32) * LOG2_DECAY)  # per call since the last

@@ -161,9 +161,9 @@ LEAD = 4  # most graph steps the host queues ahead of the GPU while it reads the
 class Gates:
     """Whether the next decode step prefetches, from the prefetch gates as the device last wrote them to pinned
     memory (`ExpertCache.gate_open_host`: no sync). While every gate is closed a step skips prefetch
-    (`prefetch_paused`): a closed gate prefetches nothing but its exploring calls, and a step with prefetch costs
-    its side streams' dependencies all the same (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed).
-    One step in EXPLORE_EVERY still prefetches, on which closed gates explore as they would every step."""
+    (`prefetch_paused`): a closed gate copies nothing, but a step with prefetch costs its side streams' dependencies
+    all the same (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed). One step in EXPLORE_EVERY
+    still runs the predictors, on which closed gates explore as they would every step."""
 
     def __init__(self, providers: list[CachedProvider]):
         targets = {id(t): t for p in providers for t in p.links.targets}.values()
@@ -365,7 +365,7 @@ class Decoder:
                 continue
             self._graphs[(*self._sampling, prefetch)].replay()
             if self.gates:  # the gates the host reads are at most LEAD steps old
-                self._queued.append(torch.cuda.Event())
+                self._queued.append(torch.cuda.Event(blocking=True))  # the host sleeps while it waits
                 self._queued[-1].record()
                 if len(self._queued) > LEAD:
                     self._queued.popleft().synchronize()
