@@ -58,7 +58,9 @@ def test_clear_returns_the_cache_as_built():
     used, fresh = make_cache(E=8, C=4, policy="lfru"), make_cache(E=8, C=4, policy="lfru")
     for ids in calls:
         ops.ensure(used, ids, 0)
+    used.gate_open.zero_(), used.explored.fill_(3), used.visited.fill_(9)  # a closed gate, mid-exploration
     used.clear()
+    assert used.gate_open_host.item() == 1  # open again, as built
     weights = {f"{kind}_{n}" for n in used.names for kind in ("host", "slot")}
     for name, buf in fresh.named_buffers():
         if name not in weights:
