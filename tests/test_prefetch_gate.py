@@ -226,19 +226,19 @@ def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_on
         call(n % 2)
     assert c.gate_open_host.item() == 0 and c.gate_open.item() == 0
     assert count(Counter.PREFETCHED) == 1  # the first, with no evidence yet
-    evidence = c.outcomes[:2].clone()  # as the prefetch on call 3 left it
+    evidence = c.outcomes[:2].clone()  # as the prefetch at calls = 3 left it
     for _ in range(40):  # calls 4 .. 43: no prefetch
         call()
-    call(2)  # call 44, the first prefetch since call 32: explores, with no copy
+    call(2)  # calls = 44, the first prefetch since 32: explores, with no copy
     assert count(Counter.EXPLORED) == 1 and count(Counter.EXPLORED_PAID) == 0 and count(Counter.PREFETCHED) == 1
     assert c.visited.item() == 44 and c.explored.item() == -1  # scored by the call's ensure
     wasted = evidence[0] * OUTCOME_DECAY**41  # decayed over calls 4 .. 44, as prefetches on each would have
     torch.testing.assert_close(c.outcomes[0].cpu(), wasted.cpu(), rtol=1e-5, atol=0)
-    call(3)  # call 45, in the same period: no second exploration
+    call(3)  # calls = 45, in the same period: no second exploration
     assert count(Counter.EXPLORED) == 1 and c.gate_open_host.item() == 0
     for _ in range(46, 70):
         call()
-    call(5, routed=5)  # call 70: explores, and a copy would have saved the call's miss
+    call(5, routed=5)  # calls = 70: explores, and a copy would have saved the call's miss
     assert count(Counter.EXPLORED) == 2 and count(Counter.EXPLORED_PAID) == 1 and count(Counter.PREFETCHED) == 1
     call(6)  # the next prefetch reads it as a prefetch that paid
     assert c.outcomes[PAID].item() == 1
