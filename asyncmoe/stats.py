@@ -34,6 +34,8 @@ class LayerStats:
     prefetch_victims: int  # experts a prefetch evicted that the very next call needed (hits it cost)
     explored: int  # a closed prefetch gate's exploring nominations, scored against their call with no copy
     explored_paid: int  # ... that the call routed to and did not hold
+    runners_up: int  # a prefetch's nominations past its likeliest (budget > 1), scored against their call
+    runners_up_paid: int  # ... that the call routed to
     expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
@@ -94,6 +96,8 @@ class Stats:
             "prefetch_victims",
             "explored",
             "explored_paid",
+            "runners_up",
+            "runners_up_paid",
             "prefetch_bytes",
             "wasted_bytes",
             "gpu_bytes",
@@ -168,6 +172,11 @@ class Stats:
             rows.append(
                 f"closed prefetch gates explored {t['explored']} times with no copy: {t['explored_paid']} would have "
                 "saved a miss"
+            )
+        if t["runners_up"]:
+            rows.append(
+                f"prefetch nominations past each call's likeliest: {t['runners_up']}, of which the call routed to "
+                f"{t['runners_up_paid']} (copied only while enough of them are)"
             )
         rows.append(
             f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB"

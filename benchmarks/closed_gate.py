@@ -23,7 +23,6 @@ import contextlib
 import copy
 import gc
 import json
-import statistics
 
 import torch
 
@@ -32,7 +31,7 @@ import asyncmoe.ops as ops
 from asyncmoe.cache import algorithm
 from asyncmoe.predict import predictors
 
-from decode_step import h2d_bandwidth
+from decode_step import h2d_bandwidth, interleaved
 from shapes import SHAPES, random_model
 
 VARIANTS = {  # name: (prefetch, whether the Decoder reads the gates, what `patched` takes out)
@@ -94,29 +93,9 @@ def main():
                 dec.prefill(prompt)
                 dec.decode(8)
             decoders[name] = (model, dec)
-        times, moved = {n: [] for n in decoders}, dict.fromkeys(decoders, 0)
-        for _ in range(args.rounds):
-            for name, (model, dec) in decoders.items():
-                dec.prefill(prompt)
-                asyncmoe.stats(model, reset=True)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                dec.decode(args.steps)
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / args.steps)
-                moved[name] += asyncmoe.stats(model).totals["bytes_h2d"]
         base_name = args.variants[0]
-        results[key] = {}
-        for name in decoders:
-            row = {
-                "ms": statistics.median(times[name]),
-                "paired_ratio": statistics.median(t / u for t, u in zip(times[name], times[base_name], strict=True)),
-                "MB_per_token": moved[name] / args.rounds / args.steps / 1e6,
-                "rounds": times[name],
-            }
-            results[key][name] = row
+        results[key] = interleaved(decoders, prompt, args.rounds, args.steps)
+        for name, row in results[key].items():
             print(
                 f"{key:5} {name:16} {row['ms']:7.3f} ms/token  x {base_name} (paired) {row['paired_ratio']:.4f}  "
                 f"{row['MB_per_token']:6.1f} MB/token",

@@ -115,6 +115,38 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
     return row
 
 
+def interleaved(decoders: dict, prompt: torch.Tensor, rounds: int, steps: int) -> dict:
+    """Decoders (name: (model, Decoder), each already captured) measured in one process, their rounds interleaved
+    so that a drift of the machine reaches each alike: per name the median ms per token, the median of each
+    round's ratio to the first name's, MB moved per token, and the decode steps' counters summed over rounds."""
+    times, totals = {n: [] for n in decoders}, {n: {} for n in decoders}
+    for _ in range(rounds):
+        for name, (model, dec) in decoders.items():
+            dec.prefill(prompt)
+            asyncmoe.stats(model, reset=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            dec.decode(steps)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / steps)
+            for k, v in asyncmoe.stats(model).totals.items():
+                if isinstance(v, int):
+                    totals[name][k] = totals[name].get(k, 0) + v
+    first = next(iter(decoders))
+    return {
+        name: {
+            "ms": statistics.median(times[name]),
+            "paired_ratio": statistics.median(t / u for t, u in zip(times[name], times[first], strict=True)),
+            "MB_per_token": totals[name].get("bytes_h2d", 0) / rounds / steps / 1e6,
+            "rounds": times[name],
+            "counters": totals[name],
+        }
+        for name in decoders
+    }
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))

@@ -8,7 +8,7 @@ import torch
 from asyncmoe import ops
 from asyncmoe.cache import algorithm
 from asyncmoe.cache.expert_cache import ExpertCache, num_waves
-from asyncmoe.cache.state import GATE, PAID, Counter
+from asyncmoe.cache.state import GATE, PAID, PREFETCHES, WASTED, Counter
 from asyncmoe.predict.predictors import top_scores
 from asyncmoe.predict.prefetch import Request, predict_and_prefetch
 from asyncmoe.predict.prefetch_gate import (
@@ -226,14 +226,14 @@ def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_on
         call(n % 2)
     assert c.gate_open_host.item() == 0 and c.gate_open.item() == 0
     assert count(Counter.PREFETCHED) == 1  # the first, with no evidence yet
-    evidence = c.outcomes[:2].clone()  # as the prefetch at calls = 3 left it
+    evidence = c.outcomes[PREFETCHES, :2].clone()  # as the prefetch at calls = 3 left it
     for _ in range(40):  # calls 4 .. 43: no prefetch
         call()
     call(2)  # calls = 44, the first prefetch since 32: explores, with no copy
     assert count(Counter.EXPLORED) == 1 and count(Counter.EXPLORED_PAID) == 0 and count(Counter.PREFETCHED) == 1
     assert c.visited.item() == 44 and c.explored.item() == -1  # scored by the call's ensure
     wasted = evidence[0] * OUTCOME_DECAY**41  # decayed over calls 4 .. 44, as prefetches on each would have
-    torch.testing.assert_close(c.outcomes[0].cpu(), wasted.cpu(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(c.outcomes[PREFETCHES, WASTED].cpu(), wasted.cpu(), rtol=1e-5, atol=0)
     call(3)  # calls = 45, in the same period: no second exploration
     assert count(Counter.EXPLORED) == 1 and c.gate_open_host.item() == 0
     for _ in range(46, 70):
@@ -241,7 +241,31 @@ def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_on
     call(5, routed=5)  # calls = 70: explores, and a copy would have saved the call's miss
     assert count(Counter.EXPLORED) == 2 and count(Counter.EXPLORED_PAID) == 1 and count(Counter.PREFETCHED) == 1
     call(6)  # the next prefetch reads it as a prefetch that paid
-    assert c.outcomes[PAID].item() == 1
+    assert c.outcomes[PREFETCHES, PAID].item() == 1
+
+
+@pytest.mark.parametrize("second_pays", [False, True])
+@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
+def test_a_second_guess_that_does_not_pay_is_gated_apart_from_the_first(second_pays, use_kernel):
+    """Budget 2: each call the gate predicts two experts that are not resident, the first likelier, and the call
+    routes to the first (and to the second where it pays). A second guess that is never routed stops being copied
+    after its first miss, while the first keeps its copies: the runners-up have evidence of their own, scored
+    every call, copied or not. One that pays is copied every call."""
+    E, C, n = 16, 4, 24
+    device = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
+    c = ExpertCache({"w": torch.randn(E, 3, device=device)}, C, "lru")
+    count = lambda counter: c.counters[counter].item()  # noqa: E731
+    for call in range(n):
+        first, second = (2 * call) % 12, (2 * call + 1) % 12  # six calls apart: long evicted from four slots
+        c.gate.copy_(one_hot(first, E, device) * 0.6 + one_hot(second, E, device) * 0.3)
+        predict_and_prefetch(Request(GATE, 2, c.policy), c.state, None, c.hosts, c.slots, use_kernel=use_kernel)
+        routed = [first, second] if second_pays else [first, 12 + call % 4]  # 12 .. 15: never predicted
+        algorithm.ensure(torch.tensor([routed], device=device), 0, c.policy, c.state, c.hosts, c.slots, use_kernel)
+    assert c.gate_open_host.item() == 1
+    assert count(Counter.RUNNERS_UP) == n and count(Counter.RUNNERS_UP_PAID) == (n if second_pays else 0)
+    assert count(Counter.PREFETCH_TIMELY) == (2 * n if second_pays else n)  # every first guess was copied and used
+    assert count(Counter.PREFETCHED) == (2 * n if second_pays else n + 1)  # the second: only before its first miss
+    assert not c.runners_up.any()  # scored and cleared by the call
 
 
 @pytest.mark.parametrize(
@@ -259,7 +283,7 @@ def test_prefetch_gate_wants_more_saved_where_a_copy_outlasts_the_compute(copy, 
     cache.pace.copy_(torch.tensor([0, window, copy]))
     predicted = torch.rand(E) + 0.1
     cache.predicted.copy_(predicted)
-    gate_prefetch(cache.state)
+    gate_prefetch(cache.state, 1)
     assert bool((cache.predicted > 0).all()) == open_ and bool((cache.predicted == 0).all()) != open_
     if open_:
         assert torch.equal(cache.predicted, predicted)  # an open gate leaves the prediction as it is

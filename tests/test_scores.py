@@ -6,7 +6,7 @@ import torch
 
 from asyncmoe.cache import algorithm
 from asyncmoe.cache.expert_cache import ExpertCache
-from asyncmoe.cache.state import GATE, TEMPORAL, TRANSITION, WASTED, Counter
+from asyncmoe.cache.state import GATE, PREFETCHES, RUNNERS_UP, TEMPORAL, TRANSITION, WASTED, Counter
 from asyncmoe.kernels import scores as score_kernels
 from asyncmoe.predict.predictors import (
     TRANSITION_DECAY,
@@ -103,10 +103,10 @@ def _prefetch_pair(E_before, E, C, device, seed):
 @pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 70), (64, 64, 16, 8, 8)])
 def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
-    calls that route, prefetch, waste prefetches (so the gate closes) and reach the exploring calls, with the
-    prefetch's pace measured (a copy 2x or 4x the compute) or not: the 32nd does not explore (a copy 4x the
-    window explores every 128th call), the 64th does (unmeasured: every 32nd); every seventh call skips the
-    prefetch, as a step without prefetch does."""
+    calls that route, prefetch (the runners-up too, gated apart), waste prefetches (so the gate closes) and reach
+    the exploring calls, with the prefetch's pace measured (a copy 2x or 4x the compute) or not: the 32nd does not
+    explore (a copy 4x the window explores every 128th call), the 64th does (unmeasured: every 32nd); every
+    seventh call skips the prefetch, as a step without prefetch does."""
     (kernel, reference), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
     bits = sum(BITS[s] for s in sources)
     scored = 0
@@ -139,7 +139,8 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
     assert scored > 0
     if "gate" in sources:
         assert reference.counters[Counter.PREFETCHED] > 0
-        assert reference.outcomes[WASTED] > 0  # wasted prefetches: the gate's estimate moved
+        assert reference.outcomes[PREFETCHES, WASTED] > 0  # wasted prefetches: the gate's estimate moved
+        assert reference.counters[Counter.RUNNERS_UP] > 0 and reference.outcomes[RUNNERS_UP, WASTED] > 0  # k > 1
 
 
 @pytest.mark.parametrize("device", devices())

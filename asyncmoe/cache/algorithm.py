@@ -107,27 +107,29 @@ def ensure_reference(
     s.routed.copy_(need)
     # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
     victims = (need & ~resident & (s.evicted_at[:E] == s.clock - 1)).sum() * (wave == 0)
-    explored = explored_outcome(need, resident, s)
+    nominations = nomination_outcomes(need, resident, s)
     src, dst, _, count, gone, wasted = admit(now, later, min(C, E, ids.numel()), policy, s)
     prefetch_hits = touch(now, s)
 
     calls = torch.ones_like(count) if wave == 0 else torch.zeros_like(count)
     zero = torch.zeros_like(count)
     add = [calls, now.sum() - count, count, (gone < E).sum(), count * nbytes, zero, wasted]
-    s.counters.add_(torch.cat([torch.stack(add), prefetch_hits, victims.view(1), explored]))
+    s.counters.add_(torch.cat([torch.stack(add), prefetch_hits, victims.view(1), nominations]))
     here = torch.cat([now, now.new_zeros(1)])  # [E + 1]: id E, another rank's expert, is in no wave here
     return torch.where(here[ids], s.expert_to_slot[ids], -1), (src, dst, count.view(1))
 
 
-def explored_outcome(need: torch.Tensor, resident: torch.Tensor, s: CacheState) -> torch.Tensor:
-    """A closed prefetch gate's exploring nomination (`s.explored`, -1: none) scored against this call, then
-    cleared (so a call's later waves find none): [explored, would a copy of it have saved a miss], the counters
-    EXPLORED and EXPLORED_PAID."""
+def nomination_outcomes(need: torch.Tensor, resident: torch.Tensor, s: CacheState) -> torch.Tensor:
+    """The last prefetch's nominations scored against this call, then cleared (so a call's later waves find
+    none): a closed gate's exploring one (`s.explored`, -1: none), and would a copy of it have saved a miss;
+    the runners-up (`s.runners_up`, not resident when nominated), and how many this call routed to. The counters
+    EXPLORED, EXPLORED_PAID, RUNNERS_UP and RUNNERS_UP_PAID."""
     nominated = s.explored[0]
     paid = (need & ~resident & (torch.arange(need.numel(), device=need.device) == nominated)).any()
-    outcome = torch.stack([nominated >= 0, paid]).to(s.counters.dtype)
+    outcome = torch.stack([nominated >= 0, paid, s.runners_up.sum(), (s.runners_up & need).sum()])
     s.explored.fill_(-1)
-    return outcome
+    s.runners_up.zero_()
+    return outcome.to(s.counters.dtype)
 
 
 def prefetch_reference(budget: int, policy: Policy, s: CacheState, nbytes: int) -> Copies:

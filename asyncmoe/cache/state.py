@@ -36,6 +36,8 @@ class Counter(IntEnum):
     PREFETCH_VICTIMS = 12  # experts a prefetch evicted that the next call needed: hits the prefetch cost
     EXPLORED = 13  # a closed prefetch gate's exploring nominations, scored against their call with no copy
     EXPLORED_PAID = 14  # ... that the call routed to and did not hold: misses a prefetch would have saved
+    RUNNERS_UP = 15  # a prefetch's nominations past its likeliest, not resident when nominated, copied or not
+    RUNNERS_UP_PAID = 16  # ... that the call routed to: misses their copies saved or would have saved
 
 
 COUNTERS = tuple(c.name.lower() for c in Counter)
@@ -49,9 +51,12 @@ PACE_STAMP, PACE_WINDOW, PACE_COPY = clock.STAMP, clock.WINDOW, 2
 # prefetch's copies and spent in `ensure`'s own decision and copies
 TIMER_START, TIMER_WAIT_FROM, TIMER_WAITED = clock.START, clock.WAIT_FROM, clock.WAITED
 TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_SIZE = clock.WAIT_NS, clock.ENSURE_NS, clock.TIMER_SIZE
-# `outcomes` [4] float32, the prefetch gate's evidence: decayed (wasted, paid) prefetches, then the (wasted, paid)
-# totals it last read from the counters
+# `outcomes` [2, 4] float32, the prefetch gate's evidence: decayed (wasted, paid) prefetches, then the (wasted, paid)
+# totals it last read from the counters; row PREFETCHES for every copy and exploration, row RUNNERS_UP for the
+# nominations past the likeliest
 WASTED, PAID, SEEN_WASTED, SEEN_PAID = 0, 1, 2, 3
+PREFETCHES, RUNNERS_UP = 0, 1
+N_OUTCOMES = 4  # a row's length
 
 # what the kernels receive as constexprs, by the names they use
 COUNTER_CONSTANTS = {**{c.name: int(c) for c in Counter}, "N_COUNTERS": len(Counter), "N_SOURCES": len(SOURCES)}
@@ -79,9 +84,10 @@ class CacheState(NamedTuple):
     gate: Tensor  # [E] float32: the gate predictor's scores, written on the compute stream by the layer before
     predicted: Tensor  # [E] float32: the side stream's combined prediction
     nominated: Tensor  # [E] int8: its sources
-    outcomes: Tensor  # [4] float32: the prefetch gate's evidence (WASTED, PAID, SEEN_WASTED, SEEN_PAID)
+    outcomes: Tensor  # [2, 4] float32: the prefetch gate's evidence (rows PREFETCHES, RUNNERS_UP; WASTED .. SEEN_PAID)
     visited: Tensor  # [1] int64: the `calls` counter when a prefetch into this layer last ran
     explored: Tensor  # [1] int64: the expert an exploring call nominated, for the next `ensure` to score; -1: none
+    runners_up: Tensor  # [E] bool: the last prefetch's nominations past its likeliest, for the next `ensure` to score
     gate_open: Tensor  # [1] int32: 1 while the prefetch gate into this layer is open; in host memory (ExpertCache)
     transitions: Tensor  # [E', E] float32: decayed (expert at the previous layer -> here) counts; [0, E] if unused
     follows: Tensor  # [E, E] int32: the Markov policy's (expert in a call -> in the next call) counts; [0, 0] if unused

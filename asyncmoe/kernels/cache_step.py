@@ -65,6 +65,7 @@ if triton is not None:
         evicted_at_ptr,
         wave_of_ptr,
         explored_ptr,
+        runners_up_ptr,
         counters_ptr,
         scratch_ptr,
         follows_ptr,  # Markov: [E, E] i32
@@ -106,6 +107,8 @@ if triton is not None:
         PREFETCH_VICTIMS: tl.constexpr,
         EXPLORED: tl.constexpr,
         EXPLORED_PAID: tl.constexpr,
+        RUNNERS_UP: tl.constexpr,
+        RUNNERS_UP_PAID: tl.constexpr,
         N_COUNTERS: tl.constexpr,
         N_SOURCES: tl.constexpr,
         BE: tl.constexpr,
@@ -173,11 +176,15 @@ if triton is not None:
             victims = tl.where(
                 wave == 0, tl.sum(((need != 0) & (e2s < 0) & (evicted_at == clock - 1)).to(tl.int64), axis=0), 0
             )
-            # a closed prefetch gate's exploring nomination: would a copy of it have saved this call a miss? Scored
-            # and cleared by wave 0, so later waves find none
+            # the last prefetch's nominations: would a copy of a closed gate's exploring one have saved this call a
+            # miss, and how many of the runners-up did it route to? Scored and cleared by wave 0: later waves find none
             explored = tl.load(explored_ptr)
             explored_paid = tl.sum(((need != 0) & (e2s < 0) & (e == explored)).to(tl.int64), axis=0)
             tl.store(explored_ptr, tl.full([], -1, tl.int64))
+            runners_up = tl.load(runners_up_ptr + e, mask=emask, other=0) != 0
+            n_runners_up = tl.sum(runners_up.to(tl.int64), axis=0)
+            runners_up_paid = tl.sum((runners_up & (need != 0)).to(tl.int64), axis=0)
+            tl.store(runners_up_ptr + e, tl.zeros([BE], dtype=tl.int1), mask=emask)
         tl.store(scratch_ptr + e, now * 2 + later, mask=emask)
 
         # --- misses first, in expert-id order, then the other experts (src defined for all M, as in the reference) ---
@@ -287,6 +294,7 @@ if triton is not None:
             add += tl.where(k == EXPLORED, (explored >= 0).to(tl.int64), 0) + tl.where(
                 k == EXPLORED_PAID, explored_paid, 0
             )
+            add += tl.where(k == RUNNERS_UP, n_runners_up, 0) + tl.where(k == RUNNERS_UP_PAID, runners_up_paid, 0)
             # slot of each routed pair in this wave, -1 for other waves'
             for p0 in range(0, n_pairs, BP):
                 p = p0 + tl.arange(0, BP)
@@ -341,6 +349,7 @@ def _launch(ids, prefetch, wave, policy_id, max_new, s, expert_bytes, constants)
         s.evicted_at,
         s.wave_of,
         s.explored,
+        s.runners_up,
         s.counters,
         s.scratch,
         s.follows,

@@ -102,6 +102,19 @@ if triton is not None:
         tl.store(transitions_ptr + row * E + e, counts * DECAY + before * routed, mask=emask)
 
     @triton.jit
+    def _opens(outcomes_ptr, tried, saved, decay, precision, WASTED: tl.constexpr, SEEN_WASTED: tl.constexpr):
+        """prefetch_gate.opens: the decayed (wasted, paid) estimate updated from the totals, and whether it opens."""
+        k = tl.arange(0, 2)  # 0: wasted, 1: paid
+        seen = tl.where(k == 0, tried - saved, saved).to(tl.float32)
+        fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + SEEN_WASTED + k), 0.0)
+        estimate = tl.load(outcomes_ptr + WASTED + k) * decay + fresh_outcomes
+        tl.store(outcomes_ptr + WASTED + k, estimate)
+        tl.store(outcomes_ptr + SEEN_WASTED + k, seen)
+        wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
+        used = tl.sum(tl.where(k == 1, estimate, 0.0), axis=0)
+        return ((used + 1) >= precision * (used + wasted + 2)).to(tl.int32)
+
+    @triton.jit
     def _prefetch_scores(
         gate_ptr,
         pred_ptr,
@@ -114,6 +127,7 @@ if triton is not None:
         outcomes_ptr,
         visited_ptr,
         explored_ptr,
+        runners_up_ptr,
         gate_open_ptr,
         pace_ptr,
         E,
@@ -131,10 +145,13 @@ if triton is not None:
         PREFETCH_VICTIMS: tl.constexpr,
         EXPLORED: tl.constexpr,
         EXPLORED_PAID: tl.constexpr,
+        RUNNERS_UP: tl.constexpr,
+        RUNNERS_UP_PAID: tl.constexpr,
         WASTED: tl.constexpr,
         PAID: tl.constexpr,
         SEEN_WASTED: tl.constexpr,
         SEEN_PAID: tl.constexpr,
+        N_OUTCOMES: tl.constexpr,
         PACE_WINDOW: tl.constexpr,
         PACE_COPY: tl.constexpr,
         MIN_SUPPORT: tl.constexpr,
@@ -189,35 +206,44 @@ if triton is not None:
         tl.static_assert((PAID == WASTED + 1) & (SEEN_PAID == SEEN_WASTED + 1))
         calls, visited = tl.load(counters_ptr + CALLS), tl.load(visited_ptr)
         decay = tl.exp2(tl.maximum(calls - visited, 1).to(tl.float32) * LOG2_DECAY)  # per call since the last
-        k = tl.arange(0, 2)  # 0: wasted, 1: paid
-        # misses the prefetches saved: used by their call, less the hits they cost
-        saved = tl.load(counters_ptr + PREFETCH_TIMELY) - tl.load(counters_ptr + PREFETCH_VICTIMS)
-        saved += tl.load(counters_ptr + EXPLORED_PAID)  # and the explorations that would have saved a miss
-        tried = tl.load(counters_ptr + PREFETCHED) + tl.load(counters_ptr + EXPLORED)
-        seen = tl.where(k == 0, tried - saved, saved).to(tl.float32)
-        fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + SEEN_WASTED + k), 0.0)
-        estimate = tl.load(outcomes_ptr + WASTED + k) * decay + fresh_outcomes
-        tl.store(outcomes_ptr + WASTED + k, estimate)
-        tl.store(outcomes_ptr + SEEN_WASTED + k, seen)
-        wasted = tl.sum(tl.where(k == 0, estimate, 0.0), axis=0)
-        used = tl.sum(tl.where(k == 1, estimate, 0.0), axis=0)
         copy_ns, window_ns = tl.load(pace_ptr + PACE_COPY), tl.load(pace_ptr + PACE_WINDOW)  # int64
         copy, window = copy_ns.to(tl.float32), window_ns.to(tl.float32)
         measured = (copy > 0) & (window > 0)
         precision = tl.where(measured, tl.maximum(copy / (copy + window), MIN_PRECISION), MIN_PRECISION)
-        on = (used + 1) >= precision * (used + wasted + 2)
-        fresh = tl.where(tl.load(e2s_ptr + e, mask=emask, other=0) >= 0, 0.0, score)
+        # misses the prefetches saved: used by their call, less the hits they cost, and the explorations that would
+        # have saved one
+        saved = tl.load(counters_ptr + PREFETCH_TIMELY) - tl.load(counters_ptr + PREFETCH_VICTIMS)
+        saved += tl.load(counters_ptr + EXPLORED_PAID)
+        tried = tl.load(counters_ptr + PREFETCHED) + tl.load(counters_ptr + EXPLORED)
+        on = _opens(outcomes_ptr, tried, saved, decay, precision, WASTED, SEEN_WASTED)
+        runners_on = _opens(
+            outcomes_ptr + N_OUTCOMES,
+            tl.load(counters_ptr + RUNNERS_UP),
+            tl.load(counters_ptr + RUNNERS_UP_PAID),
+            decay,
+            precision,
+            WASTED,
+            SEEN_WASTED,
+        )
+        resident = tl.load(e2s_ptr + e, mask=emask, other=0) >= 0
+        fresh = tl.where(resident, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
+        # the `keep` likeliest (fresh >= 0 sorts as its bits; ties to the lower id), past the first: the runners-up
+        key = tl.where(emask, (fresh.to(tl.int32, bitcast=True).to(tl.int64) << _ID_BITS) | (_ID_MASK - e), -1)
+        kth = tl.min(tl.where(e < keep, tl.sort(key, descending=True), 1 << 62))
+        runners_up = (key >= kth) & (fresh > 0) & ~likeliest
+        tl.store(runners_up_ptr + e, runners_up, mask=emask)
         stride = tl.where(measured, tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
         period = EXPLORE_EVERY * stride
         explore = (on == 0) & (calls > 0) & (calls // period != visited // period) & (tl.max(fresh, axis=0) > 0)
         tl.store(explored_ptr, tl.sum(tl.where(likeliest, e, 0), axis=0).to(tl.int64), mask=explore)
-        score = tl.where(on, score, 0.0)
+        admit = (runners_up == 0).to(tl.int32) + runners_on  # the runners-up only while they pay
+        score = tl.where((admit * on) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
         tl.store(visited_ptr, calls)
-        tl.store(gate_open_ptr, on.to(tl.int32))
+        tl.store(gate_open_ptr, on)
 
 
 def gate_scores_triton(
@@ -277,6 +303,7 @@ def prefetch_scores_triton(sources: int, routed_before: torch.Tensor | None, kee
         s.outcomes,
         s.visited,
         s.explored,
+        s.runners_up,
         s.gate_open,
         s.pace,
         E,

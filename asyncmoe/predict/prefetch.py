@@ -18,6 +18,7 @@ from ..cache import algorithm
 from ..cache.state import (
     COUNTER_CONSTANTS,
     GATE,
+    N_OUTCOMES,
     PACE_CONSTANTS,
     PAID,
     SEEN_PAID,
@@ -38,12 +39,22 @@ KERNEL_CONSTANTS = dict(
     TRANSITION=TRANSITION,
     **{
         n: COUNTER_CONSTANTS[n]
-        for n in ("CALLS", "PREFETCHED", "PREFETCH_TIMELY", "PREFETCH_VICTIMS", "EXPLORED", "EXPLORED_PAID")
+        for n in (
+            "CALLS",
+            "PREFETCHED",
+            "PREFETCH_TIMELY",
+            "PREFETCH_VICTIMS",
+            "EXPLORED",
+            "EXPLORED_PAID",
+            "RUNNERS_UP",
+            "RUNNERS_UP_PAID",
+        )
     },
     WASTED=WASTED,
     PAID=PAID,
     SEEN_WASTED=SEEN_WASTED,
     SEEN_PAID=SEEN_PAID,
+    N_OUTCOMES=N_OUTCOMES,
     PACE_WINDOW=PACE_CONSTANTS["PACE_WINDOW"],
     PACE_COPY=PACE_CONSTANTS["PACE_COPY"],
     MIN_SUPPORT=MIN_SUPPORT,
@@ -100,4 +111,4 @@ def scores_reference(sources: int, routed_before: torch.Tensor | None, keep: int
     score, nominated = combine(parts)
     s.predicted.copy_(score)
     s.nominated.copy_(nominated)
-    prefetch_gate.gate_prefetch(s)
+    prefetch_gate.gate_prefetch(s, keep)

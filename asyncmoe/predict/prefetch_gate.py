@@ -9,7 +9,9 @@ least copy / (copy + window): a used prefetch hides at most the compute beside i
 one holds the link for a whole copy; never below MIN_PRECISION. A closed layer still explores: every
 `explore_period` calls it nominates its likeliest prediction, and the call's `ensure` scores it as a
 prefetch that was never copied (docs/decisions.md#exploring-without-a-copy), so the estimate can recover
-at no cost to the link.
+at no cost to the link. With a budget above one, the nominations past the likeliest (the runners-up) are
+gated apart on their own evidence, which every call scores whether they were copied or not: a second
+guess is often much worse than the first, and while it is it must not close the gate on the first.
 Why each number: docs/decisions.md#prefetch-gate (the anchors below are in that file).
 
 `gate_prefetch` is the reference; the fused kernel (`kernels/scores.py`) runs the same rule.
@@ -21,7 +23,18 @@ import math
 
 import torch
 
-from ..cache.state import PACE_COPY, PACE_WINDOW, PAID, SEEN_PAID, SEEN_WASTED, WASTED, CacheState, Counter
+from ..cache.state import (
+    PACE_COPY,
+    PACE_WINDOW,
+    PAID,
+    PREFETCHES,
+    RUNNERS_UP,
+    SEEN_PAID,
+    SEEN_WASTED,
+    WASTED,
+    CacheState,
+    Counter,
+)
 
 MIN_PRECISION = 0.5  # a wasted copy costs about what a used one saves where a copy fits the window (#gate-precision)
 OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls (#outcome-decay)
@@ -46,31 +59,49 @@ def explore_period(pace: torch.Tensor) -> torch.Tensor:
     return EXPLORE_EVERY * stride
 
 
-def gate_prefetch(s: CacheState) -> None:
+def gate_prefetch(s: CacheState, keep: int) -> None:
     """Zero the target's predictions `s.predicted` (so nothing is admitted) while its prefetches are mostly
     wasted, and write the decision to `s.gate_open`. A closed gate explores: on an exploring call its
     likeliest non-resident expert goes to `s.explored`, which the call's `ensure` scores (would it have saved a
     miss?) with no copy. Calls are counted by the `calls` counter (the clock counts waves) and the evidence
     decays by the calls since the last prefetch (`visited`), so a step that skipped prefetch leaves both as
     they would be; a closed gate explores on its first prefetch since `calls` passed a multiple of the period.
-    A call with none counted yet (after a stats reset) does not explore."""
+    A call with none counted yet (after a stats reset) does not explore.
+    Of the `keep` likeliest non-resident experts, those past the first go to `s.runners_up` for `ensure` to
+    score, and are admitted only while their own evidence holds the gate open too."""
     c = s.counters
     calls, visited = c[Counter.CALLS], s.visited[0]
     saved = c[Counter.PREFETCH_TIMELY] - c[Counter.PREFETCH_VICTIMS]  # used by their call, less the hits they cost
     saved = saved + c[Counter.EXPLORED_PAID]  # and the explorations that would have saved a miss
-    seen = torch.stack([c[Counter.PREFETCHED] + c[Counter.EXPLORED] - saved, saved]).float()  # (wasted, paid)
-    fresh_outcomes = (seen - s.outcomes[SEEN_WASTED : SEEN_PAID + 1]).clamp(min=0)
-    s.outcomes[WASTED : PAID + 1].mul_(decay(calls - visited)).add_(fresh_outcomes)
-    s.outcomes[SEEN_WASTED : SEEN_PAID + 1].copy_(seen)
-    wasted, used = s.outcomes[WASTED], s.outcomes[PAID]
-    on = (used + 1) >= gate_precision(s.pace) * (used + wasted + 2)  # with no evidence yet: on
-    fresh = s.predicted.masked_fill(s.expert_to_slot[:-1] >= 0, 0)
+    precision = gate_precision(s.pace)
+    on = opens(s.outcomes[PREFETCHES], c[Counter.PREFETCHED] + c[Counter.EXPLORED], saved, calls - visited, precision)
+    runners_on = opens(
+        s.outcomes[RUNNERS_UP], c[Counter.RUNNERS_UP], c[Counter.RUNNERS_UP_PAID], calls - visited, precision
+    )
+    resident = s.expert_to_slot[:-1] >= 0
+    fresh = s.predicted.masked_fill(resident, 0)
+    ranked = torch.argsort(-fresh, stable=True)[:keep]  # ties: lower expert id first, as admission breaks them
+    likeliest = torch.zeros_like(resident).index_fill_(0, ranked[:1], True)
+    runners_up = torch.zeros_like(resident).index_fill_(0, ranked, True) & (fresh > 0) & ~likeliest
     period = explore_period(s.pace)
     explore = ~on & (calls > 0) & (calls // period != visited // period) & (fresh.max() > 0)
-    s.explored.copy_(torch.where(explore, fresh.argmax(), s.explored))
-    s.predicted.mul_(on.float())
+    s.explored.copy_(torch.where(explore, ranked[0], s.explored))
+    s.runners_up.copy_(runners_up)
+    s.predicted.mul_((on & (runners_on | ~runners_up)).float())
     s.visited.copy_(calls)
     s.gate_open.copy_(on)
+
+
+def opens(outcomes: torch.Tensor, tried, saved, calls, precision) -> torch.Tensor:
+    """Whether the share of `tried` (a counter's total) that `saved` a miss, decayed over the `calls` since the
+    last update, reaches `precision`; `outcomes` [4] (WASTED .. SEEN_PAID) keeps the estimate and the totals it
+    last read. With no evidence yet: open."""
+    seen = torch.stack([tried - saved, saved]).float()  # (wasted, paid)
+    fresh = (seen - outcomes[SEEN_WASTED : SEEN_PAID + 1]).clamp(min=0)
+    outcomes[WASTED : PAID + 1].mul_(decay(calls)).add_(fresh)
+    outcomes[SEEN_WASTED : SEEN_PAID + 1].copy_(seen)
+    wasted, used = outcomes[WASTED], outcomes[PAID]
+    return (used + 1) >= precision * (used + wasted + 2)
 
 
 def decay(calls: torch.Tensor) -> torch.Tensor:
