@@ -213,17 +213,19 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
 
 
 def copy_ns(cache: ExpertCache, repeats: int = 5) -> int:
-    """One expert's host -> slot copy on this GPU, in ns (the median of `repeats`, after one to warm up): what a
-    wasted prefetch holds the link for. CUDA events and a sync, at compile only. Slot 0 is written: at compile
-    no table points at it."""
+    """One expert's host -> slot copy on this GPU, in ns: what a wasted prefetch holds the link for. Timed over
+    `repeats` copies queued behind a first one, so each launch's host time hides behind the copy before it (an
+    event pair around one launch counts that too: docs/decisions.md#runners-up-within-the-window). CUDA events
+    and a sync, at compile only. Slot 0 is written: at compile no table points at it."""
     one = torch.ones(1, dtype=torch.int64, device=cache.expert_to_slot.device)
     src, dst = one - 1, one - 1
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    gather_copy(cache.hosts, cache.slots, src, dst, one)  # compiles the kernel for these tensors
+    torch.cuda.synchronize(one.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gather_copy(cache.hosts, cache.slots, src, dst, one)  # the copy the timed ones queue behind
+    start.record()
+    for _ in range(repeats):
         gather_copy(cache.hosts, cache.slots, src, dst, one)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))  # ms
-    return int(sorted(times[1:])[repeats // 2] * 1e6)
+    end.record()
+    end.synchronize()
+    return int(start.elapsed_time(end) / repeats * 1e6)

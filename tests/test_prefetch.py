@@ -57,8 +57,11 @@ def test_the_combined_prediction_decides_what_is_admitted(bits, budget, admitted
     if bits & TRANSITION:
         parts.append((TRANSITION, transition_scores(before, cache.transitions, budget)))
     score, nominated = combine(parts)
-    # the gate is open (no evidence yet): the prediction is the combination's
-    assert torch.equal(cache.predicted, score) and torch.equal(cache.nominated, nominated)
+    # the gate is open (no evidence yet): the prediction is the combination's, for the resident experts (kept from
+    # eviction) and the `budget` likeliest others; the rest are not admitted
+    kept = torch.zeros_like(score, dtype=torch.bool)
+    kept[list({0, 1} | admitted)] = True
+    assert torch.equal(cache.predicted, score * kept) and torch.equal(cache.nominated, nominated)
     assert resident(cache) == {0, 1} | admitted
     for e in admitted:  # copied, and tagged with its nominators
         slot = cache.expert_to_slot[e]

@@ -18,6 +18,7 @@ from asyncmoe.predict.prefetch_gate import (
     explore_period,
     gate_precision,
     gate_prefetch,
+    ranks_in_window,
 )
 from asyncmoe.stats import read_stats
 
@@ -244,16 +245,25 @@ def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_on
     assert c.outcomes[PREFETCHES, PAID].item() == 1
 
 
+@pytest.mark.parametrize(
+    "copy, window, ranks", [(0, 0, 4), (1000, 1000, 1), (1000, 1001, 2), (400, 1000, 3), (100, 1000, 4)]
+)
+def test_ranks_in_window_are_the_copies_that_start_before_it_ends(copy, window, ranks):
+    assert ranks_in_window(torch.tensor([0, window, copy]), 4).item() == ranks
+
+
 @pytest.mark.parametrize("second_pays", [False, True])
 @pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
 def test_a_second_guess_that_does_not_pay_is_gated_apart_from_the_first(second_pays, use_kernel):
     """Budget 2: each call the gate predicts two experts that are not resident, the first likelier, and the call
     routes to the first (and to the second where it pays). A second guess that is never routed stops being copied
     after its first miss, while the first keeps its copies: the runners-up have evidence of their own, scored
-    every call, copied or not. One that pays is copied every call."""
+    every call, copied or not. One that pays is copied every call. Where a second copy would start after the
+    window has ended, none is made or scored, paying or not."""
     E, C, n = 16, 4, 24
     device = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
     c = ExpertCache({"w": torch.randn(E, 3, device=device)}, C, "lru")
+    c.pace.copy_(torch.tensor([0, 1500, 1000]))  # the second copy starts within the window
     count = lambda counter: c.counters[counter].item()  # noqa: E731
     for call in range(n):
         first, second = (2 * call) % 12, (2 * call + 1) % 12  # six calls apart: long evicted from four slots
@@ -266,6 +276,22 @@ def test_a_second_guess_that_does_not_pay_is_gated_apart_from_the_first(second_p
     assert count(Counter.PREFETCH_TIMELY) == (2 * n if second_pays else n)  # every first guess was copied and used
     assert count(Counter.PREFETCHED) == (2 * n if second_pays else n + 1)  # the second: only before its first miss
     assert not c.runners_up.any()  # scored and cleared by the call
+    c.pace.copy_(torch.tensor([0, 900, 1000]))  # ... and now after it
+    before = c.counters.clone()
+    for call in range(n, n + 6):
+        c.gate.copy_(one_hot(2 * call % 12, E, device) * 0.6 + one_hot((2 * call + 1) % 12, E, device) * 0.3)
+        predict_and_prefetch(Request(GATE, 2, c.policy), c.state, None, c.hosts, c.slots, use_kernel=use_kernel)
+        algorithm.ensure(
+            torch.tensor([[2 * call % 12, (2 * call + 1) % 12]], device=device),
+            0,
+            c.policy,
+            c.state,
+            c.hosts,
+            c.slots,
+            use_kernel,
+        )
+    grew = (c.counters - before).tolist()
+    assert grew[Counter.PREFETCHED] == 6 and grew[Counter.RUNNERS_UP] == 0
 
 
 @pytest.mark.parametrize(
@@ -284,9 +310,8 @@ def test_prefetch_gate_wants_more_saved_where_a_copy_outlasts_the_compute(copy, 
     predicted = torch.rand(E) + 0.1
     cache.predicted.copy_(predicted)
     gate_prefetch(cache.state, 1)
-    assert bool((cache.predicted > 0).all()) == open_ and bool((cache.predicted == 0).all()) != open_
-    if open_:
-        assert torch.equal(cache.predicted, predicted)  # an open gate leaves the prediction as it is
+    likeliest = one_hot(int(predicted.argmax()), E)  # budget 1: the one expert admitted, its score as it was
+    assert torch.equal(cache.predicted, predicted * likeliest if open_ else torch.zeros(E))
 
 
 @pytest.mark.parametrize(

@@ -229,16 +229,19 @@ if triton is not None:
         fresh = tl.where(resident, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
         likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
-        # the `keep` likeliest (fresh >= 0 sorts as its bits; ties to the lower id), past the first: the runners-up
+        # the likeliest whose copies start within the window (fresh >= 0 sorts as its bits; ties to the lower id),
+        # past the first: the runners-up
+        fit = tl.where(measured, (window_ns + copy_ns - 1) // tl.maximum(copy_ns, 1), keep)  # ranks_in_window
+        fit = tl.minimum(tl.maximum(fit, 1), keep)
         key = tl.where(emask, (fresh.to(tl.int32, bitcast=True).to(tl.int64) << _ID_BITS) | (_ID_MASK - e), -1)
-        kth = tl.min(tl.where(e < keep, tl.sort(key, descending=True), 1 << 62))
+        kth = tl.min(tl.where(e < fit, tl.sort(key, descending=True), 1 << 62))
         runners_up = (key >= kth) & (fresh > 0) & ~likeliest
         tl.store(runners_up_ptr + e, runners_up, mask=emask)
         stride = tl.where(measured, tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
         period = EXPLORE_EVERY * stride
         explore = (on == 0) & (calls > 0) & (calls // period != visited // period) & (tl.max(fresh, axis=0) > 0)
         tl.store(explored_ptr, tl.sum(tl.where(likeliest, e, 0), axis=0).to(tl.int64), mask=explore)
-        admit = (runners_up == 0).to(tl.int32) + runners_on  # the runners-up only while they pay
+        admit = (resident | likeliest).to(tl.int32) + runners_up.to(tl.int32) * runners_on  # runners-up while they pay
         score = tl.where((admit * on) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)

@@ -11,7 +11,9 @@ one holds the link for a whole copy; never below MIN_PRECISION. A closed layer s
 prefetch that was never copied (docs/decisions.md#exploring-without-a-copy), so the estimate can recover
 at no cost to the link. With a budget above one, the nominations past the likeliest (the runners-up) are
 gated apart on their own evidence, which every call scores whether they were copied or not: a second
-guess is often much worse than the first, and while it is it must not close the gate on the first.
+guess is often much worse than the first, and while it is it must not close the gate on the first. And
+only as many copies as start within the window are made (`ranks_in_window`): one that starts after the
+compute it would hide behind has ended delays the target layer's own misses, right or wrong.
 Why each number: docs/decisions.md#prefetch-gate (the anchors below are in that file).
 
 `gate_prefetch` is the reference; the fused kernel (`kernels/scores.py`) runs the same rule.
@@ -59,6 +61,14 @@ def explore_period(pace: torch.Tensor) -> torch.Tensor:
     return EXPLORE_EVERY * stride
 
 
+def ranks_in_window(pace: torch.Tensor, budget: int) -> torch.Tensor:
+    """How many of a prefetch's copies, made one after another, start before the window ends: the ranks r with
+    (r - 1) * copy < window, ceil(window / copy), at least one and at most `budget`. Unmeasured (the CPU): `budget`."""
+    copy, window = pace[PACE_COPY], pace[PACE_WINDOW]
+    fit = torch.where((copy > 0) & (window > 0), (window + copy - 1) // copy.clamp(min=1), budget)
+    return fit.clamp(1, budget)
+
+
 def gate_prefetch(s: CacheState, keep: int) -> None:
     """Zero the target's predictions `s.predicted` (so nothing is admitted) while its prefetches are mostly
     wasted, and write the decision to `s.gate_open`. A closed gate explores: on an exploring call its
@@ -67,8 +77,9 @@ def gate_prefetch(s: CacheState, keep: int) -> None:
     decays by the calls since the last prefetch (`visited`), so a step that skipped prefetch leaves both as
     they would be; a closed gate explores on its first prefetch since `calls` passed a multiple of the period.
     A call with none counted yet (after a stats reset) does not explore.
-    Of the `keep` likeliest non-resident experts, those past the first go to `s.runners_up` for `ensure` to
-    score, and are admitted only while their own evidence holds the gate open too."""
+    Of the `keep` likeliest non-resident experts, those past the first whose copies start within the window
+    (`ranks_in_window`) go to `s.runners_up` for `ensure` to score, and are admitted only while their own
+    evidence holds the gate open too; the others are not admitted."""
     c = s.counters
     calls, visited = c[Counter.CALLS], s.visited[0]
     saved = c[Counter.PREFETCH_TIMELY] - c[Counter.PREFETCH_VICTIMS]  # used by their call, less the hits they cost
@@ -80,14 +91,14 @@ def gate_prefetch(s: CacheState, keep: int) -> None:
     )
     resident = s.expert_to_slot[:-1] >= 0
     fresh = s.predicted.masked_fill(resident, 0)
-    ranked = torch.argsort(-fresh, stable=True)[:keep]  # ties: lower expert id first, as admission breaks them
-    likeliest = torch.zeros_like(resident).index_fill_(0, ranked[:1], True)
-    runners_up = torch.zeros_like(resident).index_fill_(0, ranked, True) & (fresh > 0) & ~likeliest
+    order = torch.argsort(-fresh, stable=True)  # ties: lower expert id first, as admission breaks them
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    runners_up = (rank > 0) & (rank < ranks_in_window(s.pace, keep)) & (fresh > 0)
     period = explore_period(s.pace)
     explore = ~on & (calls > 0) & (calls // period != visited // period) & (fresh.max() > 0)
-    s.explored.copy_(torch.where(explore, ranked[0], s.explored))
+    s.explored.copy_(torch.where(explore, order[0], s.explored))
     s.runners_up.copy_(runners_up)
-    s.predicted.mul_((on & (runners_on | ~runners_up)).float())
+    s.predicted.mul_((on & (resident | (rank == 0) | (runners_up & runners_on))).float())
     s.visited.copy_(calls)
     s.gate_open.copy_(on)
 
