@@ -36,7 +36,7 @@ def main():
     from test_latency import trace_for  # imports decode_step: not at the top
 
     results = {"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": h2d_bandwidth(), "case": vars(args)}
-    print(f"{torch.cuda.get_device_name()}, copy engine {results['engine_GB_per_s']:.1f} GB/s", flush=True)
+    print(f"{args.shape}, {results['gpu']}, copy engine {results['engine_GB_per_s']:.1f} GB/s", flush=True)
     base = random_model(args.shape, torch.bfloat16, "cuda")
     prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
     for key in args.formats:

@@ -50,7 +50,9 @@ def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int,
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache", type=int, default=16, help="slots per MoE layer (of 64)")
-    cache = p.parse_args().cache
+    p.add_argument("--budget", type=int, default=1, help="experts prefetched per layer per call, at most")
+    args = p.parse_args()
+    cache, budget = args.cache, args.budget
     tokenizer = transformers.AutoTokenizer.from_pretrained(asyncmoe.demo_model_path())
     data = encode(tokenizer, split(corpus_files())[1])
     prompts = [data[i * 997 : i * 997 + 32][None] for i in range(6)]
@@ -58,10 +60,10 @@ def main():
     print("|---|---|---|---|---|---|")
     for label, plan in [
         ("off", None),
-        (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch()),
-        ("gate+transition", asyncmoe.Prefetch(sources=("gate", "transition"))),
-        ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"))),
-        ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition"))),
+        (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch(budget=budget)),
+        ("gate+transition", asyncmoe.Prefetch(sources=("gate", "transition"), budget=budget)),
+        ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"), budget=budget)),
+        ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition"), budget=budget)),
     ]:
         r = run(plan, prompts, cache)
         print(

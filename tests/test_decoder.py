@@ -367,7 +367,7 @@ def test_graph_replay_bf16_within_the_models_own_compile_tolerance(family):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("budget", [1, TOP_K])  # the default, and every slot
+@pytest.mark.parametrize("budget", [1, TOP_K])  # one, and the default: every expert a token routes to
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
 @torch.no_grad()
 def test_prefetch_changes_nothing_in_the_graph(family, budget):

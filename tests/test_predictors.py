@@ -102,6 +102,6 @@ def test_bad_prefetch_settings(bad):
 
 def test_default_prefetch_settings():
     p = asyncmoe.Prefetch()
-    assert (p.sources, p.depth, p.budget, p.per_token) == (("gate",), 1, 1, None)
+    assert (p.sources, p.depth, p.budget, p.per_token) == (("gate",), 1, 2, None)
     assert asyncmoe.Prefetch is predictors.Prefetch
     asyncmoe.Prefetch(sources=("temporal",), depth=2)  # deeper needs a predictor that sees past the next layer

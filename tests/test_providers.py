@@ -150,15 +150,15 @@ def test_prefetch_on_off_identical(family, cache):
 @torch.no_grad()
 def test_budget_caps_what_a_layer_admits_per_call():
     """A gate that is always right about the second layer, on routing that needs a new pair of experts every
-    token: it admits exactly `budget` experts per call (default one: more do not fit one layer's compute on
-    the GPU, docs/results/2026-11-30), and each one saves a miss."""
+    token: it admits exactly `budget` experts per call (default two; on the GPU only as many as start copying
+    within one layer's compute: docs/decisions.md#runners-up-within-the-window), and each one saves a miss."""
     calls = 20
     ids = np.array([[[(TOP_K * t + j) % NUM_EXPERTS for j in range(TOP_K)]] * 2 for t in range(calls)])  # [N, L, k]
     gate_ids = np.where(np.arange(2)[None, :, None] == 0, -1, ids)  # no gate predicts the first layer
     gate_probs = np.tile(np.linspace(0.6, 0.4, TOP_K, dtype=np.float32), (calls, 2, 1))
     trace = Trace(ids, NUM_EXPERTS, gate_ids=gate_ids, gate_probs=gate_probs)
     ref = tiny("olmoe")
-    assert asyncmoe.Prefetch().budget == 1
+    assert asyncmoe.Prefetch().budget == 2
     for budget in (1, TOP_K):
         model = asyncmoe.compile(
             copy.deepcopy(ref), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",), budget=budget)

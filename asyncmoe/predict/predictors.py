@@ -36,19 +36,20 @@ TRANSITION_DECAY = 0.99  # per call: transitions seen ~70 calls ago count half
 @dataclass(frozen=True)
 class Prefetch:
     """Prefetch settings. `sources`: the predictors; `per_token`: experts each token nominates (default:
-    the model's top-k); `budget`: most experts admitted per target layer per call; `depth`: layers ahead;
-    `copy_programs`: most Triton programs the side-stream copy runs on (None: one per 32 KB block, which
-    floods the SMs the compute needs).
+    the model's top-k); `budget`: most experts admitted per target layer per call (past the first, only as
+    many as start copying within the compute they hide behind, and while they are routed often enough);
+    `depth`: layers ahead; `copy_programs`: most Triton programs the side-stream copy runs on (None: one per
+    32 KB block, which floods the SMs the compute needs).
 
-    The defaults, the gate alone and one expert a layer, are measured in docs/decisions.md#prefetch-budget
-    and docs/decisions.md#prefetch-sources: a layer's prefetch has one layer's compute to hide behind, and
-    temporal's nominations are resident already.
+    The defaults, the gate alone and two experts a layer, are measured in docs/decisions.md#prefetch-budget
+    and docs/decisions.md#prefetch-sources: a layer's prefetch has one layer's compute to hide behind, which
+    one bf16 expert's copy fills and two fp8 ones' do, and temporal's nominations are resident already.
     """
 
     sources: tuple[str, ...] = ("gate",)
     depth: int = 1
     per_token: int | None = None
-    budget: int = 1
+    budget: int = 2
     copy_programs: int | None = 32
 
     def __post_init__(self):
