@@ -67,21 +67,27 @@ def h2d_bandwidth() -> float:
     return h2d_bandwidths([device])[device]
 
 
+def timed_round(model, dec, prompt: torch.Tensor, steps: int, cached: bool = True) -> float:
+    """One round: prefill, the counters reset (a cached model), then `steps` decode steps timed by CUDA events:
+    ms per token."""
+    dec.prefill(prompt)
+    if cached:
+        asyncmoe.stats(model, reset=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    dec.decode(steps)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: torch.Tensor) -> dict:
     dec = asyncmoe.Decoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + steps + 1, graph=graph)
     per_round, moved = [], 0
     cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
     for _ in range(rounds):
-        dec.prefill(prompt)
-        if cached:
-            asyncmoe.stats(model, reset=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        dec.decode(steps)
-        end.record()
-        end.synchronize()
-        per_round.append(start.elapsed_time(end) / steps)
+        per_round.append(timed_round(model, dec, prompt, steps, cached))
         if cached:
             moved += asyncmoe.stats(model).totals["bytes_h2d"]
     row = {"system": label, "graph": graph, "ms_per_token": statistics.median(per_round), "rounds": per_round}
@@ -122,15 +128,7 @@ def interleaved(decoders: dict, prompt: torch.Tensor, rounds: int, steps: int) -
     times, totals = {n: [] for n in decoders}, {n: {} for n in decoders}
     for _ in range(rounds):
         for name, (model, dec) in decoders.items():
-            dec.prefill(prompt)
-            asyncmoe.stats(model, reset=True)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            dec.decode(steps)
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / steps)
+            times[name].append(timed_round(model, dec, prompt, steps))
             for k, v in asyncmoe.stats(model).totals.items():
                 if isinstance(v, int):
                     totals[name][k] = totals[name].get(k, 0) + v
