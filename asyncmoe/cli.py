@@ -327,7 +327,9 @@ def simulate(args) -> int:
     torch.set_num_threads(1)
     prefetch = tuple(p for p in args.prefetch.split("+") if p and p != "off")
     trace = Trace.load(args.trace)
-    result = run(trace, args.cache, args.policy, prefetch, args.budget, args.expert_bytes, not args.no_compile)
+    result = run(
+        trace, args.cache, args.policy, prefetch, args.budget, args.expert_bytes, not args.no_compile, args.pace
+    )
     print(result.to_json() if args.json else result)
     return 0
 
@@ -422,6 +424,15 @@ def _parser() -> Parser:
         default=None,
         help="bytes of one expert, for bytes per token; None: what the trace recorded (the recorded "
         "model's experts, in their stored format), else 0",
+    )
+    s.add_argument(
+        "--pace",
+        type=_at_least(1.0, float),
+        nargs=2,
+        metavar=("COPY_US", "WINDOW_US"),
+        default=None,
+        help="an expert's copy and the compute a prefetch hides behind, in us, as asyncmoe.stats prints them on the "
+        "GPU: the prefetch gate then decides as it does there; default: unmeasured, as on the CPU",
     )
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument(

@@ -184,6 +184,7 @@ def user_error(argv: list[str], capsys) -> str:
         (["simulate", "{tmp}/missing.npz"], "argument trace: no trace file at {tmp}/missing.npz"),
         (["simulate", "{tmp}/garbage.npz"], "{tmp}/garbage.npz"),
         (["simulate", "{tmp}/garbage.npz", "--cache", "0"], "argument --cache: must be >= 1, got 0"),
+        (["simulate", "{tmp}/garbage.npz", "--pace", "0", "210"], "argument --pace: must be >= 1.0, got 0"),
     ],
 )
 def test_user_errors_are_one_line_with_status_2(argv, says, tmp_path, capsys, monkeypatch):

@@ -168,6 +168,24 @@ def test_simulate_the_recorded_gate():
     assert wide.totals["misses_per_token"] < one.totals["misses_per_token"] < 0.9 * plain.totals["misses_per_token"]
 
 
+def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_within_the_window():
+    """With the GPU's pace the gate decides as it does there: at a bf16 expert's (a copy outlasts the window)
+    budget 2 is budget 1 exactly; at an fp8 expert's (two copies start within it) it prefetches more, and the
+    nominations past the first are routed often enough to be copied."""
+    trace = demo_trace(300)
+    runs = {
+        (pace, budget): simulate(trace, cache=16, prefetch=("gate",), budget=budget, compiled=False, pace_us=pace)
+        for pace in ((254.0, 210.0), (131.0, 210.0))
+        for budget in (1, 2)
+    }
+    bf16, fp8 = (254.0, 210.0), (131.0, 210.0)
+    assert runs[bf16, 2].layers == runs[bf16, 1].layers
+    assert runs[fp8, 2].totals["prefetched_per_token"] > 1.3 * runs[fp8, 1].totals["prefetched_per_token"]
+    assert runs[fp8, 2].totals["misses_per_token"] < runs[fp8, 1].totals["misses_per_token"]
+    with pytest.raises(ValueError, match=r"pace_us is \(an expert's copy, a layer's window\) in µs, both > 0"):
+        simulate(trace, cache=16, prefetch=("gate",), compiled=False, pace_us=(0.0, 210.0))
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -225,3 +243,7 @@ def test_cli_simulate_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"hit_rate", "belady_hit_rate", "misses_per_token", "bytes_per_token"} <= set(out)
     assert out["belady_hit_rate"] >= out["hit_rate"] and out["bytes_per_token"] > 0
+    argv = ["simulate", str(tmp_path / "t.npz"), "--cache", "4", "--prefetch", "temporal", "--budget", "2"]
+    assert main([*argv, "--pace", "254", "210", "--json", "--no-compile"]) == 0
+    paced = simulate(Trace.load(tmp_path / "t.npz"), 4, prefetch=("temporal",), budget=2, pace_us=(254.0, 210.0))
+    assert json.loads(capsys.readouterr().out) == json.loads(paced.to_json())

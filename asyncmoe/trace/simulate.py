@@ -22,7 +22,7 @@ import torch
 from ..cache import algorithm
 from ..cache.expert_cache import ExpertCache
 from ..cache.policies import DEFAULT_POLICY
-from ..cache.state import COUNTERS, GATE, TEMPORAL, TRANSITION
+from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
 from ..predict import predictors
 from ..predict.prefetch import Request, predict_and_prefetch
 from .format import Trace
@@ -128,10 +128,13 @@ def simulate(
     budget: int = predictors.Prefetch.budget,
     expert_bytes: int | None = None,
     compiled: bool = True,
+    pace_us: tuple[float, float] | None = None,
 ) -> Simulation:
     """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound.
     `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded model's, in the format
-    its cache stored; 0 where the trace has none)."""
+    its cache stored; 0 where the trace has none). `pace_us`: (an expert's copy, the compute a prefetch hides
+    behind) in µs as a GPU measured them (`asyncmoe.stats` prints both), so the prefetch gate decides as it
+    does there; None: unmeasured, as on the CPU."""
     if expert_bytes is None:
         expert_bytes = trace.expert_bytes or 0
     if "gate" in prefetch and trace.gate_ids is None:
@@ -144,11 +147,21 @@ def simulate(
         raise ValueError(f"unknown predictors {sorted(unknown)}; simulable: {', '.join(SIMULABLE)}")
     if budget < 1:
         raise ValueError(f"prefetch budget must be >= 1 (experts per layer per call), got {budget}")
+    if pace_us is not None and not (len(pace_us) == 2 and min(pace_us) > 0):
+        raise ValueError(
+            f"pace_us is (an expert's copy, a layer's window) in µs, both > 0, as asyncmoe.stats prints them on the "
+            f"GPU; got {pace_us}"
+        )
     if not trace.top_k <= cache:
         raise ValueError(f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}")
     E, L = trace.num_experts, trace.layers
     budget = min(budget, cache)
-    caches = [ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, transitions_from=E) for _ in range(L)]
+    pace = torch.zeros(3, dtype=torch.int64)  # shared by the layers, as the runtime's linked ones share theirs
+    if pace_us is not None:
+        pace[PACE_COPY], pace[PACE_WINDOW] = (round(us * 1e3) for us in pace_us)
+    caches = [
+        ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace, transitions_from=E) for _ in range(L)
+    ]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
     gate = gate_scores(trace) if "gate" in prefetch else None
