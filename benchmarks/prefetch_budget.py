@@ -55,12 +55,12 @@ def main():
                 dec.prefill(prompt)
                 dec.decode(8)
                 decoders[f"budget {budget}" if budget else "none"] = (model, dec)
-            pace = asyncmoe.stats(decoders[next(reversed(decoders))][0])
+            measured = asyncmoe.stats(decoders[next(reversed(decoders))][0])  # the pace its gates read
             rows = interleaved(decoders, prompt, args.rounds, args.steps)
             results[f"{key} {routing}"] = rows
             print(
-                f"{key} {routing}: an expert's copy {pace.copy_ns / 1e3:.0f} us, a layer's window "
-                f"{pace.window_ns / 1e3:.0f} us",
+                f"{key} {routing}: an expert's copy {measured.copy_ns / 1e3:.0f} us, a layer's window "
+                f"{measured.window_ns / 1e3:.0f} us",
                 flush=True,
             )
             for name, row in rows.items():
