@@ -10,8 +10,10 @@ from .api import compile, demo_model_path, from_pretrained, record, stats
 from .integrations.parallel import expert_parallel
 from .predict import Prefetch
 from .runtime import Decoder, Generation
+from .settings import AutoCache
 
 __all__ = [
+    "AutoCache",
     "compile",
     "demo_model_path",
     "expert_parallel",

@@ -12,16 +12,17 @@ from .cache.policies import DEFAULT_POLICY
 from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
-from .integrations.transformers import PROVIDER, find_experts
+from .integrations.transformers import PROVIDER, check_model, find_experts
 from .predict import Prefetch
 from .providers import CachedProvider, ResidentProvider
+from .settings import AutoCache, Settings
 from .stats import Stats, read_stats
 from .trace import Trace
 
 
 def compile(
     model: nn.Module,
-    cache: int | str = 16,
+    cache: int | str | AutoCache = 16,
     policy: str = DEFAULT_POLICY,
     device: torch.device | str | None = None,
     prefetch: bool | Prefetch | None = None,
@@ -32,7 +33,9 @@ def compile(
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
 
     `cache` is slots per MoE layer, or a GPU-memory budget for all layers' slots together ("6GiB", "6GB",
-    "512MiB"), which gives every layer the slots that fit for the experts' format.
+    "512MiB"), which gives every layer the slots that fit for the experts' format, or "auto": the slots that fit
+    in the GPU memory free now, leaving a share for the KV cache and activations (`asyncmoe.AutoCache(max_length=,
+    batch_size=)` leaves what a Decoder of that size needs instead).
     `cache >= num_experts` keeps every expert resident and runs the model's own implementation.
     `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout, 128x128
     blocks), quantized layer by layer on the way to host memory: a miss copies about half of bf16's bytes and
@@ -52,24 +55,22 @@ def compile(
     (docs/decisions.md#stall-timing-off).
     Returns the same model.
     """
+    check_model(model)
     if isinstance(replay, (str, os.PathLike)):
         replay = Trace.load(replay, what="replay=")
-    elif replay is not None and not isinstance(replay, Trace):
-        raise TypeError(
-            f"replay must be an asyncmoe.trace.Trace or the path of its .npz file, got {type(replay).__name__}"
-        )
-    return install(model, cache, policy, device, prefetch, replay, time_stalls, quantize)
+    return install(model, Settings(cache, policy, device, prefetch, replay, time_stalls, quantize))
 
 
 def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
     """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")` (eager forwards only).
     `gate=True` also records the gate predictor's nominations, which a replay of the trace feeds to it."""
+    check_model(model)
     return TraceRecorder(model, gate)
 
 
 def from_pretrained(
     path,
-    cache: int | str = 16,
+    cache: int | str | AutoCache = 16,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
     policy: str = DEFAULT_POLICY,
@@ -92,13 +93,14 @@ def from_pretrained(
     experts over the ranks: each rank loads only its own experts, and caches them (`cache` slots of its own).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load(path, cache, dtype, device, policy, prefetch, time_stalls, quantize, **kwargs)
+    return load(path, Settings(cache, policy, device, prefetch, None, time_stalls, quantize), dtype, **kwargs)
 
 
 def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync). Under expert
     parallelism each rank counts its own experts; `group` (a torch.distributed process group, such as
     `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must call."""
+    check_model(model)
     providers = [(name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)]
     if not providers:
         raise ValueError("this model is not asyncmoe-compiled: call asyncmoe.compile(model, cache=...) first")

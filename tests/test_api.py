@@ -240,3 +240,24 @@ def test_replay_of_the_wrong_type():
 def test_compile_returns_the_same_model():
     model = tiny("olmoe")
     assert asyncmoe.compile(model, cache=4) is model
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: asyncmoe.compile(x, cache=16),
+        lambda x: asyncmoe.stats(x),
+        lambda x: asyncmoe.record(x),
+        lambda x: asyncmoe.Decoder(x),
+    ],
+    ids=["compile", "stats", "record", "Decoder"],
+)
+@pytest.mark.parametrize("given", ["model", None, pathlib.Path("model")], ids=["str", "None", "path"])
+def test_not_a_model(call, given):
+    with pytest.raises(TypeError, match=rf"model must be a torch.nn.Module \(a transformers model\), got"):
+        call(given)
+
+
+def test_a_path_where_a_model_is_expected_names_from_pretrained():
+    with pytest.raises(TypeError, match=r"got str; to load a checkpoint from a path use asyncmoe.from_pretrained"):
+        asyncmoe.compile("some/checkpoint", cache=16)

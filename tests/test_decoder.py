@@ -12,7 +12,14 @@ from transformers import masking_utils
 import asyncmoe
 from asyncmoe.integrations.transformers import find_experts
 from asyncmoe.predict.prefetch_gate import EXPLORE_EVERY
-from asyncmoe.runtime.decoder import CHECK_EVERY, LEAD, cached_providers, capturable_masks, eager_mask
+from asyncmoe.runtime.decoder import (
+    CHECK_EVERY,
+    LEAD,
+    cached_providers,
+    capturable_masks,
+    check_capturable,
+    eager_mask,
+)
 
 from models import NUM_EXPERTS, TOP_K, tiny
 
@@ -223,8 +230,8 @@ def test_capture_needs_slots_for_the_whole_batch():
         match=r"batch 4 needs cache >= min\(num_experts=16, batch\*top_k=8\) = 8 .*Use "
         r"cache>=8, or batch_size<=2, or Decoder\(..., waves=True\)",
     ):
-        asyncmoe.Decoder(model, batch_size=4, graph=True)
-    asyncmoe.Decoder(model, batch_size=4, graph=True, waves=True)  # asked for: the graph runs 2 waves per layer
+        check_capturable(model, batch_size=4)
+    check_capturable(model, batch_size=2)
 
 
 def test_prompt_too_long():
@@ -575,3 +582,16 @@ def test_generate_looks_for_eos_every_few_steps_not_every_token():
     assert long[0] - short[0] == STEPS - 2
     assert long[1] - short[1] <= STEPS // CHECK_EVERY + 1
     assert dec.history[0, : dec.length].tolist() == free
+
+
+def test_graph_on_a_cpu_model_refused_at_construction():
+    model = asyncmoe.compile(tiny("mixtral"), cache=4)
+    with pytest.raises(ValueError, match=r"graph=True captures each step in a CUDA graph.*on cpu.*graph=False"):
+        asyncmoe.Decoder(model, max_length=16, graph=True)
+
+
+def test_max_length_past_the_positions_warns():
+    model = asyncmoe.compile(tiny("mixtral"), cache=4)  # max_position_embeddings=256
+    with pytest.warns(UserWarning, match=r"max_length=300 is past the model's max_position_embeddings=256"):
+        asyncmoe.Decoder(model, max_length=300)
+    assert asyncmoe.Decoder(model).max_length == 256  # the default: the model's positions

@@ -7,9 +7,10 @@ import transformers
 
 import asyncmoe
 import asyncmoe.cache.host
-from asyncmoe.integrations.install import install
+from asyncmoe.integrations.install import activation_bytes, install, kv_cache_bytes
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.providers import CachedProvider
+from asyncmoe.providers import CachedProvider, ResidentProvider
+from asyncmoe.settings import Settings
 
 from models import tiny
 
@@ -34,7 +35,7 @@ def test_cache_not_an_int(model, cache):
 @pytest.mark.parametrize("cache", ["16", "6 parsecs"])
 def test_cache_a_string_that_is_no_budget(model, cache):
     with pytest.raises(
-        ValueError, match=rf"cache='{cache}': give slots per MoE layer as an int \(cache=16\) or a GPU-memory"
+        ValueError, match=rf"cache='{cache}': give slots per MoE layer as an int \(cache=16\), a GPU-memory budget"
     ):
         asyncmoe.compile(model, cache=cache)
 
@@ -153,7 +154,7 @@ def test_offloaded_experts_are_plain_attributes_kept_in_the_state_dict(model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     experts = find_experts(model)[0][1]
     data_ptr = experts.gate_up_proj.data_ptr()
-    install(model, 4, "lru", None, False)
+    install(model, Settings(cache=4, policy="lru", prefetch=False))
     assert "gate_up_proj" not in dict(experts.named_parameters()) and experts.gate_up_proj.data_ptr() == data_ptr
     assert experts.asyncmoe.cache.host_gate_up_proj.data_ptr() == data_ptr
     after = model.state_dict()
@@ -201,3 +202,64 @@ def test_gpu_memory_drops_by_the_offloaded_bytes():
         f"slots+tables {added / 2**20:.1f} MiB"
     )
     model(torch.randint(0, 1024, (1, 8), device="cuda"))  # and it still runs
+
+
+def test_two_models_from_one_config():
+    """`from_config(cfg)` twice: compiling one (cached, then the other resident) leaves each its own
+    implementation, and the shared config as it was."""
+    first = tiny("mixtral")
+    config = first.config
+    torch.manual_seed(1)
+    second = type(first)(config).eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        want_first, want_second = first(ids).logits, second(ids).logits
+    asyncmoe.compile(first, cache=4)
+    assert config._experts_implementation != "asyncmoe"
+    asyncmoe.compile(second, cache=16)  # every expert resident: the model's own implementation
+    with torch.no_grad():
+        torch.testing.assert_close(first(ids).logits, want_first)
+        torch.testing.assert_close(second(ids).logits, want_second)
+    assert first.config is not config and second.config is not config
+    assert all(m.config is first.config for _, m in find_experts(first))
+
+
+def test_config_that_names_asyncmoe_but_was_never_compiled(model):
+    model.config._experts_implementation = "asyncmoe"
+    with pytest.raises(ValueError, match="names the 'asyncmoe' experts implementation, but the module was never"):
+        asyncmoe.compile(model, cache=16)
+
+
+def test_auto_needs_a_gpu(model):
+    with pytest.raises(ValueError, match=r"cache='auto' sizes the slots from the GPU memory free.*runs on cpu"):
+        asyncmoe.compile(model, cache="auto", device="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_length=0), r"AutoCache\(max_length=0\)"),
+        (dict(batch_size=0), r"AutoCache\(batch_size=0\)"),
+        (dict(share=1.5), r"AutoCache\(share=1.5\)"),
+    ],
+)
+def test_auto_cache_checks_its_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        asyncmoe.AutoCache(**kwargs)
+
+
+def test_room_left_for_the_kv_cache_grows_with_length_and_batch():
+    config = tiny("mixtral").config  # 2 layers, 2 KV heads of 8 dims
+    assert kv_cache_bytes(config, 100, 3, 2) == 2 * 3 * 100 * 2 * (8 + 8) * 2
+    assert activation_bytes(config, 200, 1, 2) > activation_bytes(config, 100, 1, 2)
+
+
+@pytest.mark.cuda
+def test_auto_fits_free_gpu_memory():
+    """cache='auto' takes the slots that fit in the share of free memory it states; a Decoder of the given size
+    then runs within what it left."""
+    model = tiny("mixtral", dtype=torch.bfloat16)
+    free, _ = torch.cuda.mem_get_info()
+    asyncmoe.compile(model, cache=asyncmoe.AutoCache(max_length=64), device="cuda")
+    assert all(isinstance(m.asyncmoe, ResidentProvider) for _, m in find_experts(model))
+    assert torch.cuda.mem_get_info()[0] < free

@@ -7,6 +7,7 @@ moves each layer's experts into pinned host memory, freeing the CPU tensors as i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -18,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from ..cache.host import check_host_memory, human_bytes
 from ..formats import QUANTIZE_METHODS, parse_quantize
-from ..predict.predictors import Prefetch
 from ..providers import CachedProvider
+from ..settings import Settings
 from .install import SUPPORTED_DTYPES, install
 from .quantized_checkpoint import checkpoint_format, load_quantized
 from .transformers import PROVIDER, find_experts
@@ -71,23 +72,14 @@ def looks_local(path) -> bool:
     return text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
 
 
-def load(
-    path,
-    cache: int | str,
-    dtype: torch.dtype,
-    device,
-    policy: str,
-    prefetch: bool | Prefetch | None,
-    time_stalls: bool,
-    quantize=None,
-    **kwargs,
-) -> nn.Module:
+def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
     """Load a checkpoint onto the CPU, then install asyncmoe on `device`: with transformers (its own weight
     conversions), or for fine-grained fp8 experts with asyncmoe's own reader (`fp8_checkpoint`), which keeps
     them fp8. The experts go from the loaded CPU tensors to pinned host memory layer by layer and never to
     the GPU."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype={dtype}: asyncmoe runs experts in {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    quantize = settings.quantize
     if quantize not in (None, "dequantize", *QUANTIZE_METHODS):
         raise ValueError(
             f"quantize={quantize!r}: choose None (the checkpoint's own format), "
@@ -122,12 +114,15 @@ def load(
         if local.exists():
             check_host_memory(checkpoint_bytes(checkpoint_files(local), dtype), f"loading {path} in {dtype}")
         model = AutoModelForCausalLM.from_pretrained(local if local.exists() else path, dtype=dtype, **kwargs)
-    model = install(model, cache, policy, device, prefetch, time_stalls=time_stalls, quantize=quantize)
+    model = install(model, dataclasses.replace(settings, quantize=quantize))
     providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
     cached = [p for p in providers if isinstance(p, CachedProvider)]
     blocks = [p.cache.pinned_block for p in cached]
     where = f"pinned host memory: {human_bytes(sum(b.nbytes for b in blocks if b))}" if any(blocks) else "host memory"
     slots = f"{cached[0].cache.num_slots} slots per layer" if cached else "every expert resident"
     fmt = f" ({parse_quantize(quantize).name})" if quantize is not None else ""
-    print(f"asyncmoe: experts{fmt} of {len(cached)} of {len(providers)} MoE layers in {where}; {slots} on {device}")
+    print(
+        f"asyncmoe: experts{fmt} of {len(cached)} of {len(providers)} MoE layers in {where}; {slots} on "
+        f"{settings.device}"
+    )
     return model

@@ -31,6 +31,17 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 ExpertsInterface.register("asyncmoe", experts_forward)
 
 
+def check_model(model, arg: str = "model") -> None:
+    """A TypeError naming `arg` where something other than a torch module is given as the model."""
+    if not isinstance(model, nn.Module):
+        hint = (
+            "; to load a checkpoint from a path use asyncmoe.from_pretrained(path, ...)"
+            if isinstance(model, (str, pathlib.PurePath))
+            else ""
+        )
+        raise TypeError(f"{arg} must be a torch.nn.Module (a transformers model), got {type(model).__name__}{hint}")
+
+
 def is_experts_module(module: nn.Module) -> bool:
     """Modules built by a `@use_experts_implementation` class carry its layout flags."""
     flags = ("has_gate", "has_bias", "is_transposed", "is_concatenated")

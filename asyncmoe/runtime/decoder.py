@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import numbers
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from torch import nn
 from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
-from ..integrations.transformers import PROVIDER, find_experts, top_k_of
+from ..integrations.transformers import PROVIDER, check_model, find_experts, top_k_of
 from ..predict.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
 from .sampling import check_sampling, sample
@@ -102,6 +103,18 @@ def check_prompts(input_ids, batch_size: int, vocab: int) -> tuple[int, int]:
             f"[{input_ids.min().item()}, {input_ids.max().item()}]"
         )
     return B, L
+
+
+def warn_past_positions(model: nn.Module, length: int, what: str) -> None:
+    """Warn, as transformers' generate does, where a length runs past the positions the model was trained for:
+    its output degenerates there."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is not None and length > positions:
+        warnings.warn(
+            f"{what}={length} is past the model's max_position_embeddings={positions}: tokens past that position "
+            "are likely to be gibberish (the model was not trained on them)",
+            stacklevel=3,
+        )
 
 
 def check_capturable(model: nn.Module, batch_size: int) -> None:
@@ -193,7 +206,8 @@ def kv_keyword(model: nn.Module) -> str:
 class Decoder:
     """Generate with a static KV cache, one CUDA graph per step (eager steps on the CPU).
 
-    `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens.
+    `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens (default: the model's
+    max_position_embeddings, at most 4096; past them it warns, as transformers' generate does).
     The first `generate` with a given sampling mode captures its graph; later calls replay it.
     A sequence that has produced an EOS is fed `pad_token_id` from then on, on the device, as transformers does.
 
@@ -210,18 +224,28 @@ class Decoder:
         self,
         model: nn.Module,
         batch_size: int = 1,
-        max_length: int = 4096,
+        max_length: int | None = None,
         graph: bool | None = None,
         waves: bool = False,
     ):
+        check_model(model)
         if not _is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, the number of prompts per call; got {batch_size!r}")
+        if max_length is None:  # the model's positions, up to a KV cache of 4096
+            max_length = min(4096, getattr(model.config, "max_position_embeddings", None) or 4096)
         if not _is_int(max_length) or max_length < 2:
             raise ValueError(f"max_length must be an int >= 2, room for prompt + new tokens; got {max_length!r}")
         self.model, self.batch_size, self.max_length = model, int(batch_size), int(max_length)
         self.device = model.device
         self.vocab = model.get_input_embeddings().num_embeddings  # ids a prompt may hold
         self.graphed = self.device.type == "cuda" if graph is None else graph
+        if self.graphed and self.device.type != "cuda":
+            raise ValueError(
+                f"graph=True captures each step in a CUDA graph, which needs a model on a CUDA device; this model is "
+                f"on {self.device}. Compile it onto the GPU (asyncmoe.compile(model, ..., device='cuda')) or pass "
+                "graph=False (or leave graph=None: graphs on CUDA, eager steps elsewhere)"
+            )
+        warn_past_positions(model, max_length, "max_length")
         if self.graphed and not waves:
             check_capturable(model, batch_size)
         self.kv = static_cache(model, max_length)

@@ -1,0 +1,137 @@
+"""What `compile` and `from_pretrained` were asked for: one frozen settings object, checked once when it is built.
+
+The checks here need only the values; those that need the model (top_k, the experts' dtypes, free GPU memory)
+run where the model is installed (`integrations/install.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .cache.policies import DEFAULT_POLICY, get_policy
+from .formats import Format, parse_quantize
+from .predict.predictors import Prefetch
+from .trace.format import Trace
+
+BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+CACHE_FORMS = "slots per MoE layer as an int (cache=16), a GPU-memory budget such as cache='6GiB', or cache='auto'"
+
+
+def parse_budget(cache: str) -> int:
+    """`cache="6GiB"` (also "6GB", "512MiB", ...) -> bytes."""
+    match = BUDGET.match(cache)
+    if not match:
+        raise ValueError(f"cache={cache!r}: give {CACHE_FORMS}")
+    return int(float(match[1]) * UNITS[match[2].lower()])
+
+
+def budget_text(nbytes: int) -> str:
+    """A budget string of at least `nbytes` (rounded up in the largest binary unit that keeps it >= 1)."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if nbytes >= UNITS[unit.lower()]:
+            return f"{math.ceil(nbytes / UNITS[unit.lower()] * 100) / 100:g}{unit}"
+    return f"{nbytes}B"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class AutoCache:
+    """`cache=AutoCache(max_length=4096, batch_size=1)`: the slots that fit in the GPU memory free at compile time
+    once the model's other weights are on the GPU, leaving room for the KV cache and activations of a Decoder of
+    that `max_length` and `batch_size`. Without a `max_length` (`cache="auto"`), the slots take `share` of that
+    free memory and leave the rest for the KV cache and activations."""
+
+    max_length: int | None = None
+    batch_size: int = 1
+    share: float = 0.8
+
+    def __post_init__(self):
+        if self.max_length is not None and (not _is_int(self.max_length) or self.max_length < 1):
+            raise ValueError(f"AutoCache(max_length={self.max_length!r}): give the Decoder's max_length, an int >= 1")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"AutoCache(batch_size={self.batch_size!r}): give the Decoder's batch_size, an int >= 1")
+        if not isinstance(self.share, numbers.Real) or not 0 < self.share <= 1:
+            raise ValueError(f"AutoCache(share={self.share!r}): the share of free GPU memory for slots, in (0, 1]")
+
+
+def parse_cache(cache) -> int | AutoCache:
+    """`cache=` -> slots per MoE layer (an int), a budget in bytes (an int, as `Settings.budget`) or an AutoCache."""
+    if isinstance(cache, AutoCache) or _is_int(cache):
+        return cache
+    if isinstance(cache, str) and cache.strip().lower() == "auto":
+        return AutoCache()
+    if isinstance(cache, str):
+        return parse_budget(cache)
+    raise TypeError(
+        f"cache must be an int (GPU slots per MoE layer), a GPU-memory budget such as '6GiB', 'auto' or "
+        f"an asyncmoe.AutoCache, got {type(cache).__name__} {cache!r}"
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`compile`'s keywords, checked. `cache` as given (for messages); `slots`, `budget` or `auto`: what it asks."""
+
+    cache: int | str | AutoCache = 16
+    policy: str = DEFAULT_POLICY
+    device: torch.device | None = None  # None: where the experts are now
+    prefetch: bool | Prefetch | None = None  # None: on where the model runs on CUDA
+    replay: Trace | None = None
+    time_stalls: bool = False
+    quantize: str | Format | None = None
+
+    def __post_init__(self):
+        asked = parse_cache(self.cache)
+        if isinstance(self.cache, str) and not isinstance(asked, AutoCache) and asked <= 0:
+            raise ValueError(f"cache={self.cache!r}: a budget must be more than 0 bytes")
+        if _is_int(self.cache) and self.cache <= 0:
+            raise ValueError(f"cache={self.cache}: must be at least the model's top_k (slots per MoE layer)")
+        get_policy(self.policy)
+        if self.quantize != "dequantize":  # from_pretrained's: an fp8 checkpoint's experts read in the model's dtype
+            parse_quantize(self.quantize)
+        if not isinstance(self.time_stalls, bool):
+            raise TypeError(f"time_stalls must be True or False, got {self.time_stalls!r}")
+        if self.prefetch is not None and not isinstance(self.prefetch, (bool, Prefetch)):
+            raise TypeError(
+                f"prefetch must be True, False, None (on where the model runs on CUDA) or an asyncmoe.Prefetch, got "
+                f"{self.prefetch!r}; to choose predictors use e.g. asyncmoe.Prefetch(sources=('gate', 'temporal'))"
+            )
+        if self.replay is not None and not isinstance(self.replay, Trace):
+            raise TypeError(
+                f"replay must be an asyncmoe.trace.Trace or the path of its .npz file, got {type(self.replay).__name__}"
+            )
+
+    @property
+    def slots(self) -> int | None:
+        """Slots per MoE layer where `cache` gives them."""
+        return self.cache if _is_int(self.cache) else None
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes for every layer's slots together where `cache` is a budget."""
+        asked = parse_cache(self.cache)
+        return asked if isinstance(self.cache, str) and not isinstance(asked, AutoCache) else None
+
+    @property
+    def auto(self) -> AutoCache | None:
+        asked = parse_cache(self.cache)
+        return asked if isinstance(asked, AutoCache) else None
