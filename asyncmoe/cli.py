@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
+import os
 import pathlib
 import sys
+import tempfile
+import threading
+import time
+import warnings
 
 import torch
 
@@ -21,6 +27,7 @@ PREFETCH = {"auto": None, "on": True, "off": False}  # --prefetch -> from_pretra
 QUANTIZE = {"none": None, "fp8": "fp8", "mxfp4": "mxfp4", "int4": "int4", "dequantize": "dequantize"}
 # what asyncmoe raises for bad input, with a message written for the user: one line, no traceback
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, MemoryError)
+PROGRESS_EVERY_S = {True: 0.2, False: 10.0}  # simulate's progress: on a terminal, in a log
 
 
 class Parser(argparse.ArgumentParser):
@@ -46,16 +53,95 @@ def _at_least(low: int | float, kind=int):
 
 
 def _cache(text: str) -> int | str:
-    """Slots per MoE layer (an int >= 1) or a GPU-memory budget for all layers' slots ("6GiB", "512MiB")."""
+    """Slots per MoE layer (an int >= 1), a GPU-memory budget for all layers' slots ("6GiB", "512MiB"), or auto
+    (the slots that fit in free GPU memory): the forms `asyncmoe.from_pretrained(cache=...)` takes."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _slots_or_budget(text, ", or auto")
+
+
+def _simulated_cache(text: str) -> int | str:
+    """`simulate --cache`: slots or a budget. Not auto: it sizes the cache from the free memory of the GPU a model
+    runs on, and the simulator runs on the CPU with no model and no GPU."""
+    if text.strip().lower() == "auto":
+        raise argparse.ArgumentTypeError(
+            "auto sizes the cache from the free memory of the GPU a model runs on, and simulate runs on the CPU "
+            "without one: give slots per MoE layer (16) or the GPU-memory budget you mean (6GiB)"
+        )
+    return _slots_or_budget(text, "")
+
+
+def _slots_or_budget(text: str, auto: str) -> int | str:
     if text.strip().lstrip("+-").isdigit():
         return _at_least(1)(text)
-    from .integrations.install import parse_budget
+    from .settings import parse_budget
 
     try:
-        parse_budget(text)
+        nbytes = parse_budget(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected slots per MoE layer (an int) or a GPU-memory budget such as 6GiB, 6GB or 512MiB; got {text!r}"
+            f"expected slots per MoE layer (an int) or a GPU-memory budget such as 6GiB, 6GB or 512MiB{auto}; "
+            f"got {text!r}"
+        ) from None
+    if nbytes <= 0:
+        raise argparse.ArgumentTypeError(f"a budget must be more than 0 bytes, got {text!r}")
+    return text
+
+
+def _policy(text: str) -> str:
+    if text not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose one of {', '.join(POLICIES)}")
+    return text
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number > 0, got {text!r}; leave every sampling option out for greedy decoding"
+        )
+    return value
+
+
+def _predictors(text: str) -> tuple[str, ...]:
+    """`simulate --prefetch`: off, or simulable predictors joined by +."""
+    from .trace.simulate import SIMULABLE
+
+    if text.strip() == "off":
+        return ()
+    names = tuple(dict.fromkeys(p.strip() for p in text.split("+")))
+    unknown = [n for n in names if n not in SIMULABLE]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected off, or predictors joined by + (of {', '.join(SIMULABLE)}), got {text!r}"
+        )
+    return names
+
+
+def _writable(text: str) -> str:
+    """A file to write at the end of a run, checked before the run: a missing or read-only folder would otherwise
+    fail only after the whole generation."""
+    path = pathlib.Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is a folder; give the path of a file in it, such as {path / 'run.npz'}"
+        )
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"no folder {folder} to write {path.name} into: create it first (mkdir -p {folder}) or give another path"
+        )
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} exists and cannot be overwritten: give another path")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot write into folder {folder} ({e.strerror}): give a path in a folder you can write"
         ) from None
     return text
 
@@ -110,6 +196,124 @@ def _trace_file(text: str) -> str:
     return text
 
 
+def _check_config(config, cache: int | str, tokens: int | None = None, prompt: int = 0) -> None:
+    """What the options ask of the model, checked from its config before its weights load: slots below its top_k
+    are an error; a prompt and `tokens` past its positions a warning, as transformers' generate gives (the Decoder
+    then says it again once the model has loaded; `_said_once` keeps that quiet)."""
+    from .integrations.transformers import top_k_of
+
+    text = config.get_text_config()
+    k = top_k_of(text)
+    if isinstance(cache, int) and k is not None and cache < k:
+        raise ValueError(
+            f"--cache {cache} is below the model's top_k={k}: every token needs its {k} experts resident at once; "
+            f"use --cache {k} or more"
+        )
+    positions = getattr(text, "max_position_embeddings", None)
+    if tokens is not None and positions is not None and prompt + tokens > positions:
+        fits = f"--tokens {positions - prompt} stays within them" if prompt < positions else "shorten the prompt"
+        print(
+            f"asyncmoe: warning: the prompt's {prompt} tokens and --tokens {tokens} run to position {prompt + tokens}, "
+            f"past the model's {positions} (config.max_position_embeddings): depending on the model, expect "
+            f"exceptions, degenerate text or nothing at all past them; {fits}",
+            file=sys.stderr,
+        )
+
+
+@contextlib.contextmanager
+def _said_once():
+    """The warning about positions past max_position_embeddings, already printed by `_check_config`, not again."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*max_position_embeddings")
+        yield
+
+
+def _sampling(args) -> tuple[dict, str]:
+    """`Decoder.generate`'s sampling keywords and a few words on them. Any of --temperature, --top-p, --top-k and
+    --seed samples, at temperature 1 where --temperature is left out (transformers' default under do_sample);
+    none of them decodes greedily. A sampling option that silently did nothing would be the surprise."""
+    if all(getattr(args, name) is None for name in ("temperature", "top_p", "top_k", "seed")):
+        return dict(do_sample=False), "greedy"
+    keywords = dict(
+        do_sample=True,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=args.top_k or 0,
+        seed=args.seed,
+    )
+    words = [f"sampled at temperature {keywords['temperature']:g}"]
+    words += [f"top-p {args.top_p:g}"] if args.top_p is not None else []
+    words += [f"top-k {args.top_k}"] if args.top_k else []
+    words += [f"seed {args.seed}"] if args.seed is not None else []
+    return keywords, ", ".join(words)
+
+
+def _check_load(args) -> str | None:
+    """`demo` and `generate`: --cache auto sizes the slots from free GPU memory, which a CPU run does not have."""
+    if args.cache == "auto" and args.device.type != "cuda":
+        return (
+            f"--cache auto sizes the slots from the free memory of the GPU the model runs on, and it runs on "
+            f"{args.device}: give slots per MoE layer (--cache 16) or a budget (--cache 6GiB)"
+        )
+    return None
+
+
+def _check_simulate(args) -> str | None:
+    """Options that do nothing with --prefetch off are refused, not ignored."""
+    idle = [name for name, value in (("--pace", args.pace), ("--budget", args.budget)) if value is not None]
+    if not args.prefetch and idle:
+        return (
+            f"{' and '.join(idle)} {'set' if len(idle) > 1 else 'sets'} how the prefetch copies, and --prefetch is "
+            f"off: choose predictors (--prefetch gate, temporal or transition, joined by +) or leave "
+            f"{' and '.join(idle)} out"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _progress(compiling: bool, stream=None):
+    """`simulate`'s progress callback: tokens done, rewritten in place on a terminal, a line now and then in a log,
+    and always the last. While torch.compile works on the first token, a thread says how long it has been."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    every = PROGRESS_EVERY_S[tty]
+    start = last = time.monotonic()
+    first = threading.Event()
+    width = 0  # of the line on a terminal, which the next one overwrites
+
+    def say(line: str, end: bool = False) -> None:
+        nonlocal width
+        if tty:
+            stream.write(f"\r{line:<{width}}" + ("\n" if end else ""))
+            width = len(line)
+        else:
+            stream.write(line + "\n")
+        stream.flush()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        first.set()
+        now = time.monotonic()
+        if done < total and now - last < every:
+            return
+        last = now
+        say(f"simulated {done}/{total} tokens ({done / total:.0%}, {now - start:.0f} s)", end=done == total)
+
+    def compiling_for() -> None:
+        while not first.wait(every):
+            say(f"compiling ({time.monotonic() - start:.0f} s)")
+
+    waiting = threading.Thread(target=compiling_for, daemon=True) if compiling else None
+    if waiting:
+        waiting.start()
+    try:
+        yield report
+    finally:
+        first.set()
+        if waiting:
+            waiting.join()
+
+
 def _encode(tokenizer, prompt: str) -> torch.Tensor:
     ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, L]
     if ids.shape[1] == 0:
@@ -156,14 +360,15 @@ def demo(args) -> int:
     bars = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # a bar for each of three loads, each done in a second, would bury the output
     try:
-        return _demo(args)
+        with _said_once():
+            return _demo(args)
     finally:
         if bars:
             logging.enable_progress_bar()
 
 
 def _demo(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import asyncmoe
 
@@ -178,6 +383,7 @@ def _demo(args) -> int:
     print(f"model: the embedded demo model ({path}): OLMoE routing shape, 64 experts top-8, trained on Python's stdlib")
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = _encode(tokenizer, args.prompt).to(device)
+    _check_config(AutoConfig.from_pretrained(path), args.cache, args.tokens, ids.shape[1])
     resident = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     experts = resident.config.num_experts
     prefetch = PREFETCH[args.prefetch]
@@ -264,13 +470,22 @@ def _demo(args) -> int:
 
 def generate(args) -> int:
     """Any local transformers MoE checkpoint with a tokenizer: load with asyncmoe, stream a generation, print stats."""
-    from transformers import AutoTokenizer
+    with _said_once():
+        return _generate(args)
+
+
+def _generate(args) -> int:
+    from transformers import AutoConfig, AutoTokenizer
 
     import asyncmoe
 
-    # the tokenizer first: a checkpoint without one fails before its weights load; local files only, never the hub
+    # the config and the tokenizer first: what the options ask of the model fails before its weights load; local
+    # files only, never the hub
+    config = AutoConfig.from_pretrained(args.model, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     ids = _encode(tokenizer, args.prompt)
+    _check_config(config, args.cache, args.tokens, ids.shape[1])
+    sampling, how = _sampling(args)
     model = asyncmoe.from_pretrained(
         args.model,
         cache=args.cache,
@@ -296,40 +511,58 @@ def generate(args) -> int:
     with asyncmoe.record(model, gate=True) if args.record_trace else contextlib.nullcontext() as recorder:
         if recorder:
             recorder.new_sequence()
-        out = dec.generate(
-            ids,
-            args.tokens,
-            do_sample=args.temperature > 0,
-            temperature=max(args.temperature, 1e-5),
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            eos_token_id=tokenizer.eos_token_id,
-            callback=show,
-        )
+        out = dec.generate(ids, args.tokens, eos_token_id=tokenizer.eos_token_id, callback=show, **sampling)
     print(
-        f"\n\n{out.new_tokens} tokens, prefill {out.prefill_ms:.1f} ms, "
+        f"\n\n{out.new_tokens} tokens, {how}, prefill {out.prefill_ms:.1f} ms, "
         f"decode {out.decode_ms_per_token:.2f} ms/token (streamed: one host sync per token)"
     )
     if recorder:
-        recorder.trace.save(args.record_trace)
         trace = recorder.trace
-        print(f"routing trace of {trace.tokens} tokens x {trace.layers} MoE layers -> {args.record_trace}")
+        written = trace.save(args.record_trace)
+        print(f"routing trace of {trace.tokens} tokens x {trace.layers} MoE layers -> {written}")
     print(asyncmoe.stats(model))
     return 0
 
 
 def simulate(args) -> int:
-    """Replay a routing trace through the runtime's cache and predictor code on the CPU, beside the Belady bound."""
+    """Replay a routing trace through the runtime's cache and predictor code on the CPU, beside the Belady bound.
+    It says what it simulates before the work starts (torch.compile's first step can take a while), then how far
+    it has got, on stderr: stdout keeps the table or the JSON."""
     from .trace import Trace
+    from .trace.simulate import budget_slots, check
     from .trace.simulate import simulate as run
 
     torch.set_num_threads(1)
-    prefetch = tuple(p for p in args.prefetch.split("+") if p and p != "off")
     trace = Trace.load(args.trace)
-    result = run(
-        trace, args.cache, args.policy, prefetch, args.budget, args.expert_bytes, not args.no_compile, args.pace
-    )
+    expert_bytes = (trace.expert_bytes or 0) if args.expert_bytes is None else args.expert_bytes
+    slots, sized = (args.cache, None) if isinstance(args.cache, int) else budget_slots(trace, args.cache, expert_bytes)
+    budget = Prefetch.budget if args.budget is None else args.budget
+    check(trace, slots, args.prefetch, budget, args.pace)
+    say = [
+        f"asyncmoe simulate: {args.trace}: {trace.tokens} tokens x {trace.layers} MoE layers, top-{trace.top_k} of "
+        f"{trace.num_experts} experts; cache {slots} slots per layer, policy {args.policy}, "
+        f"prefetch {'+'.join(args.prefetch) or 'off'}"
+    ]
+    if sized:
+        say.append(sized)
+    if not args.no_compile:
+        say.append(
+            "compiling the simulator's step with torch.compile before the first token (--no-compile skips the "
+            "wait; each token then runs slower)"
+        )
+    print("\n".join(say), file=sys.stderr, flush=True)
+    with _progress(compiling=not args.no_compile) as progress:
+        result = run(
+            trace,
+            slots,
+            args.policy,
+            args.prefetch,
+            budget,
+            expert_bytes,
+            not args.no_compile,
+            args.pace,
+            progress=progress,
+        )
     print(result.to_json() if args.json else result)
     return 0
 
@@ -340,11 +573,19 @@ def _parser() -> Parser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its message")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str) -> Parser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.commands = {}  # name -> its parser, for the checks that need several options (`main`)
 
-    slots, tokens = _at_least(1), _at_least(1)
-    cache = "GPU slots per MoE layer, or a GPU-memory budget for all layers' slots (6GiB, 6GB, 512MiB)"
+    def command(name: str, help: str) -> Parser:
+        parser.commands[name] = sub.add_parser(
+            name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
+        return parser.commands[name]
+
+    tokens = _at_least(1)
+    cache = (
+        "GPU slots per MoE layer, a GPU-memory budget for all layers' slots (6GiB, 6GB, 512MiB), or auto (the slots "
+        "that fit in the GPU memory free once the other weights are there)"
+    )
     quantize = (
         "store the experts as block-wise fp8 (half of bf16's bytes per copy), mxfp4 or int4 (about a quarter); "
         "none: the checkpoint's own format (an fp8 or mxfp4 checkpoint's experts stay as stored)"
@@ -359,7 +600,7 @@ def _parser() -> Parser:
     p = command("demo", "run a MoE model with a small expert cache next to the fully resident model")
     p.add_argument("--cache", type=_cache, default=16, help=cache + " (of 64 experts)")
     p.add_argument("--quantize", default="none", choices=["none", "fp8", "mxfp4", "int4"], help=quantize)
-    p.add_argument("--policy", default=DEFAULT_POLICY, help=policy)
+    p.add_argument("--policy", type=_policy, default=DEFAULT_POLICY, help=policy)
     p.add_argument("--tokens", type=tokens, default=64, help="tokens to generate")
     p.add_argument("--prompt", type=_prompt, default=PROMPT, help="text the model continues (default: %(default)r)")
     p.add_argument(
@@ -370,7 +611,7 @@ def _parser() -> Parser:
     )
     p.add_argument("--device", type=_device, default="auto", help=device)
     p.add_argument("--prefetch", default="auto", choices=list(PREFETCH), help=prefetch)
-    p.set_defaults(fn=demo)
+    p.set_defaults(fn=demo, check=_check_load)
 
     g = command("generate", "generate from a local MoE checkpoint (config, safetensors, tokenizer)")
     required = dict(required=True, default=argparse.SUPPRESS)  # no "(default: None)" in the help
@@ -384,46 +625,69 @@ def _parser() -> Parser:
         help=quantize + "; dequantize: an fp8 checkpoint's experts in --dtype",
     )
     g.add_argument("--tokens", type=tokens, default=64, help="new tokens (fewer where the model emits its EOS token)")
-    g.add_argument("--policy", default=DEFAULT_POLICY, help=policy)
+    g.add_argument("--policy", type=_policy, default=DEFAULT_POLICY, help=policy)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights' dtype")
     g.add_argument("--device", type=_device, default="auto", help=device)
     g.add_argument("--prefetch", default="auto", choices=list(PREFETCH), help=prefetch)
-    g.add_argument("--temperature", type=_at_least(0.0, float), default=0.0, help="sampling temperature; 0: greedy")
-    g.add_argument(
+    sampling = g.add_argument_group(
+        "sampling",
+        "any of these samples, at temperature 1 (transformers' default under do_sample) where --temperature is left "
+        "out; without any of them generate decodes greedily",
+    )
+    sampling.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=None,
+        help="sampling temperature, finite and > 0; None: 1 where another sampling option is given, else greedy",
+    )
+    sampling.add_argument(
         "--top-p",
         type=_top_p,
-        default=1.0,
-        help="nucleus sampling: the smallest set of tokens with this probability mass; 1: off",
+        default=None,
+        help="nucleus sampling: the smallest set of tokens with this probability mass, in (0, 1]; None: off",
     )
-    g.add_argument("--top-k", type=_at_least(0), default=0, help="sample among the k likeliest tokens; 0: off")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed; None: unseeded")
+    sampling.add_argument(
+        "--top-k", type=_at_least(0), default=None, help="sample among the k likeliest tokens; None or 0: off"
+    )
+    sampling.add_argument("--seed", type=int, default=None, help="sampling seed; None: unseeded")
     g.add_argument(
         "--record-trace",
+        type=_writable,
         default=None,
         help="write the routing of this run, and what the gate predictor "
-        "predicted, to this .npz trace (eager decode); None: no trace",
+        "predicted, to this .npz trace, at exactly this path (eager decode); None: no trace",
     )
-    g.set_defaults(fn=generate)
+    g.set_defaults(fn=generate, check=_check_load)
 
     s = command("simulate", "replay a routing trace through the cache on the CPU; print hit rates and the Belady bound")
     s.add_argument("trace", type=_trace_file, help=".npz routing trace (docs/traces.md)")
-    s.add_argument("--cache", type=slots, default=16, help="slots per MoE layer")
-    s.add_argument("--policy", default=DEFAULT_POLICY, help=policy)
+    s.add_argument(
+        "--cache",
+        type=_simulated_cache,
+        default=16,
+        help="slots per MoE layer, or a GPU-memory budget for all layers' slots (6GiB, 6GB, 512MiB) divided by the "
+        "trace's expert bytes (--expert-bytes); not auto, which sizes from a GPU's free memory",
+    )
+    s.add_argument("--policy", type=_policy, default=DEFAULT_POLICY, help=policy)
     s.add_argument(
         "--prefetch",
+        type=_predictors,
         default="off",
         help="off, or predictors joined by +: temporal, transition, and gate "
         "where the trace recorded its nominations (asyncmoe.record(model, gate=True))",
     )
     s.add_argument(
-        "--budget", type=_at_least(0), default=Prefetch.budget, help="experts prefetched per layer per token"
+        "--budget",
+        type=_at_least(1),
+        default=None,
+        help=f"experts prefetched per layer per token, with --prefetch; None: {Prefetch.budget}, as asyncmoe.Prefetch",
     )
     s.add_argument(
         "--expert-bytes",
         type=_at_least(0),
         default=None,
-        help="bytes of one expert, for bytes per token; None: what the trace recorded (the recorded "
-        "model's experts, in their stored format), else 0",
+        help="bytes of one expert, for bytes per token and a --cache budget; None: what the trace recorded (the "
+        "recorded model's experts, in their stored format), else 0",
     )
     s.add_argument(
         "--pace",
@@ -432,20 +696,24 @@ def _parser() -> Parser:
         metavar=("COPY_US", "WINDOW_US"),
         default=None,
         help="an expert's copy and the compute a prefetch hides behind, in us, as asyncmoe.stats prints them on the "
-        "GPU: the prefetch gate then decides as it does there; default: unmeasured, as on the CPU",
+        "GPU: the prefetch gate then decides as it does there (with --prefetch); default: unmeasured, as on the CPU",
     )
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument(
         "--no-compile", action="store_true", help="skip torch.compile (slower; no compile wait on short traces)"
     )
-    s.set_defaults(fn=simulate)
+    s.set_defaults(fn=simulate, check=_check_simulate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; bad input ends with one line on stderr and exit status 2 (`--debug`: its traceback)."""
+    """Run one command; bad input ends with one line on stderr and exit status 2 (`--debug`: its traceback). Every
+    option is checked before anything loads."""
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = args.check(args) if hasattr(args, "check") else None
+    if problem:
+        parser.commands[args.command].error(problem)
     try:
         return args.fn(args)
     except USER_ERRORS as e:

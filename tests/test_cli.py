@@ -3,6 +3,7 @@
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -87,18 +88,19 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
         "--dtype",
         "float32",
         "--record-trace",
-        str(tmp_path / "run.npz"),
+        str(tmp_path / "run.trace"),  # written at exactly this path, not run.trace.npz
     ]
     assert main(argv) == 0
     from asyncmoe.trace import Trace
 
-    trace = Trace.load(tmp_path / "run.npz")  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
+    assert not (tmp_path / "run.trace.npz").exists()
+    trace = Trace.load(tmp_path / "run.trace")  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
     assert trace.ids.shape == (10, 2, 2) and trace.starts.tolist() == [0]
     assert trace.gate_ids.shape == (10, 2, 2)
     assert (trace.gate_ids[:, 0] == -1).all() and (trace.gate_ids[:, 1] >= 0).all()
     loaded, text, *rest = capsys.readouterr().out.split("\n")
-    assert "routing trace of 10 tokens x 2 MoE layers" in "\n".join(rest)
-    assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens" in "\n".join(rest)
+    assert f"routing trace of 10 tokens x 2 MoE layers -> {tmp_path / 'run.trace'}\n" in "\n".join(rest)
+    assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens, greedy," in "\n".join(rest)
     ids = torch.tensor([[3, 4, 5]])  # w1 w2 w3
     want = original.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=1)[0, 3:].tolist()
     if 1 in want:  # generation stops at <eos>
@@ -174,7 +176,45 @@ def user_error(argv: list[str], capsys) -> str:
         (["generate", "--model", "{tmp}/no-tokenizer", "--prompt", "hi"], "no-tokenizer has no tokenizer"),
         (
             ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--temperature", "-1"],
-            "argument --temperature: must be >= 0",
+            "argument --temperature: must be a finite number > 0, got '-1'; leave every sampling option out for greedy",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--temperature", "inf"],
+            "argument --temperature: must be a finite number > 0, got 'inf'",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--temperature", "nan"],
+            "argument --temperature: must be a finite number > 0, got 'nan'",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--temperature", "0"],
+            "argument --temperature: must be a finite number > 0, got '0'",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--record-trace", "{tmp}/no/such/run.npz"],
+            "argument --record-trace: no folder {tmp}/no/such to write run.npz into: create it first",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--record-trace", "{tmp}/ck"],
+            "argument --record-trace: {tmp}/ck is a folder; give the path of a file in it, such as {tmp}/ck/run.npz",
+        ),
+        (["demo", "--policy", "bogus"], "argument --policy: unknown policy 'bogus'; choose one of lru, fifo"),
+        (["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--policy", "bogus"], "unknown policy 'bogus'"),
+        (["simulate", "{tmp}/garbage.npz", "--policy", "LRU"], "argument --policy: unknown policy 'LRU'"),
+        (["demo", "--cache", "0GiB"], "argument --cache: a budget must be more than 0 bytes, got '0GiB'"),
+        (
+            ["demo", "--cache", "auto", "--device", "cpu"],
+            "--cache auto sizes the slots from the free memory of the GPU the model runs on, and it runs on cpu: "
+            "give slots per MoE layer (--cache 16) or a budget (--cache 6GiB); see `asyncmoe demo --help`",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--cache", "auto", "--device", "cpu"],
+            "--cache auto sizes the slots from the free memory of the GPU the model runs on, and it runs on cpu",
+        ),
+        (
+            ["demo", "--cache", "lots"],
+            "argument --cache: expected slots per MoE layer (an int) or a GPU-memory budget such as 6GiB, 6GB or "
+            "512MiB, or auto; got 'lots'",
         ),
         (["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
         (
@@ -185,6 +225,29 @@ def user_error(argv: list[str], capsys) -> str:
         (["simulate", "{tmp}/garbage.npz"], "{tmp}/garbage.npz"),
         (["simulate", "{tmp}/garbage.npz", "--cache", "0"], "argument --cache: must be >= 1, got 0"),
         (["simulate", "{tmp}/garbage.npz", "--pace", "0", "210"], "argument --pace: must be >= 1.0, got 0"),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--cache", "auto"],
+            "argument --cache: auto sizes the cache from the free memory of the GPU a model runs on, and simulate "
+            "runs on the CPU without one: give slots per MoE layer (16) or the GPU-memory budget you mean (6GiB)",
+        ),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--pace", "254", "210"],
+            "--pace sets how the prefetch copies, and --prefetch is off: choose predictors (--prefetch gate, "
+            "temporal or transition, joined by +) or leave --pace out; see `asyncmoe simulate --help`",
+        ),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--prefetch", "off", "--budget", "2", "--pace", "254", "210"],
+            "--pace and --budget set how the prefetch copies, and --prefetch is off",
+        ),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--prefetch", "temporal", "--budget", "0"],
+            "argument --budget: must be >= 1",
+        ),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--prefetch", "gate+oracle"],
+            "argument --prefetch: expected off, or predictors joined by + (of gate, temporal, transition), got "
+            "'gate+oracle'",
+        ),
     ],
 )
 def test_user_errors_are_one_line_with_status_2(argv, says, tmp_path, capsys, monkeypatch):
@@ -240,3 +303,106 @@ def test_a_bad_budget_is_one_line(capsys):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "expected slots per MoE layer (an int) or a GPU-memory budget" in err
+
+
+def parsed(argv: list[str]):
+    return cli._parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("command", ["demo", "generate", "simulate"])
+@pytest.mark.parametrize("text, value", [("12", 12), ("6GiB", "6GiB"), ("512MiB", "512MiB"), ("auto", "auto")])
+def test_cache_takes_slots_a_budget_or_auto(command, text, value, tmp_path, capsys):
+    """demo and generate pass auto on to from_pretrained; simulate, on the CPU, has no GPU memory to size it from."""
+    (tmp_path / "t.npz").write_text("")  # parsing looks for the file only
+    argv = {
+        "demo": ["demo"],
+        "generate": ["generate", "--model", str(asyncmoe.demo_model_path()), "--prompt", "x"],
+        "simulate": ["simulate", str(tmp_path / "t.npz")],
+    }[command]
+    if command == "simulate" and value == "auto":
+        assert "argument --cache: auto sizes the cache" in user_error([*argv, "--cache", text], capsys)
+    else:
+        assert parsed([*argv, "--cache", text]).cache == value
+
+
+GENERATE = ["generate", "--model", str(asyncmoe.demo_model_path()), "--prompt", "x"]
+
+
+@pytest.mark.parametrize(
+    "options, keywords, words",
+    [
+        ([], dict(do_sample=False), "greedy"),
+        (
+            ["--top-k", "5", "--seed", "3"],
+            dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=5, seed=3),
+            "sampled at temperature 1, top-k 5, seed 3",
+        ),
+        (
+            ["--seed", "3"],
+            dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, seed=3),
+            "sampled at temperature 1, seed 3",
+        ),
+        (
+            ["--temperature", "0.7", "--top-p", "0.9"],
+            dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, seed=None),
+            "sampled at temperature 0.7, top-p 0.9",
+        ),
+    ],
+)
+def test_a_sampling_option_samples(options, keywords, words, capsys):
+    """`--top-k 5 --seed 3` once decoded greedily without a word: any sampling option now samples, at transformers'
+    temperature 1 where --temperature is left out, and --help says so."""
+    assert cli._sampling(parsed([*GENERATE, *options])) == (keywords, words)
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "sampling:\n  any of these samples, at temperature 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_slots_below_the_models_top_k_fail_before_it_loads(command, capsys, monkeypatch):
+    import transformers
+
+    def loads(*args, **kwargs):
+        pytest.fail("the model loaded")
+
+    monkeypatch.setattr(asyncmoe, "from_pretrained", loads)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loads)
+    argv = ["demo"] if command == "demo" else GENERATE
+    line = user_error([*argv, "--cache", "4", "--device", "cpu"], capsys)
+    assert line == (
+        "asyncmoe: error: --cache 4 is below the model's top_k=8: every token needs its 8 experts resident at once; "
+        "use --cache 8 or more"
+    )
+
+
+@pytest.mark.parametrize("command", ["demo", "generate"])
+def test_a_length_past_the_models_positions_warns_before_it_loads(command, capsys, monkeypatch):
+    """As transformers' generate warns: the demo model has 1024 positions, and past them it degenerates."""
+    import transformers
+
+    def stop(*args, **kwargs):
+        raise ValueError("stopped where the model loads")
+
+    monkeypatch.setattr(asyncmoe, "from_pretrained", stop)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", stop)
+    argv = ["demo", "--prompt", "x"] if command == "demo" else GENERATE
+    for tokens, warned in (("1023", False), ("2000", True)):
+        with pytest.raises(SystemExit):
+            main([*argv, "--tokens", tokens, "--device", "cpu"])
+        *warning, error = capsys.readouterr().err.splitlines()
+        assert error == "asyncmoe: error: stopped where the model loads" and bool(warning) == warned
+    (warning,) = warning
+    assert warning == (
+        "asyncmoe: warning: the prompt's 1 tokens and --tokens 2000 run to position 2001, past the model's 1024 "
+        "(config.max_position_embeddings): depending on the model, expect exceptions, degenerate text or nothing at "
+        "all past them; --tokens 1023 stays within them"
+    )
+
+
+def test_the_decoders_own_warning_on_positions_is_not_said_twice():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with cli._said_once():
+            warnings.warn("max_length=2001 is past the model's max_position_embeddings=1024: ...", stacklevel=1)
+            warnings.warn("something else", stacklevel=1)
+    assert [str(w.message) for w in seen] == ["something else"]

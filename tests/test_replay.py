@@ -75,3 +75,27 @@ def test_replay_walks_its_cursor_and_predicts_the_recorded_gate():
     assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int64)), ids[:2])
     assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int32)), torch.tensor([[4, 5], [0, 1]], dtype=torch.int32))
     assert replay.cursor.item() == 4  # wraps at the trace's end
+
+
+def test_a_malformed_trace_file_is_refused_before_the_model_changes(tmp_path):
+    """Zero tokens once failed at the first forward, deep in the replay's modulo; the same expert twice in a row
+    replayed without complaint."""
+    model = tiny("olmoe")
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    np.savez(tmp_path / "empty.npz", ids=np.zeros((0, 2, 2), dtype=np.int16), num_experts=np.int64(16))
+    with pytest.raises(ValueError, match=r"replay=.*empty.npz': trace ids have shape \(0, 2, 2\) \(0 tokens"):
+        asyncmoe.compile(model, cache=4, replay=tmp_path / "empty.npz")
+    np.savez(tmp_path / "twice.npz", ids=np.array([[[3, 5], [2, 2]]]), num_experts=np.int64(16))
+    with pytest.raises(ValueError, match=r"twice.npz': token 0 names expert 2 twice in its layer-1 row of ids"):
+        asyncmoe.compile(model, cache=4, replay=str(tmp_path / "twice.npz"))
+    assert not any(hasattr(m, "asyncmoe_replay") for _, m in find_experts(model))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_a_trace_changed_after_it_was_built_is_refused_at_install():
+    trace = random_trace(2, N=30, L=2, E=16, k=2)
+    trace.ids[4, 1] = [9, 9]
+    with pytest.raises(ValueError, match="token 4 names expert 9 twice in its layer-1 row"):
+        replay_routing(tiny("olmoe"), trace, "cpu")
+    with pytest.raises(ValueError, match=r"ids \[tokens, k\] of at least one token and expert, got \(0, 2\)"):
+        Replay(torch.zeros(0, 2, dtype=torch.int64))

@@ -6,6 +6,8 @@ import copy
 import functools
 import itertools
 import json
+import re
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -14,10 +16,12 @@ import torch
 from torch._dynamo.utils import counters
 
 import asyncmoe
+from asyncmoe import cli
 from asyncmoe.cache.policies import POLICIES
 from asyncmoe.cli import main
 from asyncmoe.trace import Trace
-from asyncmoe.trace.simulate import belady_misses, simulate
+from asyncmoe.trace import simulate as simulator
+from asyncmoe.trace.simulate import belady_misses, budget_slots, simulate
 
 from models import tiny
 from traces import demo_trace, random_trace
@@ -247,3 +251,73 @@ def test_cli_simulate_json(tmp_path, capsys):
     assert main([*argv, "--pace", "254", "210", "--json", "--no-compile"]) == 0
     paced = simulate(Trace.load(tmp_path / "t.npz"), 4, prefetch=("temporal",), budget=2, pace_us=(254.0, 210.0))
     assert json.loads(capsys.readouterr().out) == json.loads(paced.to_json())
+
+
+def test_a_budget_gives_the_slots_compile_would():
+    """A GPU-memory budget for every layer's slots, divided by one expert's bytes, at most every expert."""
+    trace = random_trace(0)  # 3 layers, 12 experts, top-2
+    assert budget_slots(trace, "20KB", 1000) == (
+        6,
+        "cache='20KB' gives 6 slots per MoE layer (3 MoE layers, experts of 1000 B; 17.58 KiB of slots)",
+    )
+    assert budget_slots(trace, "1GiB", 1000)[0] == 12
+    sim = simulate(trace, "20KB", expert_bytes=1000, compiled=False)
+    assert sim.cache == 6 and sim.layers == simulate(trace, 6, compiled=False).layers
+    with pytest.raises(
+        ValueError, match=r"holds 1 experts per MoE layer .* smallest budget that works is cache='5.86KiB'"
+    ):
+        simulate(trace, "5KB", expert_bytes=1000, compiled=False)
+    with pytest.raises(ValueError, match="records no expert size to divide it by"):
+        simulate(trace, "6GiB", compiled=False)
+    with pytest.raises(ValueError, match="the simulator runs on the CPU without one"):
+        simulate(trace, "auto", expert_bytes=1000, compiled=False)
+
+
+def test_progress_hears_of_every_token():
+    seen = []
+    simulate(random_trace(0, N=7), 4, compiled=False, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(done, 7) for done in range(1, 8)]
+
+
+def test_a_trace_changed_after_it_was_built_is_refused():
+    trace = random_trace(0, N=5)
+    trace.ids[2, 0] = [3, 3]
+    with pytest.raises(ValueError, match="token 2 names expert 3 twice in its layer-0 row"):
+        simulate(trace, 4, compiled=False)
+
+
+def test_cli_simulate_says_what_it_does_before_the_work_and_shows_progress(tmp_path, capsys, monkeypatch):
+    """Compiling the step once printed nothing for half a minute: now a line says what runs before anything does,
+    a heartbeat counts the compile, and progress the tokens, all on stderr (stdout keeps the table)."""
+    random_trace(0).save(tmp_path / "t.npz")
+    real, said = simulator.simulate, []
+
+    def slow_to_compile(trace, cache, policy, prefetch, budget, expert_bytes, compiled, pace_us, progress):
+        said.append(capsys.readouterr().err)
+        assert compiled
+        time.sleep(0.3)  # as torch.compile works on the first token
+        return real(trace, cache, policy, prefetch, budget, expert_bytes, False, pace_us, progress)
+
+    monkeypatch.setattr(simulator, "simulate", slow_to_compile)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", {True: 0.05, False: 0.05})
+    assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "4"]) == 0
+    out, err = capsys.readouterr()
+    (before,) = said
+    assert before.startswith(
+        f"asyncmoe simulate: {tmp_path / 't.npz'}: 120 tokens x 3 MoE layers, top-2 of 12 experts; cache 4 slots per "
+        "layer, policy markov, prefetch off\ncompiling the simulator's step with torch.compile"
+    )
+    assert re.match(r"(compiling \(\d+ s\)\n)+simulated 1/120 tokens", err)
+    assert re.search(r"\nsimulated 120/120 tokens \(100%, \d+ s\)\n$", err)
+    assert out.startswith("cache 4 slots, policy markov, prefetch off, 120 tokens")
+
+
+def test_cli_simulate_takes_a_budget(tmp_path, capsys):
+    trace = random_trace(0)
+    trace.expert_bytes = 1000
+    trace.save(tmp_path / "t.npz")
+    for extra in ([], ["--expert-bytes", "2000"]):  # the trace's expert bytes, or the option's
+        assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "20KB", "--json", "--no-compile", *extra]) == 0
+        out, err = capsys.readouterr()
+        slots = 6 if not extra else 3
+        assert json.loads(out)["cache"] == slots and f"cache='20KB' gives {slots} slots per MoE layer" in err

@@ -25,6 +25,10 @@ class Replay(nn.Module):
 
     def __init__(self, ids: torch.Tensor, gate_ids: torch.Tensor | None = None, gate_probs: torch.Tensor | None = None):
         super().__init__()
+        if ids.dim() != 2 or 0 in ids.shape:
+            raise ValueError(
+                f"a replayed layer needs ids [tokens, k] of at least one token and expert, got {tuple(ids.shape)}"
+            )
         self.register_buffer("ids", ids, persistent=False)  # [N, k]
         self.register_buffer("cursor", torch.zeros(1, dtype=torch.int64, device=ids.device), persistent=False)
         self.register_buffer("gate_ids", gate_ids, persistent=False)
@@ -52,7 +56,9 @@ def _replay_hook(module, args, kwargs):
 
 def install_replay(experts: list[tuple[str, nn.Module]], trace: Trace, device: torch.device) -> None:
     """Model MoE layer i replays trace layer i % trace.layers; expert count and top-k must match. A layer
-    whose trace layer is 0 gets no recorded gate scores (nothing predicted trace layer 0 from the one before)."""
+    whose trace layer is 0 gets no recorded gate scores (nothing predicted trace layer 0 from the one before).
+    The trace is validated again first: its arrays may have changed since it was built."""
+    trace.validate()
     for i, (name, m) in enumerate(experts):
         E, k = num_experts(m), top_k_of(m.config)
         if trace.num_experts != E or (k is not None and trace.top_k != k):

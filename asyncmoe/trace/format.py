@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pathlib
 import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,21 +39,62 @@ class Trace:
 
     def __post_init__(self):
         self.ids = np.asarray(self.ids)
-        if self.ids.ndim != 3:
-            raise ValueError(f"trace ids must be [tokens, layers, k], got shape {self.ids.shape}")
-        if self.ids.size and not (0 <= self.ids.min() and self.ids.max() < self.num_experts):
-            raise ValueError(f"trace ids must lie in [0, num_experts={self.num_experts})")
+        if self.gate_ids is not None:
+            self.gate_ids = np.asarray(self.gate_ids)
+        if self.gate_probs is not None:
+            self.gate_probs = np.asarray(self.gate_probs)
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse what no cache can replay, with a ValueError saying what is wrong: a trace that passes here
+        replays and simulates without dividing by zero tokens or counting an expert twice in one call."""
+        ids, E = self.ids, self.num_experts
+        if isinstance(E, bool) or not isinstance(E, (int, np.integer)) or E < 1:
+            raise ValueError(f"trace num_experts must be an int >= 1 (experts per layer), got {E!r}")
+        if ids.ndim != 3:
+            raise ValueError(f"trace ids must be [tokens, layers, k], got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"trace ids must be integer expert ids, got {ids.dtype}")
+        if 0 in ids.shape:
+            N, L, k = ids.shape
+            raise ValueError(
+                f"trace ids have shape {ids.shape} ({N} tokens, {L} layers, k={k}): a trace needs at least one "
+                "token routed to at least one expert in at least one layer; record a run that generates something"
+            )
+        _check_rows(ids, E, "ids", low=0)
+        if self.weights is not None and np.shape(self.weights) != ids.shape:
+            raise ValueError(f"trace weights {np.shape(self.weights)} must have the ids' shape {ids.shape}")
+        if self.starts is not None:
+            starts = np.asarray(self.starts)
+            if starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer):
+                raise ValueError(
+                    f"trace starts must be a 1-D int array (token offsets), got {starts.dtype} {starts.shape}"
+                )
+            if starts.size and (starts.min() < 0 or starts.max() > self.tokens or (np.diff(starts) < 0).any()):
+                first = starts.tolist()[:8]
+                raise ValueError(
+                    f"trace starts must be ascending token offsets in [0, tokens={self.tokens}], got {first}"
+                )
         if (self.gate_ids is None) != (self.gate_probs is None):
             raise ValueError("a trace's gate_ids and gate_probs come together")
         if self.gate_ids is not None:
-            self.gate_ids, self.gate_probs = np.asarray(self.gate_ids), np.asarray(self.gate_probs)
-            if self.gate_ids.shape != self.gate_probs.shape or self.gate_ids.shape[:2] != self.ids.shape[:2]:
+            if (
+                self.gate_ids.shape != self.gate_probs.shape
+                or self.gate_ids.ndim != 3
+                or self.gate_ids.shape[:2] != ids.shape[:2]
+                or self.gate_ids.shape[2] == 0
+            ):
                 raise ValueError(
                     f"trace gate_ids {self.gate_ids.shape} and gate_probs {self.gate_probs.shape} must both be "
-                    f"[tokens, layers, g] with the ids' tokens and layers {self.ids.shape[:2]}"
+                    f"[tokens, layers, g] (g >= 1) with the ids' tokens and layers {ids.shape[:2]}"
                 )
-            if self.gate_ids.size and not (-1 <= self.gate_ids.min() and self.gate_ids.max() < self.num_experts):
-                raise ValueError(f"trace gate_ids must lie in [-1, num_experts={self.num_experts})")
+            if not np.issubdtype(self.gate_ids.dtype, np.integer):
+                raise ValueError(f"trace gate_ids must be integer expert ids (-1: none), got {self.gate_ids.dtype}")
+            _check_rows(self.gate_ids, E, "gate_ids", low=-1)
+        if self.expert_bytes is not None and not (
+            isinstance(self.expert_bytes, (int, np.integer)) and self.expert_bytes >= 0
+        ):
+            raise ValueError(f"trace expert_bytes must be an int >= 0 (bytes of one expert), got {self.expert_bytes!r}")
 
     @property
     def tokens(self) -> int:
@@ -66,7 +108,8 @@ class Trace:
     def top_k(self) -> int:
         return self.ids.shape[2]
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> pathlib.Path:
+        """Write the trace to exactly `path` (numpy would add .npz to a name without it) and return that path."""
         arrays = {
             "ids": self.ids.astype(np.int16 if self.num_experts < 2**15 else np.int32),
             "num_experts": np.int64(self.num_experts),
@@ -80,29 +123,70 @@ class Trace:
             arrays["gate_probs"] = np.asarray(self.gate_probs, dtype=np.float16)
         if self.expert_bytes is not None:
             arrays["expert_bytes"] = np.int64(self.expert_bytes)
-        np.savez_compressed(path, **arrays)
+        path = pathlib.Path(path)
+        with open(path, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        return path
 
     @classmethod
     def load(cls, path: str | os.PathLike, what: str = "") -> Trace:
-        """Read a trace saved by `save`; `what` names the argument it came from, for the error messages."""
+        """Read a trace saved by `save` and validate it; `what` names the argument it came from. Every error names
+        the file and what is wrong with it."""
         path = pathlib.Path(path)
+        name = f"{what}{str(path)!r}"
         if not path.is_file():
-            raise FileNotFoundError(f"{what}{str(path)!r}: no such trace file (an .npz written by asyncmoe.record)")
+            raise FileNotFoundError(f"{name}: no such trace file (an .npz written by asyncmoe.record)")
         if not zipfile.is_zipfile(path):
-            raise ValueError(f"{what}{str(path)!r} is not an asyncmoe trace: not an .npz archive (docs/traces.md)")
+            raise ValueError(f"{name} is not an asyncmoe trace: not an .npz archive (docs/traces.md)")
         try:
-            f = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-            raise ValueError(f"{what}{str(path)!r} is not a readable .npz archive ({type(e).__name__})") from None
-        with f:
-            if "ids" not in f or "num_experts" not in f:
-                raise ValueError(
-                    f"{what}{str(path)!r} is not an asyncmoe trace: it needs arrays 'ids' and 'num_experts' "
-                    "(docs/traces.md)"
-                )
-            optional = {name: f[name] for name in ("starts", "weights", "gate_ids", "gate_probs") if name in f}
-            if "gate_ids" in optional:
-                optional["gate_ids"] = optional["gate_ids"].astype(np.int64)
-            if "expert_bytes" in f:
-                optional["expert_bytes"] = int(f["expert_bytes"])
-            return cls(ids=f["ids"].astype(np.int64), num_experts=int(f["num_experts"]), **optional)
+            with np.load(path, allow_pickle=False) as f:
+                arrays = {key: f[key] for key in f.files}
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise ValueError(f"{name} is not a readable .npz archive ({type(e).__name__})") from None
+        if "ids" not in arrays or "num_experts" not in arrays:
+            raise ValueError(
+                f"{name} is not an asyncmoe trace: it needs arrays 'ids' and 'num_experts' (docs/traces.md)"
+            )
+        try:
+            return cls(**_fields(arrays))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
+def _fields(arrays: dict[str, np.ndarray]) -> dict:
+    """The Trace fields of a loaded .npz: ids as int64, the scalars as ints; a wrong kind of array is a ValueError."""
+    for key in ("num_experts", "expert_bytes"):
+        if key in arrays and (arrays[key].shape != () or not np.issubdtype(arrays[key].dtype, np.integer)):
+            raise ValueError(f"{key} must be an int scalar, got {arrays[key].dtype} of shape {arrays[key].shape}")
+    for key in ("ids", "gate_ids", "starts"):
+        if key in arrays and not np.issubdtype(arrays[key].dtype, np.integer):
+            raise ValueError(f"{key} must be an int array, got {arrays[key].dtype}")
+    fields = {key: arrays[key] for key in ("starts", "weights", "gate_ids", "gate_probs") if key in arrays}
+    if "gate_ids" in fields:
+        fields["gate_ids"] = fields["gate_ids"].astype(np.int64)
+    if "expert_bytes" in arrays:
+        fields["expert_bytes"] = int(arrays["expert_bytes"])
+    return dict(ids=arrays["ids"].astype(np.int64), num_experts=int(arrays["num_experts"]), **fields)
+
+
+def _check_rows(ids: np.ndarray, num_experts: int, name: str, low: int) -> None:
+    """Every id of `ids` [N, L, k] in [low, num_experts), and no expert twice in one token's row of a layer (ids
+    below 0 mean none and may repeat): the cache makes a row's experts resident together, each once."""
+    bad = (ids < low) | (ids >= num_experts)
+    if bad.any():
+        t, l, j = np.argwhere(bad)[0]
+        raise ValueError(
+            f"trace {name} must lie in [{low}, num_experts={num_experts}): token {t} names expert {ids[t, l, j]} "
+            f"in layer {l} ({int(bad.sum())} ids out of range)"
+        )
+    ordered = np.sort(ids, axis=-1)
+    twice = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    if twice.any():
+        t, l, j = np.argwhere(twice)[0]
+        e = ordered[t, l, j]
+        n = int((ids[t, l] == e).sum())
+        times = "twice" if n == 2 else f"{n} times"
+        what = "k experts" if name == "ids" else "gate nominations"
+        raise ValueError(
+            f"token {t} names expert {e} {times} in its layer-{l} row of {name}; a token's {what} must be distinct"
+        )

@@ -14,6 +14,7 @@ Dims: N tokens, L layers, k top-k, E experts, C slots.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,10 +22,12 @@ import torch
 
 from ..cache import algorithm
 from ..cache.expert_cache import ExpertCache
+from ..cache.host import human_bytes
 from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
 from ..predict import predictors
 from ..predict.prefetch import Request, predict_and_prefetch
+from ..settings import budget_text, parse_budget
 from .format import Trace
 
 SIMULABLE = ("gate", "temporal", "transition")  # gate: from a trace that recorded its nominations
@@ -59,17 +62,18 @@ class Simulation:
         misses = sum(r.misses for r in self.layers)
         moved = misses + sum(r.prefetched for r in self.layers)
         belady = sum(r.belady_misses for r in self.layers)
+        per_token = 1 / self.tokens if self.tokens else float("nan")
         self.totals = {
             "tokens": self.tokens,
             "lookups": lookups,
             "hit_rate": 1 - misses / lookups if lookups else float("nan"),
             "belady_hit_rate": 1 - belady / lookups if lookups else float("nan"),
-            "misses_per_token": misses / self.tokens,
-            "belady_misses_per_token": belady / self.tokens,
-            "prefetched_per_token": sum(r.prefetched for r in self.layers) / self.tokens,
+            "misses_per_token": misses * per_token,
+            "belady_misses_per_token": belady * per_token,
+            "prefetched_per_token": sum(r.prefetched for r in self.layers) * per_token,
             "prefetch_recall": sum(r.prefetch_hits for r in self.layers) / lookups if lookups else float("nan"),
-            "bytes_per_token": moved * self.expert_bytes / self.tokens,
-            "belady_bytes_per_token": belady * self.expert_bytes / self.tokens,
+            "bytes_per_token": moved * self.expert_bytes * per_token,
+            "belady_bytes_per_token": belady * self.expert_bytes * per_token,
         }
 
     def to_json(self) -> str:
@@ -120,23 +124,11 @@ def _step(ids_t, gate_t, caches, prefetch: tuple[str, ...], budget: int):
             predict_and_prefetch(Request(bits, budget, t.policy), t.state, before, [], [])
 
 
-def simulate(
-    trace: Trace,
-    cache: int,
-    policy: str = DEFAULT_POLICY,
-    prefetch: tuple[str, ...] = (),
-    budget: int = predictors.Prefetch.budget,
-    expert_bytes: int | None = None,
-    compiled: bool = True,
-    pace_us: tuple[float, float] | None = None,
-) -> Simulation:
-    """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound.
-    `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded model's, in the format
-    its cache stored; 0 where the trace has none). `pace_us`: (an expert's copy, the compute a prefetch hides
-    behind) in µs as a GPU measured them (`asyncmoe.stats` prints both), so the prefetch gate decides as it
-    does there; None: unmeasured, as on the CPU."""
-    if expert_bytes is None:
-        expert_bytes = trace.expert_bytes or 0
+def check(
+    trace: Trace, cache: int, prefetch: tuple[str, ...] = (), budget: int = 1, pace_us: tuple | None = None
+) -> None:
+    """What `simulate` refuses, checked before it compiles or runs anything: a ValueError saying what is wrong."""
+    trace.validate()  # again: a trace's arrays may have changed since it was built
     if "gate" in prefetch and trace.gate_ids is None:
         raise ValueError(
             "the gate predictor needs hidden states, and this trace did not record what it predicted; "
@@ -154,6 +146,31 @@ def simulate(
         )
     if not trace.top_k <= cache:
         raise ValueError(f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}")
+
+
+def simulate(
+    trace: Trace,
+    cache: int | str,
+    policy: str = DEFAULT_POLICY,
+    prefetch: tuple[str, ...] = (),
+    budget: int = predictors.Prefetch.budget,
+    expert_bytes: int | None = None,
+    compiled: bool = True,
+    pace_us: tuple[float, float] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Simulation:
+    """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound.
+    `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded model's, in the format
+    its cache stored; 0 where the trace has none). `pace_us`: (an expert's copy, the compute a prefetch hides
+    behind) in µs as a GPU measured them (`asyncmoe.stats` prints both), so the prefetch gate decides as it
+    does there; None: unmeasured, as on the CPU. `cache`: slots per MoE layer, or a GPU-memory budget for every
+    layer's slots ("6GiB", `budget_slots`). `progress(done, total)`: called after each token (the first one,
+    compiled, waits for torch.compile)."""
+    if expert_bytes is None:
+        expert_bytes = trace.expert_bytes or 0
+    if isinstance(cache, str):
+        cache = budget_slots(trace, cache, expert_bytes)[0]
+    check(trace, cache, prefetch, budget, pace_us)
     E, L = trace.num_experts, trace.layers
     budget = min(budget, cache)
     pace = torch.zeros(3, dtype=torch.int64)  # shared by the layers, as the runtime's linked ones share theirs
@@ -170,6 +187,8 @@ def simulate(
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         for t in range(trace.tokens):
             step(ids[t], None if gate is None else gate[t], caches, tuple(prefetch), budget)
+            if progress is not None:
+                progress(t + 1, trace.tokens)
     index = {name: i for i, name in enumerate(COUNTERS)}
     layers = []
     for l, c in enumerate(caches):
@@ -184,6 +203,35 @@ def simulate(
             )
         )
     return Simulation(cache, policy, tuple(prefetch), trace.tokens, expert_bytes, layers)
+
+
+def budget_slots(trace: Trace, cache: str, expert_bytes: int) -> tuple[int, str]:
+    """Slots per MoE layer that a GPU-memory budget for every layer's slots ("6GiB") gives the trace's model, as
+    `asyncmoe.compile` gives them (at most num_experts), from one expert's bytes; and a line that says so."""
+    if cache.strip().lower() == "auto":
+        raise ValueError(
+            "cache='auto' sizes the cache from the free memory of the GPU the model runs on, and the simulator runs "
+            "on the CPU without one: give slots per MoE layer (16) or the budget of the GPU you mean ('6GiB')"
+        )
+    budget = parse_budget(cache)
+    if not expert_bytes:
+        raise ValueError(
+            f"cache={cache!r} is a GPU-memory budget, and this trace records no expert size to divide it by: give "
+            "one expert's bytes (--expert-bytes, expert_bytes=) or the cache in slots per MoE layer"
+        )
+    L, E, k = trace.layers, trace.num_experts, trace.top_k
+    slots = min(E, budget // (L * expert_bytes))
+    what = f"{L} MoE layers, experts of {human_bytes(expert_bytes)}"
+    if slots < k:
+        raise ValueError(
+            f"cache={cache!r} holds {slots} experts per MoE layer ({what}), below the trace's top_k={k}: every token "
+            f"needs its {k} experts resident at once; the smallest budget that works is "
+            f"cache={budget_text(L * k * expert_bytes)!r}"
+        )
+    return (
+        slots,
+        f"cache={cache!r} gives {slots} slots per MoE layer ({what}; {human_bytes(L * slots * expert_bytes)} of slots)",
+    )
 
 
 def gate_scores(trace: Trace) -> torch.Tensor:
