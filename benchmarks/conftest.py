@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))  # `baselines`, `decode_step`
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # `baselines`, `harness`, `shapes`
 
 
 def pytest_addoption(parser):

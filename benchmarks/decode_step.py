@@ -20,7 +20,7 @@ i mod its layers; docs/traces.md), e.g. benchmarks/traces/demo_val.npz, the embe
 on held-out text (scripts/routing_stats.py). The gate predictor then scores by what it predicted when
 the trace was recorded, if the trace has it (demo_val.npz does); else by the random router, which knows
 nothing of the trace (as in the latency suite's synthetic traces; the prefetch gate then keeps it off).
-`--replay trace`, `oracle` or `oracle-q0.8` routes as the latency suite's case of that name (test_latency.trace_for).
+`--replay trace`, `oracle` or `oracle-q0.8` routes as the latency suite's case of that name (harness.trace_for).
 `--quantize fp8` (mxfp4, int4) keeps asyncmoe's experts in that format; the unmodified model stays bf16.
 """
 
@@ -38,39 +38,15 @@ import transformers
 import asyncmoe
 from asyncmoe.cache.policies import DEFAULT_POLICY
 
+from harness import h2d_bandwidth, prompt, trace_for
 from oracle import parse as parse_oracle
 from shapes import SHAPES, random_model, routing_shape
 
 
-def h2d_bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10) -> dict[int, float]:
-    """GB/s of a pinned host -> GPU copy_ (the copy engine) on each of `devices`, median of `reps`. Every copy
-    is queued before any is waited for, so with several devices their copies are in flight together."""
-    src = {d: torch.empty(nbytes, dtype=torch.uint8).pin_memory() for d in devices}
-    dst = {d: torch.empty(nbytes, dtype=torch.uint8, device=d) for d in devices}
-    events = {d: [] for d in devices}
-    for _ in range(reps + 2):
-        for d in devices:
-            with torch.cuda.device(d):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst[d].copy_(src[d], non_blocking=True)
-                b.record()
-                events[d].append((a, b))
-    for d in devices:
-        torch.cuda.synchronize(d)
-    return {d: nbytes / 1e9 / (statistics.median(a.elapsed_time(b) for a, b in events[d][2:]) / 1e3) for d in devices}
-
-
-def h2d_bandwidth() -> float:
-    """GB/s of a pinned 512 MB host -> GPU copy_ on the current device, median of 10."""
-    device = torch.cuda.current_device()
-    return h2d_bandwidths([device])[device]
-
-
-def timed_round(model, dec, prompt: torch.Tensor, steps: int, cached: bool = True) -> float:
+def timed_round(model, dec, ids: torch.Tensor, steps: int, cached: bool) -> float:
     """One round: prefill, the counters reset (a cached model), then `steps` decode steps timed by CUDA events:
     ms per token."""
-    dec.prefill(prompt)
+    dec.prefill(ids)
     if cached:
         asyncmoe.stats(model, reset=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -82,12 +58,14 @@ def timed_round(model, dec, prompt: torch.Tensor, steps: int, cached: bool = Tru
     return start.elapsed_time(end) / steps
 
 
-def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: torch.Tensor) -> dict:
-    dec = asyncmoe.Decoder(model, batch_size=prompt.shape[0], max_length=prompt.shape[1] + steps + 1, graph=graph)
+def measure(model, label: str, graph: bool, steps: int, rounds: int, ids: torch.Tensor) -> dict:
+    """`model`'s median ms per decode step over `rounds` rounds (`timed_round`), printed as one line; for a cached
+    model also the bytes it moved per token, its hit rate and its prefetch recall."""
+    dec = asyncmoe.Decoder(model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph)
     per_round, moved = [], 0
     cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
     for _ in range(rounds):
-        per_round.append(timed_round(model, dec, prompt, steps, cached))
+        per_round.append(timed_round(model, dec, ids, steps, cached))
         if cached:
             moved += asyncmoe.stats(model).totals["bytes_h2d"]
     row = {"system": label, "graph": graph, "ms_per_token": statistics.median(per_round), "rounds": per_round}
@@ -121,30 +99,6 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, prompt: tor
     return row
 
 
-def interleaved(decoders: dict, prompt: torch.Tensor, rounds: int, steps: int) -> dict:
-    """Decoders (name: (model, Decoder), each already captured) measured in one process, their rounds interleaved
-    so that a drift of the machine reaches each alike: per name the median ms per token, the median of each
-    round's ratio to the first name's, MB moved per token, and the decode steps' counters summed over rounds."""
-    times, totals = {n: [] for n in decoders}, {n: {} for n in decoders}
-    for _ in range(rounds):
-        for name, (model, dec) in decoders.items():
-            times[name].append(timed_round(model, dec, prompt, steps))
-            for k, v in asyncmoe.stats(model).totals.items():
-                if isinstance(v, int):
-                    totals[name][k] = totals[name].get(k, 0) + v
-    first = next(iter(decoders))
-    return {
-        name: {
-            "ms": statistics.median(times[name]),
-            "paired_ratio": statistics.median(t / u for t, u in zip(times[name], times[first], strict=True)),
-            "MB_per_token": totals[name].get("bytes_h2d", 0) / rounds / steps / 1e6,
-            "rounds": times[name],
-            "counters": totals[name],
-        }
-        for name in decoders
-    }
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
@@ -176,19 +130,17 @@ def main():
 
     replay = args.replay
     if replay == "trace" or (replay and parse_oracle(replay) is not None):
-        from test_latency import trace_for  # imports this module: not at the top
-
         replay = trace_for(args.shape, replay)
     bandwidth = h2d_bandwidth()
     print(f"pinned host->GPU copy_: {bandwidth:.1f} GB/s", flush=True)
     base = random_model(args.shape, torch.bfloat16, "cuda")
     experts = routing_shape(args.shape)[0]
-    prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = prompt(args.shape, 1, seed=0)
 
     def run(model, label):
-        out = [measure(model, label, True, args.steps, args.rounds, prompt)]
+        out = [measure(model, label, True, args.steps, args.rounds, ids)]
         if not args.no_eager:
-            out.append(measure(model, label, False, args.eager_steps, args.eager_rounds, prompt))
+            out.append(measure(model, label, False, args.eager_steps, args.eager_rounds, ids))
         return out
 
     rows = run(base, "unmodified")

@@ -13,13 +13,13 @@ import argparse
 import copy
 
 import torch
-from test_latency import PROMPT, prompt, trace_for
 from transformers import DynamicCache
 
 import asyncmoe
 from asyncmoe.integrations.replay import replay_routing, rewind_replay
 from asyncmoe.runtime.decoder import kv_keyword
 
+from harness import PROMPT, prompt, trace_for
 from shapes import random_model
 
 

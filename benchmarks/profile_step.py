@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from copy_bandwidth import timed
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
 
+from harness import PROMPT, cuda_ms, prompt
 from shapes import SHAPES, random_model
 
 
@@ -44,9 +44,8 @@ def main():
     )
     if args.prompt:
         return profile_prompt(model, args)
-    prompt = torch.randint(1, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
-    dec = asyncmoe.Decoder(model, batch_size=1, max_length=16 + 2 * args.steps + 1, graph=False)
-    dec.prefill(prompt)
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=PROMPT + 2 * args.steps + 1, graph=False)
+    dec.prefill(prompt(args.shape, 1, seed=0))
     dec.decode(args.steps)  # warm: Triton compiles, the cache fills
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -60,13 +59,12 @@ def main():
 
 
 def profile_prompt(model, args) -> None:
-    """One prompt of `args.prompt` random tokens, timed five times (`copy_bandwidth.timed`), then profiled once."""
-    ids = torch.randint(1, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    """One prompt of `args.prompt` random tokens, timed five times after a warm-up (Triton compiles), then profiled
+    once."""
+    ids = prompt(args.shape, 1, args.prompt, seed=0)
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=args.prompt + 1, graph=False)
     cached = asyncmoe.stats(model).layers  # [] where every layer is resident
-
-    dec.prefill(ids)  # warm: Triton compiles
-    ms = timed(lambda _: dec.prefill(ids), 5)
+    ms = cuda_ms(lambda: dec.prefill(ids), 5)
     line = (
         f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
     )

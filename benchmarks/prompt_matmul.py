@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
@@ -21,23 +20,10 @@ from asyncmoe import experts, ops
 from asyncmoe.formats import parse_quantize
 from asyncmoe.integrations.transformers import find_experts
 
+from harness import cuda_ms
 from shapes import SHAPES, config
 
 SHAPES_RUN = {"olmoe-1b-7b": 16, "deepseek-v2-lite": 16, "gpt-oss-20b": 8}  # shape: slots of one wave
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def projections(shape: str) -> list[tuple[str, torch.Size, bool]]:
@@ -96,7 +82,7 @@ def main():
                         row[f"{way}_rel_err"] = (fn().float() - want).abs().max().item() / want.pow(
                             2
                         ).mean().sqrt().item()
-                        row[f"{way}_ms"] = timed(fn, args.reps)
+                        row[f"{way}_ms"] = cuda_ms(fn, args.reps)
                     out.append(row)
                     times = "  ".join(f"{way} {row[f'{way}_ms']:.3f} ms" for way in ways)
                     print(f"{shape:<17} {name:<12} {fmt.name:<5} {per_slot:>4} rows/slot: {times}", flush=True)

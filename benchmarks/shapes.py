@@ -149,6 +149,12 @@ def routing_shape(shape: str) -> tuple[int, int]:
     return experts, kw["num_experts_per_tok"]
 
 
+def expert_dims(shape: str) -> tuple[int, int]:
+    """(hidden size D, one expert's intermediate size I): its gate_up is [2I, D] and its down [D, I]."""
+    kw = SHAPES[shape][1]
+    return kw["hidden_size"], kw.get("moe_intermediate_size", kw["intermediate_size"])
+
+
 def random_model(shape: str, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
     """The same weights every time (seeded init on `device`), built as a checkpoint load builds a model
     (`from_config(dtype=...)` keeps the rotary tables fp32; `.to(bf16)` would not). Random routers send

@@ -21,20 +21,19 @@ import json
 import statistics
 
 import torch
-from step_timeline import gpu_events
-from test_latency import trace_for
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
 
+from harness import gpu_events, prompt, trace_for
 from shapes import random_model, routing_shape
 
 CASES = {"resident": dict(resident=True, prefetch=False), "cached": dict(prefetch=False), "cached+prefetch": {}}
 
 
-def measure(model, prompt: torch.Tensor, steps: int) -> dict:
-    dec = asyncmoe.Decoder(model, batch_size=1, max_length=prompt.shape[1] + 8 + steps * 6, graph=True)
-    dec.prefill(prompt)
+def measure(model, ids: torch.Tensor, steps: int) -> dict:
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + 8 + steps * 6, graph=True)
+    dec.prefill(ids)
     dec.decode(8)  # capture and warm up
     times = []
     for _ in range(4):
@@ -105,7 +104,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
-    prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = prompt(args.shape, 1, seed=0)
     print(f"{torch.cuda.get_device_name()}: {args.shape}, {args.cache} slots, trace routing, ms/token")
     results = {}
     for name, kw in CASES.items():
@@ -113,7 +112,7 @@ def main():
         model = asyncmoe.compile(
             copy.deepcopy(base), cache=cache, prefetch=kw.get("prefetch"), replay=trace_for(args.shape, "trace")
         )
-        r = results[name] = measure(model, prompt, args.steps)
+        r = results[name] = measure(model, ids, args.steps)
         print(f"{name:<16} {r['ms']:.3f}  (rounds {', '.join(f'{t:.3f}' for t in r['rounds'])})", flush=True)
         for kernel, us in r["per_kernel_us"][: args.top]:
             print(f"    {us:7.1f} us/token  {kernel}")

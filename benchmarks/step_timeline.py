@@ -19,16 +19,13 @@ import argparse
 import collections
 import copy
 import json
-import os
-import tempfile
 
 import torch
-from test_latency import trace_for
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
 
-from decode_step import h2d_bandwidth
+from harness import gpu_events, h2d_bandwidth, prompt, trace_for
 from shapes import random_model
 
 COPY_KERNEL = "_gather_copy_kernel"
@@ -77,30 +74,9 @@ def long_holes(holes: list[float], steps: int) -> dict:
     }
 
 
-def gpu_events(prof) -> list[dict]:
-    """The GPU's kernels, copies and memsets, each as name, category, stream, start and end (us)."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    gpu = [
-        {
-            "name": e["name"],
-            "cat": e["cat"],
-            "stream": e["args"].get("stream"),
-            "start": e["ts"],
-            "end": e["ts"] + e["dur"],
-        }
-        for e in events
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    ]
-    return sorted(gpu, key=lambda e: e["start"])
-
-
-def timeline(model, steps: int, prompt: torch.Tensor) -> dict:
-    dec = asyncmoe.Decoder(model, batch_size=1, max_length=prompt.shape[1] + steps + 9, graph=True)
-    dec.prefill(prompt)
+def timeline(model, steps: int, ids: torch.Tensor) -> dict:
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=ids.shape[1] + steps + 9, graph=True)
+    dec.prefill(ids)
     dec.decode(8)  # capture and warm up
     asyncmoe.stats(model, reset=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -156,7 +132,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
-    prompt = torch.randint(1, base.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = prompt(args.shape, 1, seed=0)
     engine = h2d_bandwidth()
     fmt = args.quantize or "bf16"
     print(f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape} {fmt}, cache {args.cache}")
@@ -170,7 +146,7 @@ def main():
                 prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
                 replay=None if routing == "router" else trace_for(args.shape, routing),
             )
-            r = {"routing": routing, "budget": budget, **timeline(model, args.steps, prompt)}
+            r = {"routing": routing, "budget": budget, **timeline(model, args.steps, ids)}
             r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
             r["ratio_to_engine_bytes"] = r["ms_per_token"] / (r["MB_per_token"] / engine)  # MB / (GB/s) = ms
             rows.append(r)

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from test_latency import build, decoder_for, seed_chunk
 
 import asyncmoe
 
 from baselines import accelerate_offload
+from harness import build, decoder_for, seed_chunk
 from shapes import routing_shape
 
 

@@ -24,7 +24,7 @@ bit-equal, so a near-tie may go either way).
 Routing: `router` (the random-weight model's own router, widened so tokens spread; smoke profile only) or
 `trace` (every system routes by a recorded trace through the same pre-hook, `replay_routing`: the
 embedded model's held-out routing, benchmarks/traces/demo_val.npz, MoE layer i by trace layer i mod 6, or a
-synthetic trace with its statistics where the shape's experts differ: `trace_for`). For trace cases
+synthetic trace with its statistics where the shape's experts differ: `harness.trace_for`). For trace cases
 `extra_info` also holds the Belady floor: the fewest expert copies per token any cache of that size must make.
 """
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import gc
 import itertools
-import pathlib
 import statistics
 import time
 
@@ -48,19 +47,22 @@ from asyncmoe.trace import Trace
 from asyncmoe.trace.simulate import belady_misses
 
 from baselines import accelerate_offload, seed_lru
-from decode_step import h2d_bandwidth
-from oracle import oracle
-from oracle import parse as parse_oracle
-from shapes import SHAPES, dense_experts, random_model, routing_shape
-from synthetic import synthetic
+from harness import (
+    CUDA,
+    DEVICE,
+    DTYPE,
+    FORMATS,
+    PROMPT,
+    build,
+    decoder_for,
+    h2d_bandwidth,
+    prompt,
+    split_format,
+    trace_for,
+)
+from shapes import dense_experts, routing_shape
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32
-
-DEMO_TRACE = pathlib.Path(__file__).parent / "traces" / "demo_val.npz"
 GPU_ONLY = {"accelerate", "asyncmoe-graph", "asyncmoe-graph-prefetch"}
-FORMATS = ("fp8", "mxfp4", "int4")  # an asyncmoe system's experts in host memory and the slots: `asyncmoe-graph-fp8`
 
 # A profile is groups of cases: (shapes, routings, batches `b8` or prompts `prompt2048`, {system: cache fractions}).
 # A fraction of a layer's experts is cached in GPU slots (`slots`); 1.0 holds them all, the unmodified model's.
@@ -246,12 +248,6 @@ def cache_arg(shape: str, fraction: float | str) -> int | str:
     return f"{slots(shape, fraction) * expert_bytes * layers}B"
 
 
-def split_format(system: str) -> tuple[str, str | None]:
-    """`asyncmoe-graph-prefetch-fp8` -> ("asyncmoe-graph-prefetch", "fp8"); a system without one -> (system, None)."""
-    base, _, fmt = system.rpartition("-")
-    return (base, fmt) if fmt in FORMATS else (system, None)
-
-
 def case_id(case: tuple, prefill: bool = False) -> str:
     """The case's pytest id: `olmoe-1b-7b-trace-seed-cache0.25-b1` (a decode case), `...-prompt512` (prefill),
     `...-asyncmoe-graph-prefetch-fp8-mem0.25-b1` (a quantized system given the memory of 25% in bf16)."""
@@ -269,98 +265,11 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("prefill_case", cases, ids=[case_id(c, prefill=True) for c in cases])
 
 
-def build(kind: str, shape: str, cache: int | str) -> torch.nn.Module:
-    """A fresh model of `kind` (a system, or `model_key`'s kind), the same weights every time: one at a time in
-    memory. The last model is freed first: transformers models hold reference cycles, and on the Qwen3-30B-A3B
-    shape a run was killed for host memory: 57 GB of host experts waiting for the cycle collector beside the
-    seed's 57 GB of pinned ones exceed the GPU host's 125 GB. The seed's experts are pinned by torch's caching host
-    allocator, which
-    keeps freed blocks (72 GB for Qwen3's 57 GB: it rounds to powers of two) until told to let go: the next
-    Qwen3 case then found 50 of the 54 GiB it pins (docs/decisions.md#pinned-in-place)."""
-    gc.collect()
-    if CUDA:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch._C._host_emptyCache()  # torch has no public name for it (2.11)
-    model = random_model(shape, DTYPE, DEVICE)
-    if kind == "unmodified":
-        return model
-    if kind == "accelerate":
-        return accelerate_offload.install(model, DEVICE)
-    if kind == "seed":
-        return seed_lru.install(model, cache, DEVICE)
-    base, fmt = split_format(kind)
-    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=base.endswith("prefetch"), quantize=fmt)
-
-
-class ChunkedPrefill(asyncmoe.Decoder):
-    """The seed raises when a call routes to more distinct experts than it has slots. Its user caps the tokens per
-    call (vLLM's --max-num-batched-tokens) at the most that can never overflow, `seed_chunk`, so the prompt goes in
-    chunks of that many tokens per sequence."""
-
-    def __init__(self, model, batch_size: int, max_length: int, chunk: int | None, **kwargs):
-        super().__init__(model, batch_size, max_length, **kwargs)
-        self.chunk = chunk
-
-    def _forward(self, ids):
-        chunk = self.chunk or ids.shape[1]
-        for t in range(0, ids.shape[1], chunk):
-            logits = super()._forward(ids[:, t : t + chunk])
-        return logits
-
-
-def seed_chunk(shape: str, batch: int, cache: int) -> int | None:
-    """Tokens per sequence the seed takes in one call: cache // (batch * top-k), so that no call can route to
-    more experts than slots, at least 1 (fewer slots than batch * top-k: it raises in decode too, `seed_raises`);
-    None, the whole prompt at once, when every expert has a slot."""
-    experts, k = routing_shape(shape)
-    return None if cache >= experts else max(1, cache // (batch * k))
-
-
 def seed_raises(shape: str, batch: int, cache: int) -> bool:
     """Whether a decode step of `batch` tokens can route to more distinct experts than the seed's slots:
     it raises there, as the original does, so no profile holds such a case."""
     experts, k = routing_shape(shape)
     return cache < min(experts, batch * k)
-
-
-def decoder_for(system: str, shape: str, batch: int, cache: int):
-    """What a system decodes with: `asyncmoe.Decoder`, or for the seed one that takes the prompt in chunks."""
-    return (
-        functools.partial(ChunkedPrefill, chunk=seed_chunk(shape, batch, cache))
-        if system == "seed"
-        else asyncmoe.Decoder
-    )
-
-
-PROMPT = 16
-
-
-def prompt(shape: str, batch: int, length: int = PROMPT, seed: int | None = None) -> torch.Tensor:
-    vocab = SHAPES[shape][1]["vocab_size"]
-    g = torch.Generator().manual_seed(batch if seed is None else seed)
-    return torch.randint(1, vocab, (batch, length), generator=g).to(DEVICE)
-
-
-@functools.cache
-def trace_for(shape: str, routing: str = "trace") -> Trace:
-    """The routing a `trace` case replays, mapped onto the shape so:
-    64 experts, top-8 (OLMoE): the embedded model's held-out routing as recorded, with what its gate predictor
-    predicted (so the prefetch systems' gate predicts as it did on the trained model, not from the random router);
-    64 experts, top-k < 8 (DeepSeek-V2-Lite): the same, each token's first k ids (router order: its top-k);
-    other shapes: a synthetic trace with the embedded model's reuse, skew and cross-layer lift
-    (benchmarks/synthetic.py), no gate. `oracle` and `oracle-q0.8` routings: the same routing with the oracle's
-    gate arrays (oracle.py)."""
-    q = parse_oracle(routing)
-    if q is not None:
-        return oracle(trace_for(shape), q)
-    experts, k = routing_shape(shape)
-    if experts == 64 and k <= 8:
-        demo = Trace.load(DEMO_TRACE)
-        return Trace(
-            demo.ids[:, :, :k], demo.num_experts, starts=demo.starts, gate_ids=demo.gate_ids, gate_probs=demo.gate_probs
-        )
-    return synthetic(experts, k, layers=6, tokens=4096)
 
 
 def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:

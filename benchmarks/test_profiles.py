@@ -15,9 +15,9 @@ from test_latency import (
     case_of,
     seed_raises,
     slots,
-    split_format,
 )
 
+from harness import split_format
 from shapes import routing_shape
 
 README = pathlib.Path(__file__).parent / "README.md"

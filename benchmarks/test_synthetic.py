@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from test_latency import DEMO_TRACE
 
 from asyncmoe.trace import Trace
 
+from harness import DEMO_TRACE
 from synthetic import stats, synthetic
 
 

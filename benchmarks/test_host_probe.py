@@ -1,0 +1,18 @@
+"""host_probe.py on the tiny shape and a small buffer: every probe times something, and the threads are restored."""
+
+import math
+
+import torch
+from host_probe import INT4, probe, table
+
+
+def test_every_probe_gives_a_positive_finite_time_and_bandwidth():
+    before = torch.get_num_threads()
+    rows = probe(shapes=["tiny"], threads=[1, 2], tokens=[1, 4], experts=2, gib=1 / 64, repeats=2)
+    assert torch.get_num_threads() == before
+    probes = {"read", "bf16 expert MLP"} | ({"int4 expert MLP"} if INT4 else set())
+    assert probes <= {r["probe"] for r in rows}
+    assert len([r for r in rows if r["probe"] == "bf16 expert MLP"]) == 2 * 2  # threads x tokens
+    for r in rows:
+        assert all(0 < r[k] < math.inf for k in ("ms", "GB_per_s") if k in r), r  # NaN fails too
+    assert len(table(rows).splitlines()) == 2 + len(rows)
