@@ -156,7 +156,10 @@ if triton is not None:
             )
             planned = tl.where(need != 0, rank // C, -1).to(tl.int64)
             wave_of = tl.where(wave == 0, planned, kept)
-            tl.store(wave_of_ptr + e, wave_of, mask=emask & (wave == 0))
+            # a branch, not `mask=emask & (wave == 0)`: Triton 3.9's interpreter broadcasts a scalar comparison to
+            # its operands' integer type, and its loads and stores refuse a mask that is not bool
+            if wave == 0:
+                tl.store(wave_of_ptr + e, planned, mask=emask)
             now = (wave_of == wave).to(tl.int32)
             later = (wave_of > wave).to(tl.int32)
             if POLICY == POLICY_MARKOV:  # the last call's experts' rows learn this call's (Markov.observe)
