@@ -8,7 +8,7 @@ print(asyncmoe.stats(model))
 from . import ops  # registers the custom ops
 from .api import compile, demo_model_path, from_pretrained, record, stats
 from .integrations.parallel import expert_parallel
-from .predict import Prefetch
+from .prefetch import Prefetch
 from .runtime import Decoder, Generation
 from .settings import AutoCache
 

@@ -13,7 +13,7 @@ from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
 from .integrations.transformers import PROVIDER, check_model, find_experts
-from .predict import Prefetch
+from .prefetch import Prefetch
 from .providers import CachedProvider, ResidentProvider
 from .settings import AutoCache, Settings
 from .stats import Stats, read_stats

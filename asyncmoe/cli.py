@@ -18,7 +18,7 @@ import torch
 
 from . import __version__
 from .cache.policies import DEFAULT_POLICY, POLICIES
-from .predict import Prefetch
+from .prefetch import Prefetch
 
 PROMPT = "def fibonacci(n):\n"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one

@@ -2,7 +2,7 @@
 
 The native format keeps the model's own dtype. A quantized format stores each of an experts module's two
 weight matrices (`gate_up_proj` or `up_proj`, and `down_proj`) as its own tensors; biases stay in the compute
-dtype. A miss copies those bytes, and the expert math dequantizes on the fly (experts.py, kernels/).
+dtype. A miss copies those bytes, and the expert math dequantizes on the fly (compute/).
 
 - `Fp8`: transformers' fine-grained FP8 layout, the one DeepSeek-V3/R1, Kimi-K2 and the Qwen3 FP8 releases
   ship: `float8_e4m3fn` [E, R, Q] in the module's own layout beside float32 `<name>_scale_inv`

@@ -18,13 +18,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import kernels, ops
+from . import gpu
+from .cache import ops as cache_ops
 from .cache.expert_cache import ExpertCache, num_waves
+from .cache.gather_copy import gather_copy
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
-from .experts import absent_zeroed, combine, routed_outputs
+from .compute.experts import absent_zeroed, combine, routed_outputs
 from .formats import Format
-from .kernels.gather_copy import gather_copy
-from .predict.predictors import Prefetch
+from .prefetch import ops as prefetch_ops
+from .prefetch.predictors import Prefetch
+from .prefetch.state import PrefetchBuffers
 
 
 class ExpertWeightProvider(nn.Module):
@@ -85,6 +88,7 @@ class CachedProvider(ExpertWeightProvider):
             router  # this layer's router (weight [E, H], bias): the gate predictor of the layer before uses it
         )
         self.links = Links()  # set by `link`
+        self.prefetch: PrefetchBuffers | None = None  # this layer's, where it is a prefetch target (set by `link`)
         self.plan: Prefetch | None = None
         self.wait = False  # a prefetch into this layer is issued earlier in each forward
         self.paused = False  # prefetch skipped in this forward, here and in every linked layer (`prefetch_paused`)
@@ -94,6 +98,12 @@ class CachedProvider(ExpertWeightProvider):
         # routing replayed from a trace with its gate recorded: what the gate op reads in place of the live scores
         self.replayed_gate: list[torch.Tensor] = []
         self.expert_parallel = False  # pairs may name another rank's experts (id E): set by the integration
+
+    def clear(self) -> None:
+        """Back to as built: the cache's tables and history, and this layer's prefetch state (in place)."""
+        self.cache.clear()
+        if self.prefetch is not None:
+            self.prefetch.clear()
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
         T, k = top_k_index.shape
@@ -108,7 +118,7 @@ class CachedProvider(ExpertWeightProvider):
         linked = not self.paused
         while wave < waves:
             first = wave == 0 and linked
-            slots = ops.ensure(
+            slots = cache_ops.ensure(
                 self.cache, top_k_index, wave, wait=self.wait and first, lap=self.laps and first
             )  # [T, k]
             if filled is not None:  # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
@@ -123,7 +133,7 @@ class CachedProvider(ExpertWeightProvider):
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
             wave += 1
         for target in gated:
-            ops.gate_join(hidden_states, target.cache)  # the side stream has read hidden_states: it may be freed
+            prefetch_ops.gate_join(hidden_states, target.prefetch)  # the side stream has read hidden_states: free it
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 
@@ -147,17 +157,17 @@ class CachedProvider(ExpertWeightProvider):
 
     def _prefetch(self, hidden_states: torch.Tensor) -> list[CachedProvider]:
         """Predict and prefetch for the targets; returns those whose gate scores read `hidden_states` on the side
-        stream, which the compute stream must join (`ops.gate_join`) before it may free them."""
+        stream, which the compute stream must join (`prefetch_ops.gate_join`) before it may free them."""
         sources = self.plan.sources
         previous = self.links.previous
         if "transition" in sources and previous is not None:
-            ops.observe(previous.cache, self.cache)
+            prefetch_ops.observe(previous.cache, self.cache, self.prefetch)
         gated = []
         for depth, target in enumerate(self.links.targets, start=1):
             gate = "gate" in sources and depth == 1 and target.router is not None
             if gate:  # replayed routing: the router's work runs, the trace says what it predicted
-                ops.gate_scores(
-                    hidden_states, target.router, target.per_token, target.cache, target.replayed_gate, self.cache
+                prefetch_ops.gate_scores(
+                    hidden_states, target.router, target.per_token, target.prefetch, target.replayed_gate, self.cache
                 )
                 gated.append(target)
             before = target.links.previous
@@ -166,7 +176,8 @@ class CachedProvider(ExpertWeightProvider):
             bits |= TRANSITION if before is not None else 0
             if bits:
                 stamp = self.stamps and depth == 1
-                ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp, self.cache)
+                copy_programs = self.plan.copy_programs
+                prefetch_ops.prefetch(target.cache, target.prefetch, bits, target.budget, before, copy_programs, stamp, self.cache)
         return gated
 
 
@@ -199,13 +210,16 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
     every forward, the compute a prefetch hides behind (the first layer's prefetch op stamps the GPU clock,
     the second's `ensure` reads it: two one-thread launches a forward, not two a layer), and one expert's copy
     is timed here, once. The prefetch gate weighs a wasted copy against the compute a used one hides."""
-    if plan is not None and len(providers) > 1 and kernels.available(providers[0].cache.pace):  # GPU clock: Triton
+    if plan is not None and len(providers) > 1 and gpu.available(providers[0].cache.pace):  # GPU clock: Triton
         providers[0].cache.pace[PACE_COPY] = copy_ns(providers[0].cache)
         providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         targets = tuple(providers[i + 1 : i + 1 + plan.depth]) if plan is not None else ()
         p.links = Links(providers[i - 1] if i > 0 else None, targets)
         p.plan = plan
+        if plan is not None and i > 0:  # a target of the layers before it
+            before = providers[i - 1].cache.num_experts if "transition" in plan.sources else 0
+            p.prefetch = PrefetchBuffers(p.cache.num_experts, p.cache.expert_to_slot.device, before)
         if plan is not None:
             p.wait = i > 0
             p.per_token = plan.per_token or top_k

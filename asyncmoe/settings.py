@@ -15,7 +15,7 @@ import torch
 
 from .cache.policies import DEFAULT_POLICY, get_policy
 from .formats import Format, parse_quantize
-from .predict.predictors import Prefetch
+from .prefetch.predictors import Prefetch
 from .trace.format import Trace
 
 BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
 from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
-from .predict.prefetch_gate import MIN_PRECISION, gate_precision
+from .prefetch.prefetch_gate import MIN_PRECISION, gate_precision
 
 
 @dataclass

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from asyncmoe import experts, ops
+from asyncmoe.compute import experts, ops
 from asyncmoe.formats import parse_quantize
 from asyncmoe.integrations.transformers import find_experts
 

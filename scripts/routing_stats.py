@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import asyncmoe
-from asyncmoe.predict.predictors import gate_top
+from asyncmoe.prefetch.predictors import gate_top
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from train_demo_model import corpus_files, encode, split  # noqa: E402

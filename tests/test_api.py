@@ -254,7 +254,7 @@ def test_compile_returns_the_same_model():
 )
 @pytest.mark.parametrize("given", ["model", None, pathlib.Path("model")], ids=["str", "None", "path"])
 def test_not_a_model(call, given):
-    with pytest.raises(TypeError, match=rf"model must be a torch.nn.Module \(a transformers model\), got"):
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module \(a transformers model\), got"):
         call(given)
 
 

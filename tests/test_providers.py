@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import asyncmoe
 import asyncmoe.providers
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.predict.predictors import TRANSITION_DECAY
+from asyncmoe.prefetch.predictors import TRANSITION_DECAY
 from asyncmoe.providers import CachedProvider, Links, ResidentProvider
 from asyncmoe.trace import Trace
 
@@ -72,9 +72,9 @@ def test_an_eager_call_stops_after_the_waves_its_experts_fill(monkeypatch, fixed
     x = torch.randn(16, ref.config.hidden_size, generator=g)
     ids = torch.stack([torch.randperm(reached, generator=g)[:2] for _ in range(16)])  # experts 0 to reached-1
     w = torch.rand(16, 2, generator=g)
-    waves, ensure = [], asyncmoe.ops.ensure
+    waves, ensure = [], asyncmoe.cache.ops.ensure
     monkeypatch.setattr(
-        asyncmoe.ops, "ensure", lambda cache, ids, wave, **kw: waves.append(wave) or ensure(cache, ids, wave, **kw)
+        asyncmoe.cache.ops, "ensure", lambda cache, ids, wave, **kw: waves.append(wave) or ensure(cache, ids, wave, **kw)
     )
     computes, routed = [], asyncmoe.providers.routed_outputs
     monkeypatch.setattr(asyncmoe.providers, "routed_outputs", lambda *a: computes.append(1) or routed(*a))
@@ -181,17 +181,18 @@ def test_every_layer_learns_its_transitions(device, depth):
         cache=4,
         prefetch=asyncmoe.Prefetch(sources=("gate", "transition"), depth=depth),
     )
-    caches = [m.asyncmoe.cache for _, m in find_experts(model)]
-    assert caches[0].transitions.shape == (0, NUM_EXPERTS)  # no layer before the first
+    providers = [m.asyncmoe for _, m in find_experts(model)]
+    caches = [p.cache for p in providers]
+    assert providers[0].prefetch is None  # no layer before the first: no prefetch into it
     g = torch.Generator().manual_seed(1)
     want = [torch.zeros(NUM_EXPERTS, NUM_EXPERTS, device=device) for _ in caches[1:]]
     for _ in range(3):
         model(torch.randint(0, 128, (1, 1), generator=g).to(device))
         for w, before, here in zip(want, caches[:-1], caches[1:], strict=True):
             w.mul_(TRANSITION_DECAY).add_(before.routed[:, None].float() * here.routed[None, :].float())
-    for w, here in zip(want, caches[1:], strict=True):
-        torch.testing.assert_close(here.transitions, w, atol=0, rtol=1e-6)  # the kernel may fuse its multiply-add
-    assert all(c.transitions.sum() > 0 for c in caches[1:])
+    for w, here in zip(want, providers[1:], strict=True):
+        torch.testing.assert_close(here.prefetch.transitions, w, atol=0, rtol=1e-6)  # a fused multiply-add
+    assert all(p.prefetch.transitions.sum() > 0 for p in providers[1:])
 
 
 @torch.no_grad()

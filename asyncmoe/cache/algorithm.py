@@ -5,7 +5,7 @@ Dims: E experts, C slots, T tokens, k top-k, M = min(C, E, T*k) (the most expert
 No `.item()`, `.tolist()`, `nonzero`, `unique`, boolean-mask indexing or Python branches on tensor
 values: the same code runs on the CPU in CI, on the GPU in eager mode and inside a captured CUDA graph,
 where every call replays with new routing and the host never learns which experts moved. On CUDA one
-Triton program makes each decision (`kernels/cache_step.py`); `ensure_reference` and
+Triton program makes each decision (`cache/cache_step.py`); `ensure_reference` and
 `prefetch_reference` here are its reference, and what the CPU and the simulator run. Either way the
 decision returns the copies to make, (src [M] experts, dst [M] slots, count [1] real pairs), and the
 gather-copy kernel makes them.
@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..kernels import cache_step
-from ..kernels.gather_copy import gather_copy
+from .. import gpu
+from . import cache_step
 from .expert_cache import expert_bytes
-from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_CONSTANTS, Policy, get_policy
-from .state import COUNTER_CONSTANTS, SOURCES, CacheState, Counter
+from .gather_copy import gather_copy
+from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, Policy, get_policy
+from .state import SOURCES, CacheState, Counter
 
-KERNEL_CONSTANTS = {**POLICY_CONSTANTS, **COUNTER_CONSTANTS}  # what kernels/cache_step.py shares with this code
 Copies = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (src [M] expert ids, dst [M] distinct slots, count [1])
 
 
@@ -57,7 +56,7 @@ def ensure_plan(
     """`ensure`'s decision, tables updated: slot ids [T, k] and the copies still to make."""
     ids, policy, nbytes = top_k_index.long().reshape(-1), get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes, KERNEL_CONSTANTS)
+        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes)
     else:
         out, copies = ensure_reference(ids, wave, policy, s, nbytes)
     return out.view(top_k_index.shape), copies
@@ -69,6 +68,8 @@ def copy_in(hosts: list[torch.Tensor], slots: list[torch.Tensor], copies: Copies
 
 
 def prefetch(
+    predicted: torch.Tensor,  # [E] float32
+    nominated: torch.Tensor,  # [E] int8
     budget: int,
     policy: str,
     s: CacheState,
@@ -77,21 +78,22 @@ def prefetch(
     copy_programs: int | None = None,
     use_kernel: bool | None = None,
 ) -> None:
-    """Admit the `budget` likeliest experts by `s.predicted` (score > 0) that are not resident, as
-    prefetched-unused slots tagged with their `s.nominated` sources. `copy_programs` caps the copy's grid."""
-    copy_in(hosts, slots, prefetch_plan(budget, policy, s, slots, use_kernel), copy_programs)
+    """Admit the `budget` likeliest experts by `predicted` (score > 0) that are not resident, as
+    prefetched-unused slots tagged with their `nominated` sources. `copy_programs` caps the copy's grid."""
+    plan = prefetch_plan(predicted, nominated, budget, policy, s, slots, use_kernel)
+    copy_in(hosts, slots, plan, copy_programs)
 
 
-def prefetch_plan(budget: int, policy: str, s: CacheState, slots: list[torch.Tensor], use_kernel=None) -> Copies:
+def prefetch_plan(predicted, nominated, budget: int, policy: str, s: CacheState, slots, use_kernel=None) -> Copies:
     """`prefetch`'s decision, tables updated: the copies still to make."""
     policy, nbytes = get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        return cache_step.prefetch_triton(budget, policy.id, s, nbytes, KERNEL_CONSTANTS)
-    return prefetch_reference(budget, policy, s, nbytes)
+        return cache_step.prefetch_triton(predicted, nominated, budget, policy.id, s, nbytes)
+    return prefetch_reference(predicted, nominated, budget, policy, s, nbytes)
 
 
 def _use_kernel(s: CacheState, use_kernel: bool | None) -> bool:
-    return kernels.available(s.expert_to_slot) if use_kernel is None else use_kernel
+    return gpu.available(s.expert_to_slot) if use_kernel is None else use_kernel
 
 
 def ensure_reference(
@@ -132,16 +134,16 @@ def nomination_outcomes(need: torch.Tensor, resident: torch.Tensor, s: CacheStat
     return outcome.to(s.counters.dtype)
 
 
-def prefetch_reference(budget: int, policy: Policy, s: CacheState, nbytes: int) -> Copies:
-    """`prefetch`'s decision: the copies that admit the `budget` likeliest non-resident experts."""
+def prefetch_reference(predicted, nominated, budget: int, policy: Policy, s: CacheState, nbytes: int) -> Copies:
+    """`prefetch`'s decision: the copies that admit the `budget` likeliest non-resident experts by `predicted`."""
     E = s.expert_to_slot.numel() - 1
     resident = s.expert_to_slot[:E] >= 0
-    fresh = s.predicted.masked_fill(resident, 0)  # a resident expert needs no copy: spend the budget elsewhere
+    fresh = predicted.masked_fill(resident, 0)  # a resident expert needs no copy: spend the budget elsewhere
     top = torch.argsort(-fresh, stable=True)[:budget]  # ties: lower expert id first, as the kernel does
     want = torch.zeros_like(s.routed).index_fill_(0, top, True) & (fresh > 0)
-    keep = resident & (s.predicted > 0)  # ... but do not evict it for a likelier one's sake
+    keep = resident & (predicted > 0)  # ... but do not evict it for a likelier one's sake
     src, dst, valid, count, gone, wasted = admit(want, keep, budget, policy, s)
-    _put(s.source, dst, valid, s.nominated[src])
+    _put(s.source, dst, valid, nominated[src])
     s.evicted_at.index_put_((gone,), s.clock.expand_as(gone))  # gone: distinct experts, or E (the trash row)
     add = torch.zeros_like(s.counters)
     add[Counter.EVICTIONS], add[Counter.BYTES_H2D] = (gone < E).sum(), count * nbytes

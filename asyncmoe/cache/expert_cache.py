@@ -11,7 +11,6 @@ import math
 import torch
 from torch import nn
 
-from .host import host_flag
 from .policies import get_policy
 from .state import COUNTERS, TIMER_SIZE, CacheState
 
@@ -21,10 +20,7 @@ class ExpertCache(nn.Module):
 
     `hosts` maps each per-expert tensor name of the experts module (`gate_up_proj`, `down_proj`, biases, ...)
     to its host store `[E, ...]` as the device sees it: a UVA view of pinned memory for a CUDA cache, the
-    host tensor itself for a CPU one. `pace` is the tensor the linked layers share (a new one if None);
-    `transitions_from` is E' when a transition predictor feeds this layer (0: none).
-    `gate_open` is in pinned host memory, and `gate_open_host` is the host's tensor over it: the host reads
-    what the last prefetch into this layer decided without a sync (runtime/decoder.py's `Gates`).
+    host tensor itself for a CPU one. `pace` is the tensor the linked layers share (a new one if None).
     """
 
     def __init__(
@@ -34,7 +30,6 @@ class ExpertCache(nn.Module):
         policy: str,
         time_stalls: bool = False,
         pace: torch.Tensor | None = None,
-        transitions_from: int = 0,
     ):
         super().__init__()
         learns = get_policy(policy).learns  # and fail on a bad name now, not at the first forward
@@ -47,8 +42,7 @@ class ExpertCache(nn.Module):
             slot = torch.zeros((num_slots,) + host.shape[1:], dtype=host.dtype, device=device)
             self.register_buffer(f"slot_{name}", slot, persistent=False)
         C, E = num_slots, self.num_experts
-        self.gate_open_host, gate_open = host_flag(1, device)  # open until evidence closes it
-        i64, f32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
         buffers = dict(
             expert_to_slot=torch.full((E + 1,), -1, **i64),
             slot_to_expert=torch.full((C,), -1, **i64),
@@ -63,17 +57,8 @@ class ExpertCache(nn.Module):
             evicted_at=torch.full((E + 1,), -1, **i64),
             wave_of=torch.full((E,), -1, **i64),
             scratch=torch.zeros(E, dtype=torch.int32, device=device),
-            # a buffer, not a temporary: the side stream reads it, and a temporary could be reused under it; and
-            # not `predicted`, which the side stream writes while a deeper layer's prefetch may still run
-            gate=torch.zeros(E, **f32),
-            predicted=torch.zeros(E, **f32),
-            nominated=torch.zeros(E, dtype=torch.int8, device=device),
-            outcomes=torch.zeros(2, 4, **f32),
-            visited=torch.zeros(1, **i64),
             explored=torch.full((1,), -1, **i64),
             runners_up=torch.zeros(E, dtype=torch.bool, device=device),
-            gate_open=gate_open,
-            transitions=torch.zeros(transitions_from, E, **f32),
             follows=torch.zeros((E, E) if learns else (0, 0), dtype=torch.int32, device=device),
             # empty when not timed: a custom op cannot take an optional tensor it mutates under Inductor
             timer=torch.zeros(TIMER_SIZE if time_stalls else 0, **i64),
@@ -112,7 +97,6 @@ class ExpertCache(nn.Module):
                 buf.fill_(
                     -1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of", "explored") else 0
                 )
-        self.gate_open.fill_(1)
 
     def _apply(self, fn, recurse=True):
         # `model.to()`, `.half()`, `.cpu()` reach here. Moving or casting would reallocate the slots and

@@ -82,8 +82,8 @@ class PinnedBlock:
 
 # Blocks that died while a CUDA graph was being captured. Python's GC may collect a dead model at any
 # moment, also mid-capture, where cudaHostUnregister is illegal: it invalidates the capture, fails, and
-# the memory is freed still registered (seen on the H200: the next cudaHostRegister at that address
-# failed with error 712). Such a block keeps its memory until unpinning is legal again.
+# the memory is freed still registered (the next cudaHostRegister at that address then fails with error
+# 712). Such a block keeps its memory until unpinning is legal again.
 _deferred: list[torch.Tensor] = []
 
 

@@ -5,7 +5,7 @@ the cache for every slot. The cache ranks slots by tier first (empty < prefetche
 a later wave of this call < needed now) and only then by the policy's score, so a wrong prefetch guess
 leaves before any expert that earned its place, and an expert needed now is never a victim.
 
-Scores are integers (the frequency is fixed-point), so the fused kernel (kernels/cache_step.py), which
+Scores are integers (the frequency is fixed-point), so the fused kernel (cache/cache_step.py), which
 computes the same scores from the constants below, and this reference agree bit for bit
 (docs/decisions.md#integer-policy-scores; Markov is the default: #default-policy).
 """
@@ -82,7 +82,7 @@ class Markov(LFRU):
 
     `follows[a, b]` counts, in FOLLOW_UNITs, the calls routed to b right after a call routed to a; a row decays
     when it learns. `likely[b]` is the mean of `follows[a, b]` over the routed a; LFRU breaks its ties
-    (docs/decisions.md#eviction-toward-belady: 3-10% fewer misses than LFRU on the traces measured).
+    (docs/decisions.md#eviction-toward-belady).
     """
 
     name, id, learns = "markov", 4, True

@@ -12,7 +12,7 @@ from transformers.utils.logging import tqdm
 
 from ..cache.host import block_bytes, check_host_memory, human_bytes
 from ..formats import FP8, QUANTIZE_METHODS, Format, Fp8, parse_quantize
-from ..predict.predictors import Prefetch
+from ..prefetch.predictors import Prefetch
 from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider, link
 from ..settings import AutoCache, Settings, budget_text
 from .offload import CacheSpec, expert_size, offload, resident, stored_quantized
@@ -277,7 +277,6 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
 
     spec = CacheSpec(num_slots, settings.policy, device, settings.time_stalls, fmt)
     pace = torch.zeros(3, dtype=torch.int64, device=device)  # one for every linked layer (providers.link)
-    transition = prefetch is not None and "transition" in prefetch.sources
     cached = []
     for name, m in tqdm(experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2):
         implementation = m.config._experts_implementation or "eager"
@@ -295,9 +294,8 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
             provider = ResidentProvider(implementation, fn)
             m.to(device)
         else:
-            before = cached[-1].cache.num_experts if transition and cached else 0
             parallel_here = is_expert_parallel(m)  # before _offload takes the DTensors off the module
-            provider = CachedProvider(offload(m, spec, pace, before), find_router(model, name, m), fmt)
+            provider = CachedProvider(offload(m, spec, pace), find_router(model, name, m), fmt)
             provider.expert_parallel = parallel_here
             cached.append(provider)
         setattr(m, PROVIDER, provider)

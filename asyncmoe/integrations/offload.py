@@ -83,7 +83,7 @@ def expert_size(m: nn.Module, fmt: Format | None) -> int:
     return sum(torch.Size(shape[1:]).numel() * dtype.itemsize for _, shape, dtype in host_specs(m, fmt))
 
 
-def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from: int) -> ExpertCache:
+def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor) -> ExpertCache:
     """Move the module's expert tensors to the host store, in `spec.fmt`, and give it a cache built as `spec` says."""
     specs = host_specs(m, spec.fmt)
     shapes = [(shape, dtype) for _, shape, dtype in specs]
@@ -113,7 +113,7 @@ def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from:
         setattr(m, name, host)
     _keep_shard_mark(m, sharded)
     hosts = dict(zip(names, views))
-    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace, transitions_from)
+    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace)
     cache.pinned_block = block  # keeps the registration alive as long as the cache
     m._asyncmoe_offloaded = tuple(names)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)

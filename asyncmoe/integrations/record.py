@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..predict import predictors
+from ..prefetch import predictors
 from ..providers import CachedProvider, QuantizedResidentProvider
 from ..trace.format import Trace
 from .transformers import PROVIDER, families_hint, find_experts, find_router, num_experts

@@ -3,9 +3,8 @@
 A decode step is the model's forward on one token per sequence with a `StaticCache` (every asyncmoe
 op included: ensure, prefetch on the side stream, the copies), the choice of the next token, the
 padding of finished sequences and the bookkeeping of the position, all on the device; the host only
-replays. Eager decode steps take 2.3-2.4x the graph's time on the OLMoE shape at 16 of 64 slots (the
-quick profile, docs/results/quick-before-after.md), so without the graph no offload scheme gets near the
-resident ceiling.
+replays. Eager decode steps spend most of their time launching kernels from Python, so without the graph no
+offload scheme gets near the resident ceiling (docs/decisions.md#cuda-graph-decode).
 
 Dims: B batch, L prompt length, N max length, V vocabulary.
 """
@@ -28,7 +27,7 @@ from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
 from ..integrations.transformers import PROVIDER, check_model, find_experts, top_k_of
-from ..predict.prefetch_gate import EXPLORE_EVERY
+from ..prefetch.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
 from .sampling import check_sampling, sample
 
@@ -173,14 +172,14 @@ LEAD = 4  # most graph steps the host queues ahead of the GPU while it reads the
 
 class Gates:
     """Whether the next decode step prefetches, from the prefetch gates as the device last wrote them to pinned
-    memory (`ExpertCache.gate_open_host`: no sync). While every gate is closed a step skips prefetch
+    memory (`PrefetchBuffers.gate_open_host`: no sync). While every gate is closed a step skips prefetch
     (`prefetch_paused`): a closed gate copies nothing, but a step with prefetch costs its side streams' dependencies
     all the same (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed). One step in EXPLORE_EVERY
     still runs the predictors, on which closed gates explore as they would every step."""
 
     def __init__(self, providers: list[CachedProvider]):
         targets = {id(t): t for p in providers for t in p.links.targets}.values()
-        self.flags = [t.cache.gate_open_host.numpy() for t in targets]
+        self.flags = [t.prefetch.gate_open_host.numpy() for t in targets]
         self.closed = 0  # steps since a gate was last seen open
 
     def __bool__(self) -> bool:

@@ -25,8 +25,9 @@ from ..cache.expert_cache import ExpertCache
 from ..cache.host import human_bytes
 from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
-from ..predict import predictors
-from ..predict.prefetch import Request, predict_and_prefetch
+from ..prefetch import predictors
+from ..prefetch.prefetch import Request, predict_and_prefetch
+from ..prefetch.state import PrefetchBuffers
 from ..settings import budget_text, parse_budget
 from .format import Trace
 
@@ -107,21 +108,22 @@ class Simulation:
         return "\n".join(rows)
 
 
-def _step(ids_t, gate_t, caches, prefetch: tuple[str, ...], budget: int):
+def _step(ids_t, gate_t, caches, targets, prefetch: tuple[str, ...], budget: int):
     """One token through every layer: what the providers do in a forward, minus the weights.
-    gate_t [L, E]: the recorded gate predictor's scores for each layer (with "gate")."""
+    gate_t [L, E]: the recorded gate predictor's scores for each layer (with "gate"); `targets`: each layer's
+    prefetch buffers."""
     bits = (GATE if "gate" in prefetch else 0) | (TEMPORAL if "temporal" in prefetch else 0)
     bits |= TRANSITION if "transition" in prefetch else 0
     for l, c in enumerate(caches):
         algorithm.ensure(ids_t[l : l + 1], 0, c.policy, c.state, [], [])
         if "transition" in prefetch and l > 0:
-            predictors.observe(caches[l - 1].routed, c.routed, c.transitions)
+            predictors.observe(caches[l - 1].routed, c.routed, targets[l].transitions)
         if prefetch and l + 1 < len(caches):
-            t = caches[l + 1]
+            t, p = caches[l + 1], targets[l + 1]
             if "gate" in prefetch:
-                t.gate.copy_(gate_t[l + 1])
+                p.gate.copy_(gate_t[l + 1])
             before = c.routed if "transition" in prefetch else None
-            predict_and_prefetch(Request(bits, budget, t.policy), t.state, before, [], [])
+            predict_and_prefetch(Request(bits, budget, t.policy), t.state, p.state, before, [], [])
 
 
 def check(
@@ -176,9 +178,8 @@ def simulate(
     pace = torch.zeros(3, dtype=torch.int64)  # shared by the layers, as the runtime's linked ones share theirs
     if pace_us is not None:
         pace[PACE_COPY], pace[PACE_WINDOW] = (round(us * 1e3) for us in pace_us)
-    caches = [
-        ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace, transitions_from=E) for _ in range(L)
-    ]
+    caches = [ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace) for _ in range(L)]
+    targets = [PrefetchBuffers(E, torch.device("cpu"), E) for _ in range(L)]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
     gate = gate_scores(trace) if "gate" in prefetch else None
@@ -186,7 +187,7 @@ def simulate(
     # one process needs more of them than dynamo's default recompile limit of 8, a hard error under fullgraph
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         for t in range(trace.tokens):
-            step(ids[t], None if gate is None else gate[t], caches, tuple(prefetch), budget)
+            step(ids[t], None if gate is None else gate[t], caches, targets, tuple(prefetch), budget)
             if progress is not None:
                 progress(t + 1, trace.tokens)
     index = {name: i for i, name in enumerate(COUNTERS)}

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from asyncmoe.experts import combine, routed_outputs
+from asyncmoe.compute.experts import combine, routed_outputs
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.providers import ExpertWeightProvider
 

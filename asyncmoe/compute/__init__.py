@@ -1,0 +1,1 @@
+"""Expert compute: each routed pair's MLP from the slots, dense and quantized, with its Triton kernels."""
