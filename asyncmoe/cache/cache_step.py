@@ -105,7 +105,10 @@ if triton is not None:
         rank = tl.where(first != 0, tl.cumsum(first, axis=0), tl.sum(first, axis=0) + tl.cumsum(need - first, axis=0))
         planned = tl.where(need != 0, (rank - 1) // C, -1).to(tl.int64)
         wave_of = tl.where(wave == 0, planned, kept)
-        tl.store(wave_of_ptr + e, wave_of, mask=emask & (wave == 0))
+        # a branch, not `mask=emask & (wave == 0)`: Triton 3.9's interpreter broadcasts a scalar comparison to its
+        # operands' integer type, and its loads and stores refuse a mask that is not bool
+        if wave == 0:
+            tl.store(wave_of_ptr + e, planned, mask=emask)
         return need, wave_of
 
     @triton.jit

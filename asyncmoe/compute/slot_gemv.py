@@ -52,7 +52,9 @@ if triton is not None:
         pair = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         slot = tl.load(slot_ptr + pair).to(tl.int64)
-        nmask = (n < N) & (slot >= 0)  # another wave's pair: no loads, zeros out
+        # another wave's pair: no loads, zeros out. The rows read as a scalar, not `(n < N) & (slot >= 0)`: Triton
+        # 3.9's interpreter broadcasts a scalar comparison to its operands' integer type and refuses that as a mask
+        nmask = n < tl.where(slot >= 0, N, 0)
         w_base = w_ptr + tl.maximum(slot, 0) * w_slot
         acc = tl.zeros([BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
