@@ -75,7 +75,7 @@ def cross_layer_lift(before: np.ndarray, after: np.ndarray, num_experts: int) ->
     """How much more of each token's experts `after` [N, k] its experts `before` [N, k] (the layer before)
     predict than popularity does: the share of them in the top k of the transition table P(after | before)
     summed over the token's experts before, less the share in the k most popular, both fitted on the trace
-    itself. What the transition predictor could find (asyncmoe/predict); 0 for independent layers."""
+    itself. What the transition predictor could find (asyncmoe/prefetch); 0 for independent layers."""
     k = after.shape[1]
     counts = np.zeros((num_experts, num_experts))
     np.add.at(counts, (np.repeat(before, k, axis=1).ravel(), np.tile(after, (1, k)).ravel()), 1)

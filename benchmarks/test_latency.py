@@ -311,7 +311,7 @@ def make(kind: str, shape: str, routing: str, cache: int | str) -> torch.nn.Modu
         for _, m in find_experts(model):
             provider = getattr(m, PROVIDER, None)
             if isinstance(provider, CachedProvider):
-                provider.cache.clear()
+                provider.clear()
         if kind == "seed":
             seed_lru.clear(model)
         rewind_replay(model)
