@@ -2,10 +2,10 @@
 
     python benchmarks/report.py --profile full-1     # one run of the full profile (GPU; full-2, full-3 likewise)
     python benchmarks/report.py --quick              # the quick profile, ~150 s on the H200
-    python benchmarks/report.py --from-json out/bench-2026-12-03-full-1.json   # the table and plots of a run
+    python benchmarks/report.py --from-json out/full-1.json   # the table and plots of a run
 
-Writes bench-<date>-<profile>.json under `--out` (pytest-benchmark's JSON, every case's extra_info included,
-rewritten after each finished case: a run cut short keeps them), bench-<date>-<profile>.md and, with matplotlib
+Writes <profile>.json under `--out` (pytest-benchmark's JSON, every case's extra_info included, rewritten after each
+finished case: a run cut short keeps them), <profile>.md and, with matplotlib
 (`pip install -e ".[bench]"`), ...-ms.png (ms/token against cache size per system) and ...-hits.png (hit rate
 per layer). Per case: median ms/token and its spread over rounds, tokens/s, hit rate, prefetch recall, MB moved
 per token, the host->GPU bandwidth measured right after the case (GPU only), floor = max(resident ms/token, bytes moved
@@ -19,7 +19,6 @@ tables, the targets for the cases the run has, each met or missed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import subprocess
@@ -482,7 +481,7 @@ def main():
     name = "quick" if args.quick else args.profile or "full"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"bench-{datetime.date.today().isoformat()}-{name}.json"
+    json_path = out / f"{name}.json"  # named by kind: the latest result of each kind replaces the last
     cmd = [
         sys.executable,
         "-m",
