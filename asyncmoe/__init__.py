@@ -1,8 +1,7 @@
 """asyncmoe: run Mixture-of-Experts models whose experts do not fit in GPU memory.
 
-model = asyncmoe.compile(model, cache=16)   # 16 GPU slots per MoE layer; experts -> pinned host memory
-model.generate(ids, max_new_tokens=64)
-print(asyncmoe.stats(model))
+model = asyncmoe.compile(model, cache=16)   # 16 GPU slots per MoE layer; experts -> pinned host
+memory model.generate(ids, max_new_tokens=64) print(asyncmoe.stats(model))
 """
 
 from . import ops  # registers the custom ops

@@ -1,5 +1,5 @@
-"""Whether the Triton kernels run: each feature's kernels sit beside their plain-torch references, which run on
-the CPU and wherever triton is missing."""
+"""Whether the Triton kernels run: each feature's kernels sit beside their plain-torch references,
+which run on the CPU and wherever triton is missing."""
 
 from __future__ import annotations
 

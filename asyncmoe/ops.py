@@ -1,5 +1,5 @@
-"""Registers every custom op asyncmoe adds, the only surface torch.compile sees: each feature's ops live with it
-(cache/ops.py, prefetch/ops.py, compute/ops.py), each beside its fake."""
+"""Registers every custom op asyncmoe adds, the only surface torch.compile sees: each feature's ops
+live with it (cache/ops.py, prefetch/ops.py, compute/ops.py), each beside its fake."""
 
 from .cache import ops as cache_ops
 from .compute import ops as compute_ops

@@ -119,8 +119,13 @@ def main():
             for where, beside in (("alone", None), ("beside compute", compute)):
                 ms = timed(fn, args.reps, beside)
                 gbs = n * expert_mb / 1e3 / (ms / 1e3)
-                rows.append({"experts": n, "variant": name, "where": where, "ms": ms, "GB_per_s": gbs})
-                print(f"{n:>3} experts  {name:<48} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s", flush=True)
+                rows.append(
+                    {"experts": n, "variant": name, "where": where, "ms": ms, "GB_per_s": gbs}
+                )
+                print(
+                    f"{n:>3} experts  {name:<48} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s",
+                    flush=True,
+                )
             torch.cuda.synchronize()
             want = host[srcs[args.reps - 1]]
             assert torch.equal(slots[:n].cpu(), want), f"{name} copied the wrong bytes"

@@ -33,7 +33,9 @@ def main():
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps")
+    p.add_argument(
+        "--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps"
+    )
     args = p.parse_args()
 
     model = asyncmoe.compile(
@@ -65,9 +67,7 @@ def profile_prompt(model, args) -> None:
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=args.prompt + 1, graph=False)
     cached = asyncmoe.stats(model).layers  # [] where every layer is resident
     ms = cuda_ms(lambda: dec.prefill(ids), 5)
-    line = (
-        f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
-    )
+    line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
     if cached:  # one more prompt, untimed, for its own counters
         asyncmoe.stats(model, reset=True)
         dec.prefill(ids)
@@ -84,7 +84,11 @@ def profile_prompt(model, args) -> None:
 
 
 def print_kernels(prof, units: int, unit: str, top: int) -> None:
-    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows = [
+        (e.key, e.count, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
     rows.sort(key=lambda r: -r[2])
     print(f"{sum(r[2] for r in rows) / units:.1f} µs of kernels per {unit}")
     print(f"{'kernel':<90} {'per ' + unit:>10} {'µs each':>8} {'µs/' + unit:>10}")

@@ -76,7 +76,12 @@ EVERY_B1 = {
     "asyncmoe-graph": [0.25, 1.0],
     "asyncmoe-graph-prefetch": [0.25],
 }
-EVERY_PROMPT = {**RESIDENT, "accelerate": [ACCELERATE_AT], "seed": [0.25], "asyncmoe-eager": [0.25, 1.0]}
+EVERY_PROMPT = {
+    **RESIDENT,
+    "accelerate": [ACCELERATE_AT],
+    "seed": [0.25],
+    "asyncmoe-eager": [0.25, 1.0],
+}
 
 # The full profile (benchmarks/README.md says why these cases): two cache sizes with distinct slot counts on every
 # shape (12.5% of Mixtral's 8 experts is its top-2, as 25% is); above batch 1 the seed raises below
@@ -124,8 +129,18 @@ FULL_RUNS = {  # each shape in one run: its rows compare within one process, and
 def link(suffix: str = "") -> list[tuple]:
     graph, prefetch = f"asyncmoe-graph{suffix}", f"asyncmoe-graph-prefetch{suffix}"
     return [
-        (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, graph: [0.25, 1.0] if suffix else [0.25], prefetch: [0.25]}),
-        (SHAPES_1, ["oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"], ["b1"], {prefetch: [0.25]}),
+        (
+            SHAPES_1,
+            ["trace"],
+            ["b1"],
+            {**RESIDENT, graph: [0.25, 1.0] if suffix else [0.25], prefetch: [0.25]},
+        ),
+        (
+            SHAPES_1,
+            ["oracle", "oracle-q0.9", "oracle-q0.8", "oracle-q0.7"],
+            ["b1"],
+            {prefetch: [0.25]},
+        ),
         (SHAPES_1, ["router"], ["b1"], {graph: [0.25], prefetch: [0.25]}),
     ]
 
@@ -149,7 +164,12 @@ FORMAT_RUNS = {
         )
     ],
     "formats-2": [
-        (SHAPES_1, ["trace"], ["prompt2048"], {**RESIDENT, "asyncmoe-eager": [0.25], "asyncmoe-eager-fp8": [0.25]}),
+        (
+            SHAPES_1,
+            ["trace"],
+            ["prompt2048"],
+            {**RESIDENT, "asyncmoe-eager": [0.25], "asyncmoe-eager-fp8": [0.25]},
+        ),
         (["gpt-oss-20b"], ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph-prefetch-mxfp4": [0.25]}),
     ],
 }
@@ -175,7 +195,11 @@ def expand(groups: list[tuple], timing: dict[int, tuple[int, int]], prompt_round
     for shapes, routings, sizes, systems in groups:
         for shape, routing, size in itertools.product(shapes, routings, sizes):
             is_prompt, n = parse_size(size)
-            cases = [(shape, routing, system, f, n) for system, fractions in systems.items() for f in fractions]
+            cases = [
+                (shape, routing, system, f, n)
+                for system, fractions in systems.items()
+                for f in fractions
+            ]
             (prefill if is_prompt else decode).extend(cases)
     return {"decode": decode, "prefill": prefill, "timing": timing, "prompt_rounds": prompt_rounds}
 
@@ -186,14 +210,22 @@ PROFILES = {
             (["tiny"], ["router", "trace"], ["b1"], EVERY_B1),
             (["tiny"], ["router", "trace"], ["prompt32"], EVERY_PROMPT),
             (["tiny"], ["oracle-q0.8"], ["b1"], {**RESIDENT, "asyncmoe-eager": [0.25]}),
-            (["tiny"], ["trace"], ["b1"], {"asyncmoe-eager-fp8": [MEM], "asyncmoe-eager-mxfp4": [1.0]}),
+            (
+                ["tiny"],
+                ["trace"],
+                ["b1"],
+                {"asyncmoe-eager-fp8": [MEM], "asyncmoe-eager-mxfp4": [1.0]},
+            ),
             (["tiny"], ["trace"], ["prompt32"], {"asyncmoe-eager-int4": [0.25]}),
         ],
         {1: (4, 2)},
         2,
     ),
     "quick": expand(
-        [(["olmoe-1b-7b"], ["trace"], ["b1"], EVERY_B1), (["olmoe-1b-7b"], ["trace"], ["prompt512"], EVERY_PROMPT)],
+        [
+            (["olmoe-1b-7b"], ["trace"], ["b1"], EVERY_B1),
+            (["olmoe-1b-7b"], ["trace"], ["prompt512"], EVERY_PROMPT),
+        ],
         {1: (32, 5)},
         5,
     ),
@@ -210,13 +242,17 @@ def profile(config) -> dict:
     name = config.getoption("--profile")
     if config.getoption("--quick"):
         if name not in (None, "quick"):
-            raise pytest.UsageError(f"--quick is --profile quick: drop one of --quick and --profile {name}")
+            raise pytest.UsageError(
+                f"--quick is --profile quick: drop one of --quick and --profile {name}"
+            )
         name = "quick"
     name = name or ("full" if CUDA else "smoke")
     if name not in PROFILES:
         raise pytest.UsageError(f"--profile {name}: no such profile; one of {', '.join(PROFILES)}")
     if name != "smoke" and not CUDA:
-        raise pytest.UsageError(f"--profile {name} needs a CUDA GPU; on the CPU run the smoke profile (no --profile)")
+        raise pytest.UsageError(
+            f"--profile {name} needs a CUDA GPU; on the CPU run the smoke profile (no --profile)"
+        )
     return PROFILES[name]
 
 
@@ -278,7 +314,11 @@ def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:
     k, steps = trace.top_k, trace.tokens // batch
     ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k)  # [steps, B, L, k]
     step_ids = ids.transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
-    return sum(belady_misses(step_ids[:, layer], cache) for layer in range(trace.layers)) / trace.layers / steps
+    return (
+        sum(belady_misses(step_ids[:, layer], cache) for layer in range(trace.layers))
+        / trace.layers
+        / steps
+    )
 
 
 def model_key(case: tuple) -> tuple:
@@ -287,13 +327,22 @@ def model_key(case: tuple) -> tuple:
     and run one after another (conftest.py orders them so)."""
     shape, routing, system, fraction, _ = case
     kind = model_kind(system)
-    return kind, shape, routing, 0 if kind in ("unmodified", "accelerate") else cache_arg(shape, fraction)
+    return (
+        kind,
+        shape,
+        routing,
+        0 if kind in ("unmodified", "accelerate") else cache_arg(shape, fraction),
+    )
 
 
 def model_kind(system: str) -> str:
     """What a system's model is built as: asyncmoe's eager and graph systems run one model (per format)."""
     base, fmt = split_format(system)
-    kind = "asyncmoe-prefetch" if base.endswith("prefetch") else ("asyncmoe" if base.startswith("asyncmoe") else base)
+    kind = (
+        "asyncmoe-prefetch"
+        if base.endswith("prefetch")
+        else ("asyncmoe" if base.startswith("asyncmoe") else base)
+    )
     return kind if fmt is None else f"{kind}-{fmt}"
 
 
@@ -325,7 +374,9 @@ def make(kind: str, shape: str, routing: str, cache: int | str) -> torch.nn.Modu
 
 
 @functools.cache
-def references(shape: str, routing: str, batches: tuple[tuple[int, int], ...], prompts: tuple[int, ...]):
+def references(
+    shape: str, routing: str, batches: tuple[tuple[int, int], ...], prompts: tuple[int, ...]
+):
     """The unmodified model's greedy tokens after each (batch, steps)'s prompt, {batch: [B, PROMPT + steps + 1]}, and
     its first new token after each long prompt, {n: [1]}: one build for every case of (shape, routing) in this run
     (the unmodified system's cases then run on the same model)."""
@@ -337,7 +388,11 @@ def references(shape: str, routing: str, batches: tuple[tuple[int, int], ...], p
         tokens[b] = dec.generate(prompt(shape, b), steps + 1).tokens.cpu()
     for n in prompts:
         rewind_replay(model)
-        first[n] = asyncmoe.Decoder(model, 1, n + 1, graph=False).prefill(prompt(shape, 1, n, seed=n)).cpu()
+        first[n] = (
+            asyncmoe.Decoder(model, 1, n + 1, graph=False)
+            .prefill(prompt(shape, 1, n, seed=n))
+            .cpu()
+        )
     return tokens, first
 
 
@@ -345,7 +400,9 @@ def case_of(item) -> tuple[tuple, bool] | None:
     """A collected item's case and whether it is a prefill case; None for the suite's other tests."""
     params = item.callspec.params if hasattr(item, "callspec") else {}
     for name, prefill in (("case", False), ("prefill_case", True)):
-        if isinstance(params.get(name), tuple):  # a profile without such cases parametrizes with pytest's NOTSET
+        if isinstance(
+            params.get(name), tuple
+        ):  # a profile without such cases parametrizes with pytest's NOTSET
             return params[name], prefill
     return None
 
@@ -370,25 +427,43 @@ def host_bytes(system: str, model: torch.nn.Module) -> int:
         return 0
     if system == "seed":
         return sum(
-            t.numel() * t.element_size() for _, m in find_experts(model) for t in seed_lru.provider(m).host.values()
+            t.numel() * t.element_size()
+            for _, m in find_experts(model)
+            for t in seed_lru.provider(m).host.values()
         )
     if system == "accelerate":
-        return sum(p.numel() * p.element_size() for _, m in find_experts(model) for p in accelerate_offload.weights(m))
+        return sum(
+            p.numel() * p.element_size()
+            for _, m in find_experts(model)
+            for p in accelerate_offload.weights(m)
+        )
     return (
-        asyncmoe.stats(model).totals["host_bytes"] if any(hasattr(m, "asyncmoe") for _, m in find_experts(model)) else 0
+        asyncmoe.stats(model).totals["host_bytes"]
+        if any(hasattr(m, "asyncmoe") for _, m in find_experts(model))
+        else 0
     )
 
 
 def expert_bytes(model: torch.nn.Module) -> int:
     _, m = find_experts(model)[0]
-    tensors = [t for t in vars(m).values() if isinstance(t, torch.Tensor)] + list(m.parameters(recurse=False))
+    tensors = [t for t in vars(m).values() if isinstance(t, torch.Tensor)] + list(
+        m.parameters(recurse=False)
+    )
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
 def slots_of(model: torch.nn.Module, shape: str, fraction: float | str) -> int:
     """Slots per layer of the built model: what its budget gave (`mem<f>`), else the fraction's."""
-    cached = [p for _, m in find_experts(model) if isinstance(p := getattr(m, PROVIDER, None), CachedProvider)]
-    return cached[0].cache.num_slots if cached and isinstance(fraction, str) else slots(shape, fraction)
+    cached = [
+        p
+        for _, m in find_experts(model)
+        if isinstance(p := getattr(m, PROVIDER, None), CachedProvider)
+    ]
+    return (
+        cached[0].cache.num_slots
+        if cached and isinstance(fraction, str)
+        else slots(shape, fraction)
+    )
 
 
 def format_info(system: str, shape: str, fraction: float | str) -> dict:
@@ -418,14 +493,14 @@ def test_decode(benchmark, case, request):
     model = make(*model_key(case))
     setup_s = time.perf_counter() - start
     cache = slots_of(model, shape, fraction)
-    if (
-        CUDA
-    ):  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
+    if CUDA:  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     graph = CUDA and (system == "unmodified" or "graph" in system)
     # below min(E, batch*k) slots asyncmoe's captured step runs each layer's worst-case number of waves
-    dec = decoder_for(system, shape, batch, cache)(model, batch, PROMPT + steps + 1, graph=graph, waves=True)
+    dec = decoder_for(system, shape, batch, cache)(
+        model, batch, PROMPT + steps + 1, graph=graph, waves=True
+    )
     ids = prompt(shape, batch)
     cached = system.startswith("asyncmoe") and cache < experts
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
@@ -443,7 +518,9 @@ def test_decode(benchmark, case, request):
         dec.decode(steps)
         sync()
 
-    benchmark.pedantic(decode, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, False))
+    benchmark.pedantic(
+        decode, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, False)
+    )
     tokens = dec.history[:, : PROMPT + steps + 1].cpu()
     agree = (tokens == want).all(0).cumprod(0).sum().item() - PROMPT
     info = dict(
@@ -475,17 +552,25 @@ def test_decode(benchmark, case, request):
             prefetch_copy_ns=s.copy_ns,
             prefetch_window_ns=s.window_ns,
         )
-        assert s.totals["misses"] > 0 or cache >= batch * k  # a cache smaller than one step's experts must miss
+        assert (
+            s.totals["misses"] > 0 or cache >= batch * k
+        )  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
     if routing != "router" and cache < experts:
         info["belady_bytes_per_token"] = (
-            belady_misses_per_step(trace_for(shape), batch, cache) * len(find_experts(model)) * expert_bytes(model)
+            belady_misses_per_step(trace_for(shape), batch, cache)
+            * len(find_experts(model))
+            * expert_bytes(model)
         )
     info["wall_s"] = time.perf_counter() - start  # the whole case, its build and warm-up included
     benchmark.extra_info.update(info)
-    if DTYPE == torch.float32 and split_format(system)[1] is None:  # quantized weights: near, not equal
-        assert agree == steps + 1, f"{system}: tokens part from the unmodified model's after {agree}"
+    if (
+        DTYPE == torch.float32 and split_format(system)[1] is None
+    ):  # quantized weights: near, not equal
+        assert agree == steps + 1, (
+            f"{system}: tokens part from the unmodified model's after {agree}"
+        )
 
 
 def test_prefill(benchmark, prefill_case, request):
@@ -546,7 +631,9 @@ def test_prefill(benchmark, prefill_case, request):
         assert bytes_moved > 0  # a prompt routes to more experts than the cache holds: it must copy
     benchmark.extra_info["wall_s"] = time.perf_counter() - start
     if DTYPE == torch.float32 and split_format(system)[1] is None:
-        assert torch.equal(first.cpu(), want), f"{system}: the first new token differs from the unmodified model's"
+        assert torch.equal(first.cpu(), want), (
+            f"{system}: the first new token differs from the unmodified model's"
+        )
 
 
 @pytest.mark.parametrize("kind", ["asyncmoe-prefetch", "seed"])
@@ -556,10 +643,17 @@ def test_a_reused_model_starts_as_built(kind):
 
     def run():
         model = make(kind, "tiny", "trace", 4)
-        decoder_for(kind, "tiny", 1, 4)(model, 1, PROMPT + 9, graph=False).generate(prompt("tiny", 1), 8)
+        decoder_for(kind, "tiny", 1, 4)(model, 1, PROMPT + 9, graph=False).generate(
+            prompt("tiny", 1), 8
+        )
         if kind == "seed":
-            return model, [(seed_lru.provider(m).hits, seed_lru.provider(m).misses) for _, m in find_experts(model)]
-        return model, [(layer.hits, layer.misses, layer.prefetched) for layer in asyncmoe.stats(model).layers]
+            return model, [
+                (seed_lru.provider(m).hits, seed_lru.provider(m).misses)
+                for _, m in find_experts(model)
+            ]
+        return model, [
+            (layer.hits, layer.misses, layer.prefetched) for layer in asyncmoe.stats(model).layers
+        ]
 
     (first, fresh), (second, reused) = run(), run()
     assert second is first
@@ -570,6 +664,8 @@ def test_cases_of_one_model_run_one_after_another(request):
     """conftest.py orders the collected cases so that each `model_key`'s run together: `make` builds each once."""
     keys = [model_key(case) for case, _ in collected(request)]
     if len(set(keys)) == len(keys):
-        pytest.skip("no two selected cases share a model (run it with the suite's cases, not alone)")
+        pytest.skip(
+            "no two selected cases share a model (run it with the suite's cases, not alone)"
+        )
     runs = [key for i, key in enumerate(keys) if i == 0 or keys[i - 1] != key]
     assert len(runs) == len(set(runs))

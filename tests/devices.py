@@ -17,7 +17,9 @@ def devices() -> list:
         out.append("cpu")
     if torch.cuda.is_available():
         out.append(pytest.param("cuda", marks=pytest.mark.cuda))
-    return out or [pytest.param("cpu", marks=pytest.mark.skip(reason="neither TRITON_INTERPRET=1 nor a GPU"))]
+    return out or [
+        pytest.param("cpu", marks=pytest.mark.skip(reason="neither TRITON_INTERPRET=1 nor a GPU"))
+    ]
 
 
 def assert_same(kernel: ExpertCache, reference: ExpertCache) -> None:
@@ -25,6 +27,9 @@ def assert_same(kernel: ExpertCache, reference: ExpertCache) -> None:
     for (name, a), (_, b) in zip(kernel.named_buffers(), reference.named_buffers(), strict=True):
         if name == "scratch":
             continue
-        if name in ("expert_to_slot", "evicted_at"):  # the last row is the reference's trash row for masked writes
+        if name in (
+            "expert_to_slot",
+            "evicted_at",
+        ):  # the last row is the reference's trash row for masked writes
             a, b = a[:-1], b[:-1]
         assert torch.equal(a, b), f"{name}: kernel {a.tolist()} != reference {b.tolist()}"

@@ -20,12 +20,23 @@ def clone(ts):
 
 def warm_cache(policy: str) -> ExpertCache:
     cache = ExpertCache({"w": torch.randn(10, 4, 3), "b": torch.randn(10, 4)}, 4, policy)
-    cache_ops.ensure(cache, torch.tensor([[0, 1], [2, 3]]), 0)  # a warm cache, so the ops also evict
+    cache_ops.ensure(
+        cache, torch.tensor([[0, 1], [2, 3]]), 0
+    )  # a warm cache, so the ops also evict
     return cache
 
 
 def ensure_args(cache: ExpertCache, ids: torch.Tensor, wave: int):
-    return ids, wave, False, False, cache.policy, clone(cache.state), cache.hosts, clone(cache.slots)
+    return (
+        ids,
+        wave,
+        False,
+        False,
+        cache.policy,
+        clone(cache.state),
+        cache.hosts,
+        clone(cache.slots),
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
@@ -36,7 +47,9 @@ def test_ensure_opcheck(policy, wave):
     torch.library.opcheck(torch.ops.asyncmoe.ensure.default, ensure_args(cache, ids, wave))
 
 
-@pytest.mark.parametrize("predictors", ["gate", "temporal", "gate+temporal+transition", "gate, after a source"])
+@pytest.mark.parametrize(
+    "predictors", ["gate", "temporal", "gate+temporal+transition", "gate, after a source"]
+)
 def test_prefetch_opcheck(predictors):
     transition = "transition" in predictors
     cache, p = warm_cache("lru"), PrefetchBuffers(10, torch.device("cpu"), 10 if transition else 0)
@@ -47,7 +60,19 @@ def test_prefetch_opcheck(predictors):
     before = torch.arange(10) % 3 == 0 if transition else None
     source = [warm_cache("lru").routed] if "source" in predictors else []
     state, prefetch_state = clone(cache.state), clone(p.state)
-    args = (bits, 2, 0, False, "lru", state, prefetch_state, before, cache.hosts, clone(cache.slots), *source)
+    args = (
+        bits,
+        2,
+        0,
+        False,
+        "lru",
+        state,
+        prefetch_state,
+        before,
+        cache.hosts,
+        clone(cache.slots),
+        *source,
+    )
     torch.library.opcheck(torch.ops.asyncmoe.prefetch.default, args)
 
 
@@ -99,7 +124,9 @@ def test_a_prefetch_forks_at_the_source_decision_and_copies_after_its_copies():
     copying.synchronize()
     assert slept.query(), "the copy stream copied before the source's copies were made"
     next_planned.synchronize()
-    assert not SIDE.stream(routed.device, "copy").query(), "the next prediction waited for the prefetch's copies"
+    assert not SIDE.stream(routed.device, "copy").query(), (
+        "the next prediction waited for the prefetch's copies"
+    )
     torch.cuda.synchronize()
     assert compute.query()
 
@@ -111,7 +138,9 @@ def test_ensure_decides_while_the_prefetch_copies_and_copies_after_it():
     about a second on the copy stream."""
     cache = ExpertCache({"w": torch.randn(10, 4, 3, device="cuda")}, 4, "lru")
     side = SIDE.stream(cache.routed.device, "copy")
-    cache_ops.ensure(cache, torch.tensor([[2, 3]], device="cuda"), 0)  # compiles the kernels before the timed part
+    cache_ops.ensure(
+        cache, torch.tensor([[2, 3]], device="cuda"), 0
+    )  # compiles the kernels before the timed part
     torch.cuda.synchronize()
     with torch.cuda.stream(side):
         SIDE.planned(cache.expert_to_slot).record()
@@ -131,9 +160,14 @@ def test_ensure_decides_while_the_prefetch_copies_and_copies_after_it():
 def test_gate_scores_with_a_recorded_gate_score_what_was_recorded():
     """A replayed layer: the live router runs, and the recorded gate of the rows at the cursor replaces it."""
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
-    ids, probs = torch.tensor([[1, 2], [3, -1], [0, 1]]), torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]])
+    ids, probs = (
+        torch.tensor([[1, 2], [3, -1], [0, 1]]),
+        torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]]),
+    )
     recorded = [ids, probs, torch.tensor([1])]
-    torch.library.opcheck(torch.ops.asyncmoe.gate_scores.default, (x, weight, None, 2, torch.zeros(4), recorded))
+    torch.library.opcheck(
+        torch.ops.asyncmoe.gate_scores.default, (x, weight, None, 2, torch.zeros(4), recorded)
+    )
     out = torch.zeros(4)
     torch.ops.asyncmoe.gate_scores(x, weight, None, 2, out, recorded)  # rows 1 and 2
     assert out.tolist() == pytest.approx([0.25, 0.25, 0, 0.45])
@@ -174,7 +208,9 @@ def test_fake_states_the_contract():
 def test_fake_checks_the_state(state, message):
     cache = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru")
     ids = torch.zeros(3, 2, dtype=torch.int64)
-    mode, args = fake_args((ids, 0, False, False, "lru", list(state(cache.state)), cache.hosts, cache.slots))
+    mode, args = fake_args(
+        (ids, 0, False, False, "lru", list(state(cache.state)), cache.hosts, cache.slots)
+    )
     with mode:
         with pytest.raises(Exception, match=message):
             torch.ops.asyncmoe.ensure(*args)
@@ -186,16 +222,26 @@ def test_fake_checks_the_state(state, message):
         (GATE, 3, None, r"prefetch budget 3 must be in 1..2"),
         (GATE, 1, "short", "prefetch_state must hold the 7 PrefetchState tensors"),
         (TRANSITION, 1, None, "the transition predictor needs routed_before"),
-        (TRANSITION, 1, torch.zeros(7, dtype=torch.bool), r"transitions must be \[7, 10\], got \(0, 10\)"),
+        (
+            TRANSITION,
+            1,
+            torch.zeros(7, dtype=torch.bool),
+            r"transitions must be \[7, 10\], got \(0, 10\)",
+        ),
         (0, 1, None, "prefetch needs a predictor"),
     ],
 )
 def test_prefetch_fake_checks_its_request(bits, budget, before, message):
-    cache, p = ExpertCache({"w": torch.randn(10, 4)}, 2, "lru"), PrefetchBuffers(10, torch.device("cpu"))
+    cache, p = (
+        ExpertCache({"w": torch.randn(10, 4)}, 2, "lru"),
+        PrefetchBuffers(10, torch.device("cpu")),
+    )
     state, prefetch_state = list(cache.state), list(p.state)
     if before == "short":
         before, prefetch_state = None, prefetch_state[:-1]
-    mode, args = fake_args((bits, budget, 0, False, "lru", state, prefetch_state, before, cache.hosts, cache.slots))
+    mode, args = fake_args(
+        (bits, budget, 0, False, "lru", state, prefetch_state, before, cache.hosts, cache.slots)
+    )
     with mode:
         with pytest.raises(Exception, match=message):
             torch.ops.asyncmoe.prefetch(*args)
@@ -212,7 +258,9 @@ def test_ensure_replays_in_a_cuda_graph_with_new_routing():
     out = torch.empty(2, 2, dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        cache_ops.ensure(ExpertCache(hosts, C, "lru"), ids, 0)  # warm-up on a throwaway cache (lazy init, autotune)
+        cache_ops.ensure(
+            ExpertCache(hosts, C, "lru"), ids, 0
+        )  # warm-up on a throwaway cache (lazy init, autotune)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -226,4 +274,6 @@ def test_ensure_replays_in_a_cuda_graph_with_new_routing():
         assert torch.equal(out, want)
         assert torch.equal(graphed.slot_to_expert, eager.slot_to_expert)
         assert torch.equal(graphed.slot_w, eager.slot_w)
-    assert torch.equal(graphed.counters, eager.counters) and eager.counters[Counter.MISSES] > 4  # misses happened
+    assert (
+        torch.equal(graphed.counters, eager.counters) and eager.counters[Counter.MISSES] > 4
+    )  # misses happened

@@ -21,7 +21,8 @@ except ImportError:  # non-Linux
     triton = None
 
 # The layouts the kernels below write (the cache's `timer` and `pace` use them: cache/state.py)
-START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3, 4  # a timer [5]: three stamps, then two sums of ns
+# a timer [5]: three stamps, then two sums of ns
+START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3, 4
 TIMER_SIZE = 5
 STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` call
 
@@ -29,7 +30,9 @@ if triton is not None:
 
     @triton.jit
     def _now():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
 
     @triton.jit
     def _stamp(times_ptr, AT: tl.constexpr):
@@ -51,12 +54,16 @@ if triton is not None:
             tl.load(times_ptr + WAITED),
         )
         tl.store(times_ptr + WAIT_NS, tl.load(times_ptr + WAIT_NS) + (waited - wait_from))
-        tl.store(times_ptr + ENSURE_NS, tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited))
+        tl.store(
+            times_ptr + ENSURE_NS,
+            tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited),
+        )
 
     @triton.jit
     def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
         start = tl.load(pace_ptr + STAMP)
-        tl.store(pace_ptr + WINDOW, tl.where(start > 0, _now() - start, 0))  # no stamp yet: nothing measured
+        # no stamp yet: nothing measured
+        tl.store(pace_ptr + WINDOW, tl.where(start > 0, _now() - start, 0))
 
 
 def stamp(times: torch.Tensor, at: int) -> None:
@@ -65,13 +72,21 @@ def stamp(times: torch.Tensor, at: int) -> None:
 
 
 def lap(times: torch.Tensor) -> None:
-    """times[WAIT_NS] += the ns from WAIT_FROM to WAITED; times[ENSURE_NS] += the rest since START."""
+    """times[WAIT_NS] += the ns from WAIT_FROM to WAITED; times[ENSURE_NS] += the rest since
+    START."""
     _lap[(1,)](
-        times, START=START, WAIT_FROM=WAIT_FROM, WAITED=WAITED, WAIT_NS=WAIT_NS, ENSURE_NS=ENSURE_NS, num_warps=1
+        times,
+        START=START,
+        WAIT_FROM=WAIT_FROM,
+        WAITED=WAITED,
+        WAIT_NS=WAIT_NS,
+        ENSURE_NS=ENSURE_NS,
+        num_warps=1,
     )
 
 
 def window(pace: torch.Tensor) -> None:
-    """pace[WINDOW] = now - pace[STAMP] (ns): the compute a prefetch issued at the stamp had to hide behind, this
-    call's (the last call's shape is the next one's: a decode step's, not the prompt's; see `providers.link`)."""
+    """pace[WINDOW] = now - pace[STAMP] (ns): the compute a prefetch issued at the stamp had to hide
+    behind, this call's (the last call's shape is the next one's: a decode step's, not the prompt's;
+    see `providers.link`)."""
     _window[(1,)](pace, STAMP=STAMP, WINDOW=WINDOW, num_warps=1)

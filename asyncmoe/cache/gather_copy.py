@@ -1,4 +1,5 @@
-"""Copy whole experts from the host store into slots: `slots[dst[i]] = host[src[i]]` for i < count, per tensor.
+"""Copy whole experts from the host store into slots: `slots[dst[i]] = host[src[i]]` for i < count,
+per tensor.
 
 M pairs are planned (a static maximum), `count` of them are real, and `count` lives in device
 memory: the host never learns it, so the copy can sit inside a CUDA graph and be replayed with
@@ -6,13 +7,14 @@ different indices. Reading the source through the UVA view streams host memory o
 SMs (docs/decisions.md#copies-at-the-links-speed), with no copy engine and no host involvement.
 
 An expert is several tensors (weights and biases, or weights and scales); one launch copies up to
-MAX_TENSORS of them, since a call launches its copy even when `count` is 0 (every expert resident) and
-each launch is time on the compute stream. The work is `count` experts' tensors cut into 32 KB blocks,
-handed out grid-stride. By default the grid has a program per planned block (M experts' worth; those
-past `count` return at once), the fastest when the compute waits for the copy anyway. `programs=P` caps
-the grid: a prefetch running beside the compute then holds P programs' worth of SMs instead of flooding
-every SM with copy programs that the compute stream's kernels would queue behind; a few dozen programs
-keep enough loads in flight to fill the link (docs/decisions.md#copy-programs).
+MAX_TENSORS of them, since a call launches its copy even when `count` is 0 (every expert resident)
+and each launch is time on the compute stream. The work is `count` experts' tensors cut into 32 KB
+blocks, handed out grid-stride. By default the grid has a program per planned block (M experts'
+worth; those past `count` return at once), the fastest when the compute waits for the copy anyway.
+`programs=P` caps the grid: a prefetch running beside the compute then holds P programs' worth of
+SMs instead of flooding every SM with copy programs that the compute stream's kernels would queue
+behind; a few dozen programs keep enough loads in flight to fill the link
+(docs/decisions.md#copy-programs).
 
 Dims: E experts, C slots, M planned copies.
 """
@@ -38,8 +40,10 @@ def gather_copy_reference(
     dst: torch.Tensor,  # [M] distinct slot ids
     count: torch.Tensor,  # [] or [1] number of real pairs
 ) -> None:
-    """Plain torch, fixed shape: moves all M rows and writes back the old contents where i >= count."""
-    bits = _BITS[host.element_size()]  # index_copy_ has no fp8 kernels; copying bits is the same copy
+    """Plain torch, fixed shape: moves all M rows and writes back the old contents where i >=
+    count."""
+    # index_copy_ has no fp8 kernels; copying bits is the same copy
+    bits = _BITS[host.element_size()]
     host, slots = host.view(bits), slots.view(bits)
     valid = torch.arange(src.numel(), device=src.device) < count
     valid = valid.view(-1, *([1] * (slots.dim() - 1)))
@@ -47,7 +51,9 @@ def gather_copy_reference(
     slots.index_copy_(0, dst, rows)
 
 
-MAX_TENSORS = 4  # an expert's tensors one launch copies: weights and biases, or weights and scales, of two projections
+# an expert's tensors one launch copies: weights and biases, or weights and scales, of two
+# projections
+MAX_TENSORS = 4
 
 if triton is not None:
 
@@ -63,7 +69,8 @@ if triton is not None:
         src_idx_ptr,
         dst_idx_ptr,
         count_ptr,
-        h0, s0, n0, b0, h1, s1, n1, b1, h2, s2, n2, b2, h3, s3, n3, b3,  # per tensor: host, slots, row words, blocks
+        # per tensor: host, slots, row words, blocks
+        h0, s0, n0, b0, h1, s1, n1, b1, h2, s2, n2, b2, h3, s3, n3, b3,
         W0: tl.constexpr,  # per tensor: words a block
         W1: tl.constexpr,
         W2: tl.constexpr,
@@ -86,7 +93,8 @@ if triton is not None:
                 _copy_block(h3, s3, s, d, n3, r - b0 - b1 - b2, W3)
 
 
-BLOCK_BYTES = 32768  # per block; 12.6 MB experts -> ~400 blocks each (docs/decisions.md#gather-copy-blocks)
+# per block; 12.6 MB experts -> ~400 blocks each (docs/decisions.md#gather-copy-blocks)
+BLOCK_BYTES = 32768
 NUM_WARPS = 4
 
 
@@ -99,7 +107,8 @@ def _word_dtype(row_bytes: int) -> torch.dtype:
 
 
 def gather_copy_triton(hosts, slots, src, dst, count, programs: int | None = None) -> None:
-    """One launch per MAX_TENSORS of the experts' tensors: `hosts` [E, ...] and `slots` [C, ...], paired."""
+    """One launch per MAX_TENSORS of the experts' tensors: `hosts` [E, ...] and `slots` [C, ...],
+    paired."""
     for i in range(0, len(hosts), MAX_TENSORS):
         _launch(hosts[i : i + MAX_TENSORS], slots[i : i + MAX_TENSORS], src, dst, count, programs)
 
@@ -118,12 +127,15 @@ def _launch(hosts, slots, src, dst, count, programs: int | None) -> None:
         words.append(words[0])
     full = src.numel() * sum(t[3] for t in tensors)
     args = [a for t in tensors for a in t]
-    _gather_copy_kernel[(min(full, programs or full),)](src, dst, count.reshape(1), *args, *words, num_warps=NUM_WARPS)
+    _gather_copy_kernel[(min(full, programs or full),)](
+        src, dst, count.reshape(1), *args, *words, num_warps=NUM_WARPS
+    )
 
 
 def gather_copy(hosts, slots, src, dst, count, programs: int | None = None) -> None:
-    """The copy the cache uses, every tensor of the experts (`hosts`, `slots`: paired lists): the Triton kernel on
-    CUDA, the reference elsewhere; none for a cache with no data (the simulator)."""
+    """The copy the cache uses, every tensor of the experts (`hosts`, `slots`: paired lists): the
+    Triton kernel on CUDA, the reference elsewhere; none for a cache with no data (the
+    simulator)."""
     if slots and slots[0].is_cuda and triton is not None:
         gather_copy_triton(hosts, slots, src, dst, count, programs)
     else:

@@ -1,16 +1,19 @@
-"""A prompt's expert matmuls from 4-bit slots: out = x @ dequantize(W[slot])^T for rows grouped by slot.
+"""A prompt's expert matmuls from 4-bit slots: out = x @ dequantize(W[slot])^T for rows grouped by
+slot.
 
-A prompt routes many tokens to each expert, so the pairs are sorted by slot (as for `grouped_mm`) and each
-program computes a tile of one slot's rows by a tile of outputs: it loads the slot's packed weight tile by tile
-with its group scales, dequantizes it in registers, rounds it to the activations' dtype as the reference does,
-and multiplies with `tl.dot`, accumulating in float32. No dequantized weight is written to memory, and each
-weight byte is read once per tile of rows. fp8 slots are not served here: dequantizing them to bf16 and the
-grouped GEMM was twice as fast at every size measured (docs/decisions.md#quantized-matmul-by-pairs-per-slot).
+A prompt routes many tokens to each expert, so the pairs are sorted by slot (as for `grouped_mm`)
+and each program computes a tile of one slot's rows by a tile of outputs: it loads the slot's packed
+weight tile by tile with its group scales, dequantizes it in registers, rounds it to the
+activations' dtype as the reference does, and multiplies with `tl.dot`, accumulating in float32. No
+dequantized weight is written to memory, and each weight byte is read once per tile of rows. fp8
+slots are not served here: dequantizing them to bf16 and the grouped GEMM was twice as fast at every
+size measured (docs/decisions.md#quantized-matmul-by-pairs-per-slot).
 
-The reference, `dequant_mm_reference`, dequantizes each slot with the format's plain-torch definition and
-multiplies its rows in float32. Dims: S rows (pairs, sorted by slot), C slots, N outputs, K inputs.
-Slots are stored [C, N, K/2] (two inputs a byte, the even one in the low nibble) with scales [C, N, K/G].
-`offs` [C] int32: the end of each slot's rows (grouped_mm's convention); rows past offs[-1] are not computed.
+The reference, `dequant_mm_reference`, dequantizes each slot with the format's plain-torch
+definition and multiplies its rows in float32. Dims: S rows (pairs, sorted by slot), C slots, N
+outputs, K inputs. Slots are stored [C, N, K/2] (two inputs a byte, the even one in the low nibble)
+with scales [C, N, K/G]. `offs` [C] int32: the end of each slot's rows (grouped_mm's convention);
+rows past offs[-1] are not computed.
 """
 
 from __future__ import annotations
@@ -39,18 +42,21 @@ def dequant_mm_reference(
     offs: torch.Tensor,  # [C] int32 end of each slot's rows
     kind: str,
 ) -> torch.Tensor:  # [S, N] in x's dtype; rows past offs[-1] are zero
-    dense = (dequantize_mxfp4 if kind == "mxfp4" else dequantize_int4)(w, scales, x.dtype)  # [C, N, K]
+    # [C, N, K]
+    dense = (dequantize_mxfp4 if kind == "mxfp4" else dequantize_int4)(w, scales, x.dtype)
     out = x.new_zeros(x.shape[0], dense.shape[1])
     start = 0
-    for c, end in enumerate(offs.tolist()):  # a host sync: the reference runs eagerly, off the GPU and any graph
+    # a host sync: the reference runs eagerly, off the GPU and any graph
+    for c, end in enumerate(offs.tolist()):
         out[start:end] = (x[start:end].float() @ dense[c].float().T).to(x.dtype)
         start = end
     return out
 
 
 def tiles(offs: torch.Tensor, rows: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row tile's slot and first row, for a launch of `rows // tile + C` tiles (the most any split of `rows`
-    rows over C slots needs); a tile past the last gets slot C. Tensor ops only: no host sync."""
+    """Each row tile's slot and first row, for a launch of `rows // tile + C` tiles (the most any
+    split of `rows` rows over C slots needs); a tile past the last gets slot C. Tensor ops only: no
+    host sync."""
     C = offs.shape[0]
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
@@ -110,8 +116,12 @@ if triton is not None:
                 b = k0 // 2 + tl.arange(0, BK // 2)
                 bmask = b < K // 2
                 mask = nmask[:, None] & bmask[None, :]
-                byte = tl.load(w_base + n[:, None] * w_n + b[None, :], mask=mask, other=0).to(tl.int32)
-                sc = tl.load(s_base + n[:, None] * s_n + (2 * b[None, :]) // GROUP, mask=mask, other=0)
+                byte = tl.load(w_base + n[:, None] * w_n + b[None, :], mask=mask, other=0).to(
+                    tl.int32
+                )
+                sc = tl.load(
+                    s_base + n[:, None] * s_n + (2 * b[None, :]) // GROUP, mask=mask, other=0
+                )
                 if MXFP4:  # e8m0: a power of two
                     sc = tl.exp2(sc.to(tl.float32) - 127.0)
                 else:
@@ -119,13 +129,16 @@ if triton is not None:
                 xmask = rmask[:, None] & bmask[None, :]
                 for nibble in tl.static_range(2):
                     wt = nibble_weights(byte, sc, nibble, MXFP4, dtype)
-                    xs = tl.load(x_ptr + rows[:, None] * K + 2 * b[None, :] + nibble, mask=xmask, other=0.0)
+                    xs = tl.load(
+                        x_ptr + rows[:, None] * K + 2 * b[None, :] + nibble, mask=xmask, other=0.0
+                    )
                     acc = _dot(acc, xs, wt, IEEE)
             out = out_ptr + rows[:, None] * N + n[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-BM, BN, BK = 64, 64, 64  # a program's rows and outputs, and the inputs a step (tl.dot needs 16 or more of each)
+# a program's rows and outputs, and the inputs a step (tl.dot needs 16 or more of each)
+BM, BN, BK = 64, 64, 64
 
 
 def dequant_mm_triton(x, w, scales, offs, kind: str) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""Decode's expert matmul from fp8 slots: out[s] = dequantize(W[slot[s]]) @ x[s], each weight byte read once.
+"""Decode's expert matmul from fp8 slots: out[s] = dequantize(W[slot[s]]) @ x[s], each weight byte
+read once.
 
 At decode a layer computes a handful of (token, expert) pairs, and the time is reading the experts'
-weights from HBM: one program per (pair, block of outputs) streams its rows of the pair's fp8 matrix,
-scales each element by its block's scale, rounds to the activations' dtype (as the reference's
-dequantized weight is) and accumulates in float32. Nothing is dequantized to memory.
+weights from HBM: one program per (pair, block of outputs) streams its rows of the pair's fp8
+matrix, scales each element by its block's scale, rounds to the activations' dtype (as the
+reference's dequantized weight is) and accumulates in float32. Nothing is dequantized to memory.
 
-The reference, `fp8_gemv_reference`, dequantizes the pairs' experts with `formats.dequantize_fp8`, then
-multiplies in float32. They differ only in the order of the sums.
-Dims: S pairs, C slots, stored matrix [R, Q] ([N, K] out x in; `transposed`: [K, N]), N outputs, K inputs.
+The reference, `fp8_gemv_reference`, dequantizes the pairs' experts with `formats.dequantize_fp8`,
+then multiplies in float32. They differ only in the order of the sums. Dims: S pairs, C slots,
+stored matrix [R, Q] ([N, K] out x in; `transposed`: [K, N]), N outputs, K inputs.
 """
 
 from __future__ import annotations
@@ -71,9 +72,16 @@ if triton is not None:
             k = k0 + tl.arange(0, BK)
             kmask = k < K
             mask = nmask[:, None] & kmask[None, :]
-            q = tl.load(w_base + n[:, None] * w_n + k[None, :] * w_k, mask=mask, other=0.0).to(tl.float32)
-            sc = tl.load(s_base + (n[:, None] // BLOCK_SN) * s_n + (k[None, :] // BLOCK_SK) * s_k, mask=mask, other=0.0)
-            weight = (q * sc).to(x_ptr.dtype.element_ty).to(tl.float32)  # the dequantized weight, as the reference's
+            q = tl.load(w_base + n[:, None] * w_n + k[None, :] * w_k, mask=mask, other=0.0).to(
+                tl.float32
+            )
+            sc = tl.load(
+                s_base + (n[:, None] // BLOCK_SN) * s_n + (k[None, :] // BLOCK_SK) * s_k,
+                mask=mask,
+                other=0.0,
+            )
+            # the dequantized weight, as the reference's
+            weight = (q * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
             xs = tl.load(x_ptr + pair * K + k, mask=kmask, other=0.0).to(tl.float32)
             acc += tl.sum(weight * xs[None, :], axis=1)
         tl.store(out_ptr + pair * N + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)

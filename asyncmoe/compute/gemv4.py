@@ -1,11 +1,13 @@
 """Decode's expert matmul from 4-bit slots (mxfp4 or int4): out[s] = dequantize(W[slot[s]]) @ x[s].
 
-As `fp8_gemv`: one program per (pair, block of outputs) streams its rows' packed bytes once, decodes both
-nibbles of each byte (e2m1 by its bits, or the integer less 8), scales them by their group's scale, rounds
-to the activations' dtype as the reference's dequantized weight is, and accumulates in float32.
+As `fp8_gemv`: one program per (pair, block of outputs) streams its rows' packed bytes once, decodes
+both nibbles of each byte (e2m1 by its bits, or the integer less 8), scales them by their group's
+scale, rounds to the activations' dtype as the reference's dequantized weight is, and accumulates in
+float32.
 
-The reference, `gemv4_reference`, dequantizes the pairs' experts with the format's plain-torch definition,
-then multiplies in float32. Dims: S pairs, C slots, N outputs, K inputs, G inputs per scale.
+The reference, `gemv4_reference`, dequantizes the pairs' experts with the format's plain-torch
+definition, then multiplies in float32. Dims: S pairs, C slots, N outputs, K inputs, G inputs per
+scale.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ if triton is not None:
 
     @triton.jit
     def nibble_weights(byte, sc, nibble: tl.constexpr, MXFP4: tl.constexpr, dtype):
-        """The weights in one nibble of each byte (0: low, the even inputs), scaled and rounded to `dtype`
-        as the reference's dequantized weight is: e2m1 by its bits, or the integer less 8."""
+        """The weights in one nibble of each byte (0: low, the even inputs), scaled and rounded to
+        `dtype` as the reference's dequantized weight is: e2m1 by its bits, or the integer less
+        8."""
         code = (byte >> (4 * nibble)) & 15
         if MXFP4:  # e2m1: sign, 2 exponent bits, 1 mantissa bit
             mag = code & 7
@@ -80,7 +83,9 @@ if triton is not None:
             bmask = b < half
             mask = nmask[:, None] & bmask[None, :]
             byte = tl.load(w_base + n[:, None] * half + b[None, :], mask=mask, other=0).to(tl.int32)
-            sc = tl.load(s_base + n[:, None] * (K // GROUP) + (2 * b[None, :]) // GROUP, mask=mask, other=0)
+            sc = tl.load(
+                s_base + n[:, None] * (K // GROUP) + (2 * b[None, :]) // GROUP, mask=mask, other=0
+            )
             if MXFP4:
                 sc = tl.exp2(sc.to(tl.float32) - 127.0)
             else:
@@ -88,7 +93,9 @@ if triton is not None:
             x_type = x_ptr.dtype.element_ty
             for nibble in tl.static_range(2):
                 weight = nibble_weights(byte, sc, nibble, MXFP4, x_type).to(tl.float32)
-                xs = tl.load(x_ptr + pair * K + 2 * b + nibble, mask=bmask, other=0.0).to(tl.float32)
+                xs = tl.load(x_ptr + pair * K + 2 * b + nibble, mask=bmask, other=0.0).to(
+                    tl.float32
+                )
                 acc += tl.sum(weight * xs[None, :], axis=1)
         tl.store(out_ptr + pair * N + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
@@ -97,9 +104,13 @@ BN, BK = 16, 256  # a program's outputs and the inputs per step: 2 KB of packed 
 
 
 def check_stored_order(kernel: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
-    """The 4-bit kernels read packed weights and scales in their stored order: refuse strided ones."""
+    """The 4-bit kernels read packed weights and scales in their stored order: refuse strided
+    ones."""
     if not (packed.is_contiguous() and scales.is_contiguous()):
-        raise ValueError(f"{kernel} reads packed weights and scales in their stored order: pass contiguous tensors")
+        raise ValueError(
+            f"{kernel} reads packed weights and scales in their stored order: pass "
+            "contiguous tensors"
+        )
 
 
 def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
@@ -110,7 +121,18 @@ def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
     out = torch.empty(S, N, dtype=x.dtype, device=x.device)
     group = K // scales.shape[2]
     _gemv4[(S, triton.cdiv(N, BN))](
-        x, packed, scales, slots, out, N, K, MXFP4=kind == "mxfp4", GROUP=group, BN=BN, BK=BK, num_warps=4
+        x,
+        packed,
+        scales,
+        slots,
+        out,
+        N,
+        K,
+        MXFP4=kind == "mxfp4",
+        GROUP=group,
+        BN=BN,
+        BK=BK,
+        num_warps=4,
     )
     return out
 

@@ -1,15 +1,17 @@
-"""Decode's expert matmul from dense slots: out[s] = W[slot[s]] @ x[s], each pair's weights read once.
+"""Decode's expert matmul from dense slots: out[s] = W[slot[s]] @ x[s], each pair's weights read
+once.
 
-At decode a layer computes a handful of (token, expert) pairs, and the time is reading the experts' weights
-from HBM. The grouped GEMM (`experts._grouped`) first sorts the pairs by slot and counts them, a score of small
-launches around its two GEMMs; here one program per (pair, block of outputs) streams its rows of the pair's
-matrix and accumulates in float32, with no sort (docs/decisions.md#dense-decode-gemv). A pair of another wave
-(slot -1) reads nothing and gets zeros.
+At decode a layer computes a handful of (token, expert) pairs, and the time is reading the experts'
+weights from HBM. The grouped GEMM (`experts._grouped`) first sorts the pairs by slot and counts
+them, a score of small launches around its two GEMMs; here one program per (pair, block of outputs)
+streams its rows of the pair's matrix and accumulates in float32, with no sort
+(docs/decisions.md#dense-decode-gemv). A pair of another wave (slot -1) reads nothing and gets
+zeros.
 
-The reference, `slot_gemv_reference`, gathers the pairs' matrices and multiplies in float32; the two differ
-only in the order of the sums. Experts stored transposed ([in, out], GPT-OSS) are not taken: through this kernel
-they read slower than through the grouped GEMM (docs/decisions.md#dense-decode-gemv).
-Dims: S pairs, C slots, stored matrix [C, N, K] (out x in).
+The reference, `slot_gemv_reference`, gathers the pairs' matrices and multiplies in float32; the two
+differ only in the order of the sums. Experts stored transposed ([in, out], GPT-OSS) are not taken:
+through this kernel they read slower than through the grouped GEMM
+(docs/decisions.md#dense-decode-gemv). Dims: S pairs, C slots, stored matrix [C, N, K] (out x in).
 """
 
 from __future__ import annotations
@@ -52,21 +54,27 @@ if triton is not None:
         pair = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         slot = tl.load(slot_ptr + pair).to(tl.int64)
-        # another wave's pair: no loads, zeros out. The rows read as a scalar, not `(n < N) & (slot >= 0)`: Triton
-        # 3.9's interpreter broadcasts a scalar comparison to its operands' integer type and refuses that as a mask
+        # another wave's pair: no loads, zeros out. The rows read as a scalar, not `(n < N) & (slot
+        # >= 0)`: Triton 3.9's interpreter broadcasts a scalar comparison to its operands' integer
+        # type and refuses that as a mask
         nmask = n < tl.where(slot >= 0, N, 0)
         w_base = w_ptr + tl.maximum(slot, 0) * w_slot
         acc = tl.zeros([BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             kmask = k < K
-            w = tl.load(w_base + n[:, None] * w_n + k[None, :] * w_k, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(
+                w_base + n[:, None] * w_n + k[None, :] * w_k,
+                mask=nmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
             xs = tl.load(x_ptr + pair * K + k, mask=kmask, other=0.0)
             acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
         tl.store(out_ptr + pair * N + n, acc.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
-# (outputs, inputs) a program takes per step: 8 KB of bf16 in flight, along the rows' contiguous inputs
+# (outputs, inputs) a program takes per step: 8 KB of bf16 in flight, along the rows' contiguous
+# inputs
 BN, BK = 16, 256
 
 

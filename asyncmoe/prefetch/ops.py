@@ -1,6 +1,7 @@
-"""The prefetch's custom ops with their fakes: `prefetch` (predict, admit and copy into a later layer's cache, on
-the side streams), `gate_scores` (the gate predictor), `gate_join` (the compute stream's wait for the gate's input
-to be read) and `observe` (the transition counts). The streams and events they use: cache/streams.py.
+"""The prefetch's custom ops with their fakes: `prefetch` (predict, admit and copy into a later
+layer's cache, on the side streams), `gate_scores` (the gate predictor), `gate_join` (the compute
+stream's wait for the gate's input to be read) and `observe` (the transition counts). The streams
+and events they use: cache/streams.py.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ def _prefetch(
     slots: list[Tensor],
     source: Tensor | None = None,
 ) -> None:
-    """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side stream.
+    """Predict a later layer's experts and admit up to `budget` of them into its cache, on a side
+    stream.
 
-    `state` is the target's cache, `prefetch_state` its `PrefetchState`. `sources`: bits of the predictors
-    (cache.state GATE, TEMPORAL, TRANSITION): the gate's scores are in the target's `gate` (written by `gate_scores`, earlier on the same stream), temporal reads its `routed`,
-    transition its `transitions` and `routed_before`, the previous layer's routing. The copy runs on at most
-    `copy_programs` Triton programs (0: one per block), so the compute stream keeps most SMs. `stamp`: first
-    stamp `pace` on the compute stream, from which the target's `ensure(lap=True)` measures the window.
-    `source`: the `routed` of the layer predicted from, whose `ensure` ran before: predict and admit while its
-    copies run, copy after them (SideStreams.fork).
+    `state` is the target's cache, `prefetch_state` its `PrefetchState`. `sources`: bits of the
+    predictors (cache.state GATE, TEMPORAL, TRANSITION): the gate's scores are in the target's
+    `gate` (written by `gate_scores`, earlier on the same stream), temporal reads its `routed`,
+    transition its `transitions` and `routed_before`, the previous layer's routing. The copy runs on
+    at most `copy_programs` Triton programs (0: one per block), so the compute stream keeps most
+    SMs. `stamp`: first stamp `pace` on the compute stream, from which the target's
+    `ensure(lap=True)` measures the window. `source`: the `routed` of the layer predicted from,
+    whose `ensure` ran before: predict and admit while its copies run, copy after them
+    (SideStreams.fork).
     """
     s, p = CacheState._make(state), PrefetchState._make(prefetch_state)
     request = Request(sources, budget, policy, copy_programs or None)
@@ -58,23 +62,43 @@ def _prefetch(
 
 
 @_prefetch.register_fake
-def _(sources, budget, copy_programs, stamp, policy, state, prefetch_state, routed_before, hosts, slots, source=None):
+def _(
+    sources,
+    budget,
+    copy_programs,
+    stamp,
+    policy,
+    state,
+    prefetch_state,
+    routed_before,
+    hosts,
+    slots,
+    source=None,
+):
     s = check_state(state)
     torch._check(
         len(prefetch_state) == len(PrefetchState._fields),
-        lambda: f"prefetch_state must hold the {len(PrefetchState._fields)} PrefetchState tensors, got {len(prefetch_state)}",
+        lambda: (
+            f"prefetch_state must hold the {len(PrefetchState._fields)} PrefetchState tensors, "
+            f"got {len(prefetch_state)}"
+        ),
     )
     p = PrefetchState._make(prefetch_state)
     E, C = s.expert_to_slot.shape[0] - 1, s.slot_to_expert.shape[0]
     torch._check(sources > 0, lambda: "prefetch needs a predictor")
     torch._check(
-        not (sources & TRANSITION) or routed_before is not None, lambda: "the transition predictor needs routed_before"
+        not (sources & TRANSITION) or routed_before is not None,
+        lambda: "the transition predictor needs routed_before",
     )
     torch._check(
         not (sources & TRANSITION) or p.transitions.shape == (routed_before.shape[0], E),
-        lambda: f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(p.transitions.shape)}",
+        lambda: (
+            f"transitions must be [{routed_before.shape[0]}, {E}], got {tuple(p.transitions.shape)}"
+        ),
     )
-    torch._check(0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)")
+    torch._check(
+        0 < budget <= C, lambda: f"prefetch budget {budget} must be in 1..{C} (the cache's slots)"
+    )
 
 
 def prefetch(
@@ -87,8 +111,8 @@ def prefetch(
     stamp: bool = False,
     source: ExpertCache | None = None,
 ) -> None:
-    """`asyncmoe::prefetch` into `cache` (with its prefetch `buffers`) from the predictors in the bits `sources`;
-    `source`: the cache of the layer predicted from, whose `ensure` ran before."""
+    """`asyncmoe::prefetch` into `cache` (with its prefetch `buffers`) from the predictors in the
+    bits `sources`; `source`: the cache of the layer predicted from, whose `ensure` ran before."""
     torch.ops.asyncmoe.prefetch(
         sources,
         budget,
@@ -114,13 +138,15 @@ def _gate_scores(
     recorded: list[Tensor],
     source: Tensor | None = None,
 ) -> None:
-    """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] -> scores `out` [E].
+    """The gate predictor: layer l+1's router `weight` [E, H] on layer l's MoE input `x` [T, H] ->
+    scores `out` [E].
 
-    On CUDA on the side stream, so the router matmul and the scoring stay off the compute stream's path; the
-    caller joins with `gate_join` before `x` may be freed. It writes the target layer's `gate` buffer, which
-    the prefetch op reads on the same stream. `recorded` (a replayed trace's gate: ids, probs, cursor, or
-    empty): the live scores are computed, then the recorded ones replace them (predictors.recorded_gate_scores).
-    `source`: the `routed` of `x`'s layer, whose `ensure` ran before: score while its copies run.
+    On CUDA on the side stream, so the router matmul and the scoring stay off the compute stream's
+    path; the caller joins with `gate_join` before `x` may be freed. It writes the target layer's
+    `gate` buffer, which the prefetch op reads on the same stream. `recorded` (a replayed trace's
+    gate: ids, probs, cursor, or empty): the live scores are computed, then the recorded ones
+    replace them (predictors.recorded_gate_scores). `source`: the `routed` of `x`'s layer, whose
+    `ensure` ran before: score while its copies run.
     """
     if not out.is_cuda:
         _score_gate(x, weight, bias, per_token, out, recorded)
@@ -129,9 +155,12 @@ def _gate_scores(
         _score_gate(x, weight, bias, per_token, out, recorded, SIDE.read(out))
 
 
-def _score_gate(x, weight, bias, per_token, out, recorded, read: torch.cuda.Event | None = None) -> None:
+def _score_gate(
+    x, weight, bias, per_token, out, recorded, read: torch.cuda.Event | None = None
+) -> None:
     predictors.gate_scores(x, weight, bias, per_token, out)
-    if read is not None:  # the last read of x: `gate_join` waits for this, not for the recorded gate's work
+    # the last read of x: `gate_join` waits for this, not for the recorded gate's work
+    if read is not None:
         read.record()
     if recorded:
         predictors.recorded_gate_scores(recorded, x.shape[0], per_token, out)
@@ -142,7 +171,8 @@ def _(x, weight, bias, per_token, out, recorded, source=None):
     torch._check(
         x.dim() == 2 and x.shape[1] == weight.shape[1],
         lambda: (
-            f"gate scores need x [tokens, {weight.shape[1]}] for a router of {weight.shape[1]} inputs, "
+            f"gate scores need x [tokens, {weight.shape[1]}] for a router of {weight.shape[1]} "
+            "inputs, "
             f"got {tuple(x.shape)}"
         ),
     )
@@ -152,7 +182,8 @@ def _(x, weight, bias, per_token, out, recorded, source=None):
         lambda: f"out must be float32 [{weight.shape[0]}], got {out.dtype} {tuple(out.shape)}",
     )
     torch._check(
-        len(recorded) in (0, 3), lambda: f"recorded must be empty or (ids, probs, cursor), got {len(recorded)} tensors"
+        len(recorded) in (0, 3),
+        lambda: f"recorded must be empty or (ids, probs, cursor), got {len(recorded)} tensors",
     )
 
 
@@ -164,17 +195,20 @@ def gate_scores(
     recorded: list[Tensor] | None = None,
     source: ExpertCache | None = None,
 ) -> None:
-    """Score the router's layer's experts (the prefetch target's) from `x` into its `buffers.gate`; `source`:
-    the cache of `x`'s layer, whose `ensure` ran before."""
+    """Score the router's layer's experts (the prefetch target's) from `x` into its `buffers.gate`;
+    `source`: the cache of `x`'s layer, whose `ensure` ran before."""
     routed = None if source is None else source.routed
-    torch.ops.asyncmoe.gate_scores(x, router[0], router[1], per_token, buffers.gate, recorded or [], routed)
+    torch.ops.asyncmoe.gate_scores(
+        x, router[0], router[1], per_token, buffers.gate, recorded or [], routed
+    )
 
 
 @torch.library.custom_op("asyncmoe::gate_join", mutates_args=("gate",))
 def _gate_join(x: Tensor, gate: Tensor) -> None:
-    """Make the compute stream wait until the gate scoring into `gate` has read `x`, its input: after this `x`
-    may be freed and its memory reused (by the caching allocator, or by Inductor, which sees `x` live until
-    here). `gate` is named as mutated so that nothing reorders the join before the scoring. CPU: nothing."""
+    """Make the compute stream wait until the gate scoring into `gate` has read `x`, its input:
+    after this `x` may be freed and its memory reused (by the caching allocator, or by Inductor,
+    which sees `x` live until here). `gate` is named as mutated so that nothing reorders the join
+    before the scoring. CPU: nothing."""
     if gate.is_cuda:
         torch.cuda.current_stream().wait_event(SIDE.read(gate))
 
@@ -190,7 +224,8 @@ def gate_join(x: Tensor, buffers: PrefetchBuffers) -> None:
 
 @torch.library.custom_op("asyncmoe::observe", mutates_args=("transitions",))
 def _observe(previous: Tensor, routed: Tensor, transitions: Tensor) -> None:
-    """Add this call's (expert at the previous MoE layer -> expert here) pairs to the decayed transition counts."""
+    """Add this call's (expert at the previous MoE layer -> expert here) pairs to the decayed
+    transition counts."""
     predictors.observe(previous, routed, transitions)
 
 
@@ -198,10 +233,14 @@ def _observe(previous: Tensor, routed: Tensor, transitions: Tensor) -> None:
 def _(previous, routed, transitions):
     torch._check(
         transitions.shape == (previous.shape[0], routed.shape[0]),
-        lambda: f"transitions must be [{previous.shape[0]}, {routed.shape[0]}], got {tuple(transitions.shape)}",
+        lambda: (
+            f"transitions must be [{previous.shape[0]}, {routed.shape[0]}], got "
+            f"{tuple(transitions.shape)}"
+        ),
     )
 
 
 def observe(previous: ExpertCache, cache: ExpertCache, buffers: PrefetchBuffers) -> None:
-    """Learn the transitions from `previous`'s experts to `cache`'s into `cache`'s prefetch `buffers`."""
+    """Learn the transitions from `previous`'s experts to `cache`'s into `cache`'s prefetch
+    `buffers`."""
     torch.ops.asyncmoe.observe(previous.routed, cache.routed, buffers.transitions)

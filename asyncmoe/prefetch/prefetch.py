@@ -1,9 +1,10 @@
-"""One prefetch into a target layer: score its experts by the chosen predictors, gate, admit and copy.
+"""One prefetch into a target layer: score its experts by the chosen predictors, gate, admit and
+copy.
 
-What the `asyncmoe::prefetch` op runs on its side stream, and the simulator inline. On CUDA the scoring,
-combining and gating are one Triton launch (`prefetch/prefetch_scores.py`), the decision another
-(`cache/cache_step.py`), then the copy; `scores_reference` is the first launch's reference. Why the
-prediction runs on the side stream, and fused: docs/decisions.md#side-stream-prediction.
+What the `asyncmoe::prefetch` op runs on its side stream, and the simulator inline. On CUDA the
+scoring, combining and gating are one Triton launch (`prefetch/prefetch_scores.py`), the decision
+another (`cache/cache_step.py`), then the copy; `scores_reference` is the first launch's reference.
+Why the prediction runs on the side stream, and fused: docs/decisions.md#side-stream-prediction.
 Dims: E experts of the target, E' of the layer before it.
 """
 
@@ -25,7 +26,8 @@ from .state import PrefetchState
 class Request(NamedTuple):
     """What one prefetch asks of its target layer."""
 
-    sources: int  # bits of the predictors to use (GATE, TEMPORAL, TRANSITION); the gate's scores are in `gate`
+    # bits of the predictors to use (GATE, TEMPORAL, TRANSITION); the gate's scores are in `gate`
+    sources: int
     budget: int  # most experts to admit
     policy: str  # the target cache's eviction policy
     copy_programs: int | None = None  # cap on the copy kernel's grid (None: one program per block)
@@ -35,13 +37,17 @@ def predict_and_prefetch(
     r: Request,
     s: CacheState,  # the target's cache
     p: PrefetchState,  # the target's prefetch buffers
-    routed_before: torch.Tensor | None,  # [E'] the previous layer's routing, for the transition predictor
+    # [E'] the previous layer's routing, for the transition predictor
+    routed_before: torch.Tensor | None,
     hosts: list[torch.Tensor],
     slots: list[torch.Tensor],
     use_kernel: bool | None = None,
 ) -> None:
-    """Score the target's experts into `p.predicted` / `p.nominated`, apply the prefetch gate, and prefetch."""
-    algorithm.copy_in(hosts, slots, predict_and_plan(r, s, p, routed_before, slots, use_kernel), r.copy_programs)
+    """Score the target's experts into `p.predicted` / `p.nominated`, apply the prefetch gate, and
+    prefetch."""
+    algorithm.copy_in(
+        hosts, slots, predict_and_plan(r, s, p, routed_before, slots, use_kernel), r.copy_programs
+    )
 
 
 def predict_and_plan(
@@ -58,10 +64,14 @@ def predict_and_plan(
         prefetch_scores_triton(r.sources, routed_before, r.budget, s, p)
     else:
         scores_reference(r.sources, routed_before, r.budget, s, p)
-    return algorithm.prefetch_plan(p.predicted, p.nominated, r.budget, r.policy, s, slots, use_kernel)
+    return algorithm.prefetch_plan(
+        p.predicted, p.nominated, r.budget, r.policy, s, slots, use_kernel
+    )
 
 
-def scores_reference(sources: int, routed_before, keep: int, s: CacheState, p: PrefetchState) -> None:
+def scores_reference(
+    sources: int, routed_before, keep: int, s: CacheState, p: PrefetchState
+) -> None:
     """The combined prediction and its sources into `p.predicted` and `p.nominated`, gated."""
     parts = [(GATE, p.gate)] if sources & GATE else []
     if sources & TEMPORAL:

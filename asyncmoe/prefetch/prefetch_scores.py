@@ -1,10 +1,11 @@
 """A prefetch's scores and its gate in one Triton program: the temporal and transition scores, their
 combination with the gate predictor's, and the prefetch gate, ~35 kernels of the torch code
-(docs/decisions.md#fused-predictors). Runs on the side stream before the decision (cache/cache_step.py).
+(docs/decisions.md#fused-predictors). Runs on the side stream before the decision
+(cache/cache_step.py).
 
-Reference: `prefetch.scores_reference` (predictors.py, prefetch_gate.py); the kernel agrees with it to rounding
-(row sums accumulate in another order, and an update may fuse its multiply-add). Constants: the reference's own.
-Dims: E experts (target layer), E' experts (previous layer).
+Reference: `prefetch.scores_reference` (predictors.py, prefetch_gate.py); the kernel agrees with it
+to rounding (row sums accumulate in another order, and an update may fuse its multiply-add).
+Constants: the reference's own. Dims: E experts (target layer), E' experts (previous layer).
 """
 
 from __future__ import annotations
@@ -22,39 +23,56 @@ try:
 except ImportError:  # non-Linux
     triton = None
 
-assert (PAID == WASTED + 1) and (SEEN_PAID == SEEN_WASTED + 1)  # `_opens` reads each pair as one [2] vector
+# `_opens` reads each pair as one [2] vector
+assert (PAID == WASTED + 1) and (SEEN_PAID == SEEN_WASTED + 1)
 
 if triton is not None:
     _ID_BITS = tl.constexpr(12)
     _ID_MASK = tl.constexpr(4095)
-    _GATE, _TEMPORAL, _TRANSITION = tl.constexpr(GATE), tl.constexpr(TEMPORAL), tl.constexpr(TRANSITION)
-    _CALLS, _PREFETCHED = tl.constexpr(Counter.CALLS), tl.constexpr(Counter.PREFETCHED)
-    _TIMELY, _VICTIMS = tl.constexpr(Counter.PREFETCH_TIMELY), tl.constexpr(Counter.PREFETCH_VICTIMS)
-    _EXPLORED, _EXPLORED_PAID = tl.constexpr(Counter.EXPLORED), tl.constexpr(Counter.EXPLORED_PAID)
-    _RUNNERS_UP, _RUNNERS_UP_PAID = tl.constexpr(Counter.RUNNERS_UP), tl.constexpr(Counter.RUNNERS_UP_PAID)
-    _WASTED, _SEEN_WASTED, _N_OUTCOMES = tl.constexpr(WASTED), tl.constexpr(SEEN_WASTED), tl.constexpr(N_OUTCOMES)
-    _PACE_WINDOW, _PACE_COPY = tl.constexpr(PACE_WINDOW), tl.constexpr(PACE_COPY)
-    _MIN_SUPPORT, _MIN_PRECISION = tl.constexpr(MIN_SUPPORT), tl.constexpr(MIN_PRECISION)
-    _LOG2_DECAY, _EXPLORE_EVERY = tl.constexpr(LOG2_DECAY), tl.constexpr(EXPLORE_EVERY)
+    _GATE = tl.constexpr(GATE)
+    _TEMPORAL = tl.constexpr(TEMPORAL)
+    _TRANSITION = tl.constexpr(TRANSITION)
+    _CALLS = tl.constexpr(Counter.CALLS)
+    _PREFETCHED = tl.constexpr(Counter.PREFETCHED)
+    _TIMELY = tl.constexpr(Counter.PREFETCH_TIMELY)
+    _VICTIMS = tl.constexpr(Counter.PREFETCH_VICTIMS)
+    _EXPLORED = tl.constexpr(Counter.EXPLORED)
+    _EXPLORED_PAID = tl.constexpr(Counter.EXPLORED_PAID)
+    _RUNNERS_UP = tl.constexpr(Counter.RUNNERS_UP)
+    _RUNNERS_UP_PAID = tl.constexpr(Counter.RUNNERS_UP_PAID)
+    _WASTED = tl.constexpr(WASTED)
+    _SEEN_WASTED = tl.constexpr(SEEN_WASTED)
+    _N_OUTCOMES = tl.constexpr(N_OUTCOMES)
+    _PACE_WINDOW = tl.constexpr(PACE_WINDOW)
+    _PACE_COPY = tl.constexpr(PACE_COPY)
+    _MIN_SUPPORT = tl.constexpr(MIN_SUPPORT)
+    _MIN_PRECISION = tl.constexpr(MIN_PRECISION)
+    _LOG2_DECAY = tl.constexpr(LOG2_DECAY)
+    _EXPLORE_EVERY = tl.constexpr(EXPLORE_EVERY)
 
     @triton.jit
-    def _transition_share(transitions_ptr, before_ptr, e, emask, E, E_before, keep, BE: tl.constexpr, BR: tl.constexpr):
-        """transition_scores: the share of the previous layer's routed experts' transitions that lead to each
-        expert, kept for the `keep` likeliest (ties to the lower id)."""
+    def _transition_share(
+        transitions_ptr, before_ptr, e, emask, E, E_before, keep, BE: tl.constexpr, BR: tl.constexpr
+    ):
+        """transition_scores: the share of the previous layer's routed experts' transitions that
+        lead to each expert, kept for the `keep` likeliest (ties to the lower id)."""
         share = tl.zeros([BE], dtype=tl.float32)
         n_before = 0.0
         for r0 in range(0, E_before, BR):
             r = r0 + tl.arange(0, BR)
             rmask = r < E_before
             counts = tl.load(
-                transitions_ptr + r[:, None] * E + e[None, :], mask=rmask[:, None] & emask[None, :], other=0.0
+                transitions_ptr + r[:, None] * E + e[None, :],
+                mask=rmask[:, None] & emask[None, :],
+                other=0.0,
             )
             before = tl.load(before_ptr + r, mask=rmask, other=0).to(tl.float32)
             rows = counts / tl.maximum(tl.sum(counts, axis=1), 1e-6)[:, None]
             share += tl.sum(rows * before[:, None], axis=0)
             n_before += tl.sum(before, axis=0)
         share = share / tl.maximum(n_before, 1.0)
-        key = (share.to(tl.int32, bitcast=True).to(tl.int64) << _ID_BITS) | (_ID_MASK - e)  # share >= 0: its bits
+        # share >= 0: its bits
+        key = (share.to(tl.int32, bitcast=True).to(tl.int64) << _ID_BITS) | (_ID_MASK - e)
         key = tl.where(emask, key, -1)
         kth = tl.min(tl.where(e < keep, tl.sort(key, descending=True), 1 << 62))
         return tl.where(key >= kth, share, 0.0)
@@ -76,13 +94,16 @@ if triton is not None:
         BE: tl.constexpr,
         BR: tl.constexpr,
     ):
-        """predictors.combine: the gate's nominations first, then what the others back with enough support."""
+        """predictors.combine: the gate's nominations first, then what the others back with enough
+        support."""
         support = tl.zeros([BE], dtype=tl.float32)
         if USE_TEMPORAL:  # the experts this layer routed to last call
             temporal = tl.load(routed_ptr + e, mask=emask, other=0).to(tl.float32)
             support += temporal
         if USE_TRANSITION:
-            transition = _transition_share(transitions_ptr, before_ptr, e, emask, E, E_before, keep, BE, BR)
+            transition = _transition_share(
+                transitions_ptr, before_ptr, e, emask, E, E_before, keep, BE, BR
+            )
             support += transition
         sources = tl.zeros([BE], dtype=tl.int32)
         score = tl.zeros([BE], dtype=tl.float32)
@@ -102,7 +123,8 @@ if triton is not None:
 
     @triton.jit
     def _opens(outcomes_ptr, tried, saved, decay, precision):
-        """prefetch_gate.opens: the decayed (wasted, paid) estimate updated from the totals, and whether it opens."""
+        """prefetch_gate.opens: the decayed (wasted, paid) estimate updated from the totals, and
+        whether it opens."""
         k = tl.arange(0, 2)  # 0: wasted, 1: paid
         seen = tl.where(k == 0, tried - saved, saved).to(tl.float32)
         fresh_outcomes = tl.maximum(seen - tl.load(outcomes_ptr + _SEEN_WASTED + k), 0.0)
@@ -115,22 +137,28 @@ if triton is not None:
 
     @triton.jit
     def _gate(counters_ptr, outcomes_ptr, visited, calls, precision):
-        """prefetch_gate.gate_prefetch's two decisions: whether prefetches, and runners-up, save enough misses."""
-        decay = tl.exp2(tl.maximum(calls - visited, 1).to(tl.float32) * _LOG2_DECAY)  # per call since the last
-        # misses the prefetches saved: used by their call, less the hits they cost, and the explorations that would
-        # have saved one
+        """prefetch_gate.gate_prefetch's two decisions: whether prefetches, and runners-up, save
+        enough misses."""
+        # per call since the last
+        decay = tl.exp2(tl.maximum(calls - visited, 1).to(tl.float32) * _LOG2_DECAY)
+        # misses the prefetches saved: used by their call, less the hits they cost, and the
+        # explorations that would have saved one
         saved = tl.load(counters_ptr + _TIMELY) - tl.load(counters_ptr + _VICTIMS)
         saved += tl.load(counters_ptr + _EXPLORED_PAID)
         tried = tl.load(counters_ptr + _PREFETCHED) + tl.load(counters_ptr + _EXPLORED)
         on = _opens(outcomes_ptr, tried, saved, decay, precision)
-        tried_r, saved_r = tl.load(counters_ptr + _RUNNERS_UP), tl.load(counters_ptr + _RUNNERS_UP_PAID)
+        tried_r, saved_r = (
+            tl.load(counters_ptr + _RUNNERS_UP),
+            tl.load(counters_ptr + _RUNNERS_UP_PAID),
+        )
         runners_on = _opens(outcomes_ptr + _N_OUTCOMES, tried_r, saved_r, decay, precision)
         return on, runners_on
 
     @triton.jit
     def _prefetch_scores(
         gate_ptr, pred_ptr, nominated_ptr, outcomes_ptr, visited_ptr, gate_open_ptr, transitions_ptr,  # prefetch
-        routed_ptr, before_ptr, e2s_ptr, counters_ptr, explored_ptr, runners_up_ptr, pace_ptr,  # the caches'
+        # the caches'
+        routed_ptr, before_ptr, e2s_ptr, counters_ptr, explored_ptr, runners_up_ptr, pace_ptr,
         E, E_before, keep,
         USE_GATE: tl.constexpr, USE_TEMPORAL: tl.constexpr, USE_TRANSITION: tl.constexpr,
         BE: tl.constexpr, BR: tl.constexpr,
@@ -141,30 +169,44 @@ if triton is not None:
             gate_ptr, routed_ptr, transitions_ptr, before_ptr, e, emask, E, E_before, keep,
             USE_GATE, USE_TEMPORAL, USE_TRANSITION, BE, BR,
         )  # fmt: skip
-        # the prefetch gate: off while most recent prefetches were wasted; a closed one's explorer is scored, not copied
+        # the prefetch gate: off while most recent prefetches were wasted; a closed one's explorer
+        # is scored, not copied
         calls, visited = tl.load(counters_ptr + _CALLS), tl.load(visited_ptr)
-        copy_ns, window_ns = tl.load(pace_ptr + _PACE_COPY), tl.load(pace_ptr + _PACE_WINDOW)  # int64
+        # int64
+        copy_ns, window_ns = tl.load(pace_ptr + _PACE_COPY), tl.load(pace_ptr + _PACE_WINDOW)
         copy, window = copy_ns.to(tl.float32), window_ns.to(tl.float32)
         measured = (copy > 0) & (window > 0)
-        precision = tl.where(measured, tl.maximum(copy / (copy + window), _MIN_PRECISION), _MIN_PRECISION)
+        precision = tl.where(
+            measured, tl.maximum(copy / (copy + window), _MIN_PRECISION), _MIN_PRECISION
+        )
         on, runners_on = _gate(counters_ptr, outcomes_ptr, visited, calls, precision)
         resident = tl.load(e2s_ptr + e, mask=emask, other=0) >= 0
         fresh = tl.where(resident, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
-        likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)  # first of the maxima
-        # the likeliest whose copies start within the window (fresh >= 0 sorts as its bits; ties to the lower id),
-        # past the first: the runners-up
-        fit = tl.where(measured, (window_ns + copy_ns - 1) // tl.maximum(copy_ns, 1), keep)  # ranks_in_window
+        # first of the maxima
+        likeliest = e == tl.min(tl.where(fresh == tl.max(fresh, axis=0), e, BE), axis=0)
+        # the likeliest whose copies start within the window (fresh >= 0 sorts as its bits; ties to
+        # the lower id), past the first: the runners-up ranks_in_window
+        fit = tl.where(measured, (window_ns + copy_ns - 1) // tl.maximum(copy_ns, 1), keep)
         fit = tl.minimum(tl.maximum(fit, 1), keep)
-        key = tl.where(emask, (fresh.to(tl.int32, bitcast=True).to(tl.int64) << _ID_BITS) | (_ID_MASK - e), -1)
+        key = tl.where(
+            emask, (fresh.to(tl.int32, bitcast=True).to(tl.int64) << _ID_BITS) | (_ID_MASK - e), -1
+        )
         kth = tl.min(tl.where(e < fit, tl.sort(key, descending=True), 1 << 62))
         runners_up = (key >= kth) & (fresh > 0) & ~likeliest
         tl.store(runners_up_ptr + e, runners_up, mask=emask)
-        stride = tl.where(measured, tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)  # explore_period's
+        # explore_period's
+        stride = tl.where(measured, tl.maximum(copy_ns // tl.maximum(window_ns, 1), 1), 1)
         period = _EXPLORE_EVERY * stride
-        explore = (on == 0) & (calls > 0) & (calls // period != visited // period) & (tl.max(fresh, axis=0) > 0)
+        explore = (
+            (on == 0)
+            & (calls > 0)
+            & (calls // period != visited // period)
+            & (tl.max(fresh, axis=0) > 0)
+        )
         tl.store(explored_ptr, tl.sum(tl.where(likeliest, e, 0), axis=0).to(tl.int64), mask=explore)
-        admit = (resident | likeliest).to(tl.int32) + runners_up.to(tl.int32) * runners_on  # runners-up while they pay
+        # runners-up while they pay
+        admit = (resident | likeliest).to(tl.int32) + runners_up.to(tl.int32) * runners_on
         score = tl.where((admit * on) > 0, score, 0.0)
         tl.store(pred_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
@@ -175,9 +217,10 @@ if triton is not None:
 def prefetch_scores_triton(
     sources: int, routed_before: torch.Tensor | None, keep: int, s: CacheState, p: PrefetchState
 ) -> None:
-    """The target layer's combined and gated scores into `p.predicted` [E] and their sources into `p.nominated`
-    [E], for the predictors in the bits `sources` (GATE, TEMPORAL, TRANSITION): the gate's scores from `p.gate`,
-    temporal from the target's `s.routed`, transition from `routed_before` [E'] and `p.transitions` [E', E]."""
+    """The target layer's combined and gated scores into `p.predicted` [E] and their sources into
+    `p.nominated` [E], for the predictors in the bits `sources` (GATE, TEMPORAL, TRANSITION): the
+    gate's scores from `p.gate`, temporal from the target's `s.routed`, transition from
+    `routed_before` [E'] and `p.transitions` [E', E]."""
     E = p.predicted.shape[0]
     transition = bool(sources & TRANSITION)
     _prefetch_scores[(1,)](

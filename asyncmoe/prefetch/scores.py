@@ -1,22 +1,27 @@
-"""The predictors' work, one launch each instead of a chain of small kernels (docs/decisions.md#fused-predictors).
+"""The predictors' work, one launch each instead of a chain of small kernels
+(docs/decisions.md#fused-predictors).
 
 Inside a decode step's CUDA graph every kernel costs a few microseconds, however small, and the side
 stream's kernels share the GPU with the compute beside them.
 
 Compute stream:
-- `gate_scores_triton`: layer l+1's router on layer l's MoE input [T, H] (cuBLAS, as the router itself),
+- `gate_scores_triton`: layer l+1's router on layer l's MoE input [T, H] (cuBLAS, as the router
+  itself),
   then softmax, each token's top-p and the mean over tokens -> [E] in one program: decode has a
   handful of tokens, and one program keeps the sum over tokens in a fixed order (no atomics), so a
   replayed graph decides as the eager step does.
 - `observe_triton`: the transition counts' decay-and-add, one program per row.
 Side stream:
-- `recorded_scores_triton`: a replayed trace's recorded gate for the tokens from its cursor on, scored as the
-  gate scores them, in one program (the torch code is ~10 kernels, which the compute stream's join then waits for).
+- `recorded_scores_triton`: a replayed trace's recorded gate for the tokens from its cursor on,
+  scored as the
+  gate scores them, in one program (the torch code is ~10 kernels, which the compute stream's join
+  then waits for).
 - the prefetch's own scores and gate: prefetch_scores.py.
 
-References: `predictors.gate_scores_reference`, `recorded_scores_reference` and `observe_reference`. The kernels agree with them to rounding: the matmuls and row sums
-accumulate in another order, and an update may fuse its multiply-add.
-Dims: T tokens, H hidden, E experts (target layer), E' experts (previous layer).
+References: `predictors.gate_scores_reference`, `recorded_scores_reference` and `observe_reference`.
+The kernels agree with them to rounding: the matmuls and row sums accumulate in another order, and
+an update may fuse its multiply-add. Dims: T tokens, H hidden, E experts (target layer), E' experts
+(previous layer).
 """
 
 from __future__ import annotations
@@ -30,12 +35,22 @@ try:
 except ImportError:  # non-Linux
     triton = None
 
-MAX_TOKENS = 64  # more tokens (prefill) take the torch path: one program would serialise their softmax and top-p
+# more tokens (prefill) take the torch path: one program would serialise their softmax and top-p
+MAX_TOKENS = 64
 
 if triton is not None:
 
     @triton.jit
-    def _gate_scores(logits_ptr, out_ptr, T, E, stride, PER_TOKEN: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+    def _gate_scores(
+        logits_ptr,
+        out_ptr,
+        T,
+        E,
+        stride,
+        PER_TOKEN: tl.constexpr,
+        BT: tl.constexpr,
+        BE: tl.constexpr,
+    ):
         e = tl.arange(0, BE)
         emask = e < E
         total = tl.zeros([BE], dtype=tl.float32)
@@ -43,14 +58,17 @@ if triton is not None:
             t = t0 + tl.arange(0, BT)
             tmask = t < T
             logits = tl.load(
-                logits_ptr + t[:, None] * stride + e[None, :], mask=tmask[:, None] & emask[None, :], other=0.0
+                logits_ptr + t[:, None] * stride + e[None, :],
+                mask=tmask[:, None] & emask[None, :],
+                other=0.0,
             )
             logits = tl.where(emask[None, :], logits.to(tl.float32), float("-inf"))
             p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
             p = p / tl.sum(p, axis=1)[:, None]
             chosen = tl.zeros([BT, BE], dtype=tl.float32)
             left = tl.where(emask[None, :], p, -1.0)
-            for _ in tl.static_range(PER_TOKEN):  # top-p by repeated argmax: ties go to the lower expert id
+            # top-p by repeated argmax: ties go to the lower expert id
+            for _ in tl.static_range(PER_TOKEN):
                 top = tl.argmax(left, axis=1)
                 pick = e[None, :] == top[:, None]
                 chosen = tl.where(pick, p, chosen)
@@ -83,7 +101,9 @@ if triton is not None:
         for t in range(0, T):  # rows from the cursor on, wrapping as the replay does
             row = (cursor + t) % N
             ids = tl.load(ids_ptr + row * ids_row + j * ids_col, mask=jmask, other=-1)
-            p = tl.load(probs_ptr + row * probs_row + j * probs_col, mask=jmask, other=0.0).to(tl.float32)
+            p = tl.load(probs_ptr + row * probs_row + j * probs_col, mask=jmask, other=0.0).to(
+                tl.float32
+            )
             total += tl.sum(tl.where(ids[:, None] == e[None, :], p[:, None], 0.0), axis=0)
         tl.store(out_ptr + e, total / T, mask=e < E)
 
@@ -99,17 +119,27 @@ if triton is not None:
 
 
 def gate_scores_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, per_token: int, out: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    per_token: int,
+    out: torch.Tensor,
 ) -> None:
     """x [T, H] with T <= MAX_TOKENS, weight [E, H], bias [E] or None -> out [E] float32."""
-    logits = F.linear(x.to(weight.dtype), weight, bias)  # [T, E], as the router computes them (and the reference)
+    # [T, E], as the router computes them (and the reference)
+    logits = F.linear(x.to(weight.dtype), weight, bias)
     T, E = logits.shape
     BE = max(16, triton.next_power_of_2(E))
-    _gate_scores[(1,)](logits, out, T, E, logits.stride(0), PER_TOKEN=min(per_token, E), BT=16, BE=BE, num_warps=4)
+    _gate_scores[(1,)](
+        logits, out, T, E, logits.stride(0), PER_TOKEN=min(per_token, E), BT=16, BE=BE, num_warps=4
+    )
 
 
-def recorded_scores_triton(recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor) -> None:
-    """`recorded`: (ids [N, g], probs [N, g], cursor [1]) of a replay; tokens <= MAX_TOKENS -> out [E] float32."""
+def recorded_scores_triton(
+    recorded: list[torch.Tensor], tokens: int, per_token: int, out: torch.Tensor
+) -> None:
+    """`recorded`: (ids [N, g], probs [N, g], cursor [1]) of a replay; tokens <= MAX_TOKENS -> out
+    [E] float32."""
     ids, probs, cursor = recorded
     (N, g), E = ids.shape, out.shape[0]
     _recorded_scores[(1,)](
@@ -129,8 +159,11 @@ def recorded_scores_triton(recorded: list[torch.Tensor], tokens: int, per_token:
     )
 
 
-def observe_triton(previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, decay: float) -> None:
-    """transitions [E', E] = transitions * decay + outer(previous [E'], routed [E]) (bool masks), in place."""
+def observe_triton(
+    previous: torch.Tensor, routed: torch.Tensor, transitions: torch.Tensor, decay: float
+) -> None:
+    """transitions [E', E] = transitions * decay + outer(previous [E'], routed [E]) (bool masks), in
+    place."""
     E = routed.shape[0]
     BE = triton.next_power_of_2(E)
     _observe[(previous.shape[0],)](previous, routed, transitions, E, decay, BE=BE, num_warps=1)

@@ -102,7 +102,9 @@ def test_another_ranks_experts_need_nothing_here():
     c = dict(zip(COUNTERS, cache.counters.tolist(), strict=True))
     assert (c["hits"], c["misses"], c["bytes_h2d"]) == (0, 2, 2 * cache.expert_bytes)
     assert cache.routed.tolist() == [True, False, True, False, False, False, False, False]
-    assert (ensure(cache, torch.tensor([[8, 8]]), 0) == -1).all()  # a call with none of this rank's experts
+    assert (
+        ensure(cache, torch.tensor([[8, 8]]), 0) == -1
+    ).all()  # a call with none of this rank's experts
 
 
 def test_waves_cover_more_experts_than_slots():
@@ -131,7 +133,9 @@ def test_waves_serve_resident_experts_first():
             if call == 1 and wave == 0:
                 assert torch.equal(ids[slots >= 0].sort().values, torch.tensor([9, 10, 11]))
         got = cache.counters - before
-        assert (got[Counter.HITS].item(), got[Counter.MISSES].item()) == ((0, 12) if call == 0 else (3, 9))
+        assert (got[Counter.HITS].item(), got[Counter.MISSES].item()) == (
+            (0, 12) if call == 0 else (3, 9)
+        )
 
 
 def test_wave_plan_ranks_resident_experts_first():
@@ -143,24 +147,48 @@ def test_wave_plan_ranks_resident_experts_first():
     need, now, later = algorithm.wave_plan(ids, 0, 2, resident, wave_of)
     assert wave_of.tolist() == [1, 1, 0, -1, 0, 2]
     assert need.tolist() == [True, True, True, False, True, True]
-    assert now.tolist() == [False, False, True, False, True, False] and later.tolist() == [1, 1, 0, 0, 0, 1]
+    assert now.tolist() == [False, False, True, False, True, False] and later.tolist() == [
+        1,
+        1,
+        0,
+        0,
+        0,
+        1,
+    ]
     _, now, later = algorithm.wave_plan(ids, 1, 2, torch.zeros(6, dtype=torch.bool), wave_of)
     assert wave_of.tolist() == [1, 1, 0, -1, 0, 2]  # kept from wave 0
-    assert now.tolist() == [True, True, False, False, False, False] and later.tolist() == [0, 0, 0, 0, 0, 1]
+    assert now.tolist() == [True, True, False, False, False, False] and later.tolist() == [
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+    ]
 
 
 def test_prefetch_hits_are_counted_by_nominator():
     cache = ExpertCache({"w": torch.randn(8, 3)}, 3, "lru")
     predicted = torch.tensor([0, 0.9, 0, 0, 0.2, 0.5, 0, 0])
     nominated = torch.tensor([0, GATE | TEMPORAL, 0, 0, TRANSITION, GATE, 0, 0], dtype=torch.int8)
-    algorithm.prefetch(predicted, nominated, 2, "lru", cache.state, cache.hosts, cache.slots)  # admits 1 and 5
+    algorithm.prefetch(
+        predicted, nominated, 2, "lru", cache.state, cache.hosts, cache.slots
+    )  # admits 1 and 5
     assert sorted(e for e in cache.slot_to_expert.tolist() if e >= 0) == [1, 5]
     assert torch.equal(cache.slot_w[cache.expert_to_slot[[1, 5]]], cache.host_w[[1, 5]])
-    assert cache.source[cache.expert_to_slot[[1, 5]]].tolist() == [GATE | TEMPORAL, GATE]  # tagged by their nominators
+    assert cache.source[cache.expert_to_slot[[1, 5]]].tolist() == [
+        GATE | TEMPORAL,
+        GATE,
+    ]  # tagged by their nominators
     ensure(cache, torch.tensor([[1, 2]]), 0)  # 1 was prefetched, 2 misses
-    ensure(cache, torch.tensor([[1, 3]]), 0)  # 1 again: a plain hit now; 3 evicts the unused prefetch of 5
+    ensure(
+        cache, torch.tensor([[1, 3]]), 0
+    )  # 1 again: a plain hit now; 3 evicts the unused prefetch of 5
     c = dict(zip(COUNTERS, cache.counters.tolist(), strict=True))
-    prefetched = [c[n] for n in ("prefetched", "prefetch_hits", "hits_gate", "hits_temporal", "hits_transition")]
+    prefetched = [
+        c[n]
+        for n in ("prefetched", "prefetch_hits", "hits_gate", "hits_temporal", "hits_transition")
+    ]
     assert prefetched == [2, 1, 1, 1, 0]
     assert (c["hits"], c["misses"], c["wasted"]) == (2, 2, 1)
     assert c["bytes_h2d"] == 4 * cache.expert_bytes
@@ -178,7 +206,9 @@ def test_prefetch_keeps_resident_predictions_and_spends_the_budget_elsewhere():
     assert 0 in resident and 3 in resident and len(resident) == 3
     c = dict(zip(COUNTERS, cache.counters.tolist(), strict=True))
     assert (c["prefetched"], c["evictions"]) == (1, 1)
-    assert cache.evicted_at[({1, 2} - set(resident)).pop()] == cache.clock  # the victim, for the victims counter
+    assert (
+        cache.evicted_at[({1, 2} - set(resident)).pop()] == cache.clock
+    )  # the victim, for the victims counter
 
 
 def test_admit_books_without_copying():
@@ -192,7 +222,8 @@ def test_admit_books_without_copying():
     )
     assert int(count) == 2 and valid.tolist() == [True, True, False] and src[:2].tolist() == [2, 6]
     assert (
-        cache.slot_to_expert[dst[:2]].tolist() == [2, 6] and cache.expert_to_slot[[2, 6]].tolist() == dst[:2].tolist()
+        cache.slot_to_expert[dst[:2]].tolist() == [2, 6]
+        and cache.expert_to_slot[[2, 6]].tolist() == dst[:2].tolist()
     )
     assert gone.tolist() == [8, 8, 8] and int(wasted) == 0  # nothing evicted: E marks none
     assert not cache.used.any()  # admitted, not yet used

@@ -25,9 +25,13 @@ def run(cache, kind, args, use_kernel):
     c = cache
     if kind == "ensure":
         ids, wave = args
-        return algorithm.ensure(ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
+        return algorithm.ensure(
+            ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel
+        )
     scores, sources, budget = args
-    algorithm.prefetch(scores, sources, budget, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
+    algorithm.prefetch(
+        scores, sources, budget, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel
+    )
 
 
 def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]]):
@@ -36,7 +40,9 @@ def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]])
         if kind == "ensure":
             scores = torch.rand(size, E, generator=g) * torch.linspace(2, 1, E)
             ids = scores.topk(k, dim=-1).indices
-            if torch.rand(1, generator=g) < 0.5:  # some pairs on another rank's experts (expert parallelism): id E
+            if (
+                torch.rand(1, generator=g) < 0.5
+            ):  # some pairs on another rank's experts (expert parallelism): id E
                 ids = torch.where(torch.rand(size, k, generator=g) < 0.3, E, ids)
             for wave in range(num_waves(size * k, C, E)):
                 yield "ensure", (ids, wave)
@@ -60,7 +66,9 @@ def test_kernel_equals_reference(device, seed, E, data):
     policy = data.draw(st.sampled_from(sorted(POLICIES)))
     calls = data.draw(
         st.lists(
-            st.tuples(st.sampled_from(["ensure", "ensure", "prefetch"]), st.integers(1, 7)), min_size=1, max_size=8
+            st.tuples(st.sampled_from(["ensure", "ensure", "prefetch"]), st.integers(1, 7)),
+            min_size=1,
+            max_size=8,
         )
     )
     kernel, reference = pair(E, C, policy, device)
@@ -80,11 +88,17 @@ def test_launchers_plan_the_references_copies(device):
     E, C = 10, 3
     kernel, reference = pair(E, C, "lru", device)
     nbytes = expert_bytes(kernel.slots)
-    ids = torch.tensor([3, 7, 1, 3, 9], device=device)  # 4 experts over 3 slots: 2 waves, copying 3 then 1
+    ids = torch.tensor(
+        [3, 7, 1, 3, 9], device=device
+    )  # 4 experts over 3 slots: 2 waves, copying 3 then 1
     copied = []
     for wave in range(num_waves(ids.numel(), C, E)):
-        got, (src, dst, count) = cache_step.ensure_triton(ids, wave, get_policy("lru").id, kernel.state, nbytes)
-        want, (rsrc, rdst, rcount) = algorithm.ensure_reference(ids, wave, get_policy("lru"), reference.state, nbytes)
+        got, (src, dst, count) = cache_step.ensure_triton(
+            ids, wave, get_policy("lru").id, kernel.state, nbytes
+        )
+        want, (rsrc, rdst, rcount) = algorithm.ensure_reference(
+            ids, wave, get_policy("lru"), reference.state, nbytes
+        )
         n = int(rcount)
         assert torch.equal(got, want) and int(count) == n
         assert torch.equal(src[:n], rsrc[:n]) and torch.equal(dst[:n], rdst[:n])
@@ -92,9 +106,15 @@ def test_launchers_plan_the_references_copies(device):
     assert copied == [[1, 3, 7], [9]]  # misses in expert-id order, each wave at most C
     predicted = torch.tensor([0.1, 0, 0, 0, 0, 0.5, 0.7, 0, 0, 0], device=device)
     nominated = torch.ones(E, dtype=torch.int8, device=device)
-    src, dst, count = cache_step.prefetch_triton(predicted, nominated, 2, get_policy("lru").id, kernel.state, nbytes)
-    rsrc, rdst, rcount = algorithm.prefetch_reference(predicted, nominated, 2, get_policy("lru"), reference.state, nbytes)
+    src, dst, count = cache_step.prefetch_triton(
+        predicted, nominated, 2, get_policy("lru").id, kernel.state, nbytes
+    )
+    rsrc, rdst, rcount = algorithm.prefetch_reference(
+        predicted, nominated, 2, get_policy("lru"), reference.state, nbytes
+    )
     n = int(rcount)
     assert int(count) == n == 2  # the two likeliest, none resident
-    assert sorted(src[:n].tolist()) == sorted(rsrc[:n].tolist()) == [5, 6] and torch.equal(dst[:n], rdst[:n])
+    assert sorted(src[:n].tolist()) == sorted(rsrc[:n].tolist()) == [5, 6] and torch.equal(
+        dst[:n], rdst[:n]
+    )
     assert_same(kernel, reference)

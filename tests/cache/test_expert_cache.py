@@ -24,12 +24,17 @@ def test_state_fields_are_the_buffers():
     state = cache.state
     assert isinstance(state, CacheState) and state._fields == CacheState._fields
     buffers = dict(cache.named_buffers())
-    assert set(buffers) - set(CacheState._fields) == {f"{kind}_{n}" for n in ("w", "b") for kind in ("host", "slot")}
+    assert set(buffers) - set(CacheState._fields) == {
+        f"{kind}_{n}" for n in ("w", "b") for kind in ("host", "slot")
+    }
     for name in CacheState._fields:
         assert getattr(state, name) is buffers[name] is getattr(cache, name), name
     assert state.timer.numel() == 0 and state.pace.shape == (3,)
     assert state.counters.shape == (len(COUNTERS),) == (len(Counter),)
-    assert COUNTERS[Counter.HITS] == "hits" and COUNTERS[Counter.PREFETCH_VICTIMS] == "prefetch_victims"
+    assert (
+        COUNTERS[Counter.HITS] == "hits"
+        and COUNTERS[Counter.PREFETCH_VICTIMS] == "prefetch_victims"
+    )
     assert make_cache(E=6, C=2, policy="lru", time_stalls=True).timer.numel() == TIMER_SIZE
 
 
@@ -44,7 +49,12 @@ def test_sizes():
     cache = make_cache(E=6, C=2, policy="lru")
     assert cache.expert_bytes == expert_bytes(cache.slots) == (3 * 2 + 5) * 4
     assert cache.slot_w.shape == (2, 3, 2) and cache.host_b is cache.hosts[1]
-    assert (num_waves(2, 4, 16), num_waves(5, 4, 16), num_waves(40, 4, 16), num_waves(40, 4, 10)) == (1, 2, 4, 3)
+    assert (
+        num_waves(2, 4, 16),
+        num_waves(5, 4, 16),
+        num_waves(40, 4, 16),
+        num_waves(40, 4, 10),
+    ) == (1, 2, 4, 3)
 
 
 def test_unknown_policy_fails_at_build():
@@ -76,7 +86,9 @@ def test_clear_keeps_the_pace_and_the_addresses():
     ops.ensure(cache, torch.tensor([[0, 1]]), 0)
     cache.clear()
     assert cache.pace.tolist() == [1, 2, 3]  # it measures the GPU, not the cache's history
-    assert [t.data_ptr() for t in cache.state] == addresses  # in place: a captured graph stays valid
+    assert [
+        t.data_ptr() for t in cache.state
+    ] == addresses  # in place: a captured graph stays valid
 
 
 def test_a_cache_refuses_to_be_moved_or_cast():

@@ -21,7 +21,11 @@ def case(dtype, device, E=7, C=5, M=4, row=(3, 33), seed=0):
 
 
 def bits(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return (
+        t.view(torch.uint8)
+        if t.element_size() == 1
+        else t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    )
 
 
 @pytest.mark.parametrize("device", devices())
@@ -52,7 +56,9 @@ def test_odd_row_sizes_use_narrow_words(device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("programs", [1, 3, None])  # one program does all, a few stride, one per block
+@pytest.mark.parametrize(
+    "programs", [1, 3, None]
+)  # one program does all, a few stride, one per block
 def test_capped_grid_copies_every_block(device, programs):
     """Rows of 80 KB span three 32 KB blocks (the last partial); a capped grid hands them out grid-stride."""
     host, slots, src, dst = case(torch.float32, device, row=(5, 4000), seed=3)

@@ -21,7 +21,11 @@ from asyncmoe.cache.host import (
 
 from models import TOP_K, tiny
 
-SPECS = [(torch.Size([5, 3, 8]), torch.bfloat16), (torch.Size([5, 7]), torch.float32), (torch.Size([3]), torch.int8)]
+SPECS = [
+    (torch.Size([5, 3, 8]), torch.bfloat16),
+    (torch.Size([5, 7]), torch.float32),
+    (torch.Size([3]), torch.int8),
+]
 
 
 def test_check_host_memory_says_what_is_needed_and_what_is_there(monkeypatch):
@@ -48,12 +52,20 @@ def test_human_bytes():
 
 def test_carve_lays_tensors_out_aligned_back_to_back():
     sizes = [5 * 3 * 8 * 2, 5 * 7 * 4, 3]  # 240, 140, 3 bytes
-    assert [aligned(n) for n in sizes] == [256, 256, 256] and aligned(0) == 0 and aligned(ALIGN + 1) == 2 * ALIGN
+    assert (
+        [aligned(n) for n in sizes] == [256, 256, 256]
+        and aligned(0) == 0
+        and aligned(ALIGN + 1) == 2 * ALIGN
+    )
     assert block_bytes(SPECS) == 3 * ALIGN
     flat = torch.zeros(block_bytes(SPECS), dtype=torch.uint8)
     views = carve(flat, SPECS)
     assert [(v.shape, v.dtype) for v in views] == SPECS
-    assert [v.data_ptr() - flat.data_ptr() for v in views] == [0, ALIGN, 2 * ALIGN]  # each aligned, none overlapping
+    assert [v.data_ptr() - flat.data_ptr() for v in views] == [
+        0,
+        ALIGN,
+        2 * ALIGN,
+    ]  # each aligned, none overlapping
     views[1].fill_(1.0)
     assert flat[ALIGN : ALIGN + 140].view(torch.float32).eq(1).all() and flat[:ALIGN].eq(0).all()
 

@@ -9,7 +9,13 @@ from asyncmoe.formats import Int4, Mxfp4
 from devices import devices
 
 # 4-bit from both module layouts (GPT-OSS stores [E, K, N]; its 4-bit tensors are [E, N, K/2] all the same)
-FORMATS = [(Mxfp4(), False), (Mxfp4(), True), (Int4(32), False), (Int4(32), True), (Int4(128), False)]
+FORMATS = [
+    (Mxfp4(), False),
+    (Mxfp4(), True),
+    (Int4(32), False),
+    (Int4(32), True),
+    (Int4(128), False),
+]
 IDS = ["mxfp4", "mxfp4-transposed", "int4", "int4-transposed", "int4-g128"]
 
 
@@ -17,7 +23,9 @@ def case(fmt, transposed, counts=(5, 0, 70, 9), N=80, K=256, extra=3, seed=0):
     """Rows sorted by slot (`counts` each, a slot with none among them) and `extra` rows of another wave."""
     g = torch.Generator().manual_seed(seed)
     C = len(counts)
-    w, scales = fmt.quantize(torch.randn(*((C, K, N) if transposed else (C, N, K)), generator=g), transposed)
+    w, scales = fmt.quantize(
+        torch.randn(*((C, K, N) if transposed else (C, N, K)), generator=g), transposed
+    )
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     x = torch.randn(int(offs[-1]) + extra, K, generator=g)
     return x, w, scales, offs
@@ -27,7 +35,9 @@ def case(fmt, transposed, counts=(5, 0, 70, 9), N=80, K=256, extra=3, seed=0):
 @pytest.mark.parametrize("fmt, transposed", FORMATS, ids=IDS)
 def test_kernel_matches_reference(device, fmt, transposed):
     x, w, scales, offs = (t.to(device) for t in case(fmt, transposed))
-    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):  # no bf16 in the interpreter
+    for dtype in [torch.float32] + (
+        [torch.bfloat16] if device == "cuda" else []
+    ):  # no bf16 in the interpreter
         want = dequant_mm_reference(x.to(dtype), w, scales, offs, fmt.name)
         got = dequant_mm_triton(x.to(dtype), w, scales, offs, fmt.name)
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
@@ -52,7 +62,10 @@ def test_tiles_cover_every_row_once(counts):
     slot, first = tiles(offs, int(offs[-1]), BM)
     starts = [0, *offs.tolist()[:-1]]
     covered = sorted(
-        r for s, f in zip(slot.tolist(), first.tolist()) if s < len(counts) for r in range(f, min(f + BM, offs[s]))
+        r
+        for s, f in zip(slot.tolist(), first.tolist())
+        if s < len(counts)
+        for r in range(f, min(f + BM, offs[s]))
     )
     assert covered == list(range(int(offs[-1])))
     assert all(f >= starts[s] for s, f in zip(slot.tolist(), first.tolist()) if s < len(counts))

@@ -18,10 +18,16 @@ from asyncmoe.integrations.transformers import find_experts
 
 from models import tiny
 
-E, H, F = 6, 16, 24  # experts, hidden, intermediate (FFN): multiples of 8 (grouped_mm), and no square weight
+E, H, F = (
+    6,
+    16,
+    24,
+)  # experts, hidden, intermediate (FFN): multiples of 8 (grouped_mm), and no square weight
 
 
-def experts_module(has_gate: bool, has_bias: bool, is_transposed: bool, post_norm: bool = False, seed: int = 0):
+def experts_module(
+    has_gate: bool, has_bias: bool, is_transposed: bool, post_norm: bool = False, seed: int = 0
+):
     """An experts module of the given layout, decorated as transformers decorates its families' experts."""
 
     flags = dict(has_gate=has_gate, has_bias=has_bias, is_transposed=is_transposed)
@@ -43,7 +49,9 @@ def experts_module(has_gate: bool, has_bias: bool, is_transposed: bool, post_nor
             if has_bias:
                 shapes.update({f"{up}_bias": (E, out), "down_proj_bias": (E, H)})
             for name, shape in shapes.items():
-                setattr(self, name, nn.Parameter(torch.randn(shape, generator=g) / shape[-1] ** 0.5))
+                setattr(
+                    self, name, nn.Parameter(torch.randn(shape, generator=g) / shape[-1] ** 0.5)
+                )
             self.act_fn = nn.SiLU()
             if post_norm:
                 self.post_expert_norm = nn.LayerNorm(H)
@@ -51,7 +59,9 @@ def experts_module(has_gate: bool, has_bias: bool, is_transposed: bool, post_nor
     return Experts(types.SimpleNamespace(_experts_implementation=None))
 
 
-def per_pair(m, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+def per_pair(
+    m, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """Each pair's expert output, one pair at a time in float64, from the weights of the slot it names [T*k, H];
     rows of pairs in other waves (slot -1) are zero."""
     up = "gate_up_proj" if m.has_gate else "up_proj"
@@ -70,7 +80,9 @@ def per_pair(m, x: torch.Tensor, slots: torch.Tensor, weights: dict[str, torch.T
         h = linear(x[t].double(), up, slot)
         h = m._apply_gate(h[None])[0] if m.has_gate else m.act_fn(h)
         h = linear(h, "down_proj", slot)
-        rows.append(m.post_expert_norm.double()(h) if getattr(m, "has_post_expert_norm", False) else h)
+        rows.append(
+            m.post_expert_norm.double()(h) if getattr(m, "has_post_expert_norm", False) else h
+        )
     return torch.stack(rows)
 
 
@@ -88,10 +100,15 @@ def slot_weights(m, experts: torch.Tensor, dtype: torch.dtype) -> dict[str, torc
     return {n: p.detach()[experts].to(dtype) for n, p in m.named_parameters(recurse=False)}
 
 
-LAYOUTS = [dict(has_gate=g, has_bias=b, is_transposed=t) for g, b, t in itertools.product([True, False], repeat=3)]
+LAYOUTS = [
+    dict(has_gate=g, has_bias=b, is_transposed=t)
+    for g, b, t in itertools.product([True, False], repeat=3)
+]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(k for k, v in d.items() if v) or "plain")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda d: "-".join(k for k, v in d.items() if v) or "plain"
+)
 @pytest.mark.parametrize("path", ["gathered", "grouped", "gemv"])
 @torch.no_grad()
 def test_routed_outputs_equal_a_per_pair_computation(layout, path, monkeypatch):
@@ -99,14 +116,22 @@ def test_routed_outputs_equal_a_per_pair_computation(layout, path, monkeypatch):
     m = experts_module(**layout)
     x, slots, held = case(dtype)
     weights = slot_weights(m, held, dtype)
-    assert asyncmoe.compute.experts._use_grouped_mm(weights["gate_up_proj" if m.has_gate else "up_proj"]) == (path == "grouped")
+    assert asyncmoe.compute.experts._use_grouped_mm(
+        weights["gate_up_proj" if m.has_gate else "up_proj"]
+    ) == (path == "grouped")
     taken = []
-    if path == "gemv":  # the CUDA decode path, for [out, in] experts; here its op runs the kernel's reference
+    if (
+        path == "gemv"
+    ):  # the CUDA decode path, for [out, in] experts; here its op runs the kernel's reference
         monkeypatch.setattr(asyncmoe.gpu, "available", lambda t: True)
         gemv = asyncmoe.compute.experts._gemv
-        monkeypatch.setattr(asyncmoe.compute.experts, "_gemv", lambda *a: taken.append(a) or gemv(*a))
+        monkeypatch.setattr(
+            asyncmoe.compute.experts, "_gemv", lambda *a: taken.append(a) or gemv(*a)
+        )
     got = routed_outputs(m, x, slots, weights)
-    assert bool(taken) == (path == "gemv" and not m.is_transposed)  # transposed experts keep the other paths
+    assert bool(taken) == (
+        path == "gemv" and not m.is_transposed
+    )  # transposed experts keep the other paths
     want = per_pair(m, x, slots, weights)
     served = (slots >= 0).reshape(-1)
     assert got.shape == (slots.numel(), H) and got.dtype == dtype
@@ -139,7 +164,9 @@ def test_the_gathered_path_in_chunks_equals_one_chunk(monkeypatch):
     weights = slot_weights(m, held, torch.float32)
     whole = routed_outputs(m, x, slots, weights)
     monkeypatch.setattr(asyncmoe.compute.experts, "GATHER_BYTES", 1)  # one pair a chunk
-    torch.testing.assert_close(routed_outputs(m, x, slots, weights), whole, rtol=1e-6, atol=1e-6)  # bmm's own rounding
+    torch.testing.assert_close(
+        routed_outputs(m, x, slots, weights), whole, rtol=1e-6, atol=1e-6
+    )  # bmm's own rounding
 
 
 @pytest.mark.parametrize(
@@ -164,15 +191,23 @@ def test_combine_weights_each_pair_and_sums_over_k():
     T, k = 3, 2
     pair_out = torch.arange(T * k * 4, dtype=torch.float32).view(T * k, 4)
     w = torch.tensor([[0.5, 0.25], [1.0, 0.0], [0.1, 0.9]])
-    want = torch.stack([w[t, 0] * pair_out[2 * t] + w[t, 1] * pair_out[2 * t + 1] for t in range(T)])
+    want = torch.stack(
+        [w[t, 0] * pair_out[2 * t] + w[t, 1] * pair_out[2 * t + 1] for t in range(T)]
+    )
     torch.testing.assert_close(combine(pair_out, w, torch.float32), want)
-    out = combine(pair_out.bfloat16(), w, torch.bfloat16)  # fp32 router weights: the sum in fp32, then cast
+    out = combine(
+        pair_out.bfloat16(), w, torch.bfloat16
+    )  # fp32 router weights: the sum in fp32, then cast
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, (pair_out.bfloat16().float() * w.reshape(-1, 1)).view(T, k, 4).sum(1).bfloat16())
+    assert torch.equal(
+        out, (pair_out.bfloat16().float() * w.reshape(-1, 1)).view(T, k, 4).sum(1).bfloat16()
+    )
 
 
 @pytest.mark.parametrize("quantize", ["fp8", "mxfp4", "int4"])
-@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])  # GPT-OSS: transposed, biased, clamped SwiGLU
+@pytest.mark.parametrize(
+    "family", ["olmoe", "gpt_oss"]
+)  # GPT-OSS: transposed, biased, clamped SwiGLU
 @torch.no_grad()
 def test_quantized_paths_by_pairs_per_slot(quantize, family, monkeypatch):
     """Decode-sized calls take the GEMV, a few dozen pairs a slot the fused grouped kernel (4-bit) or the dense
@@ -183,15 +218,25 @@ def test_quantized_paths_by_pairs_per_slot(quantize, family, monkeypatch):
     taken = []
     for path in ("_gemv", "_fused", "_dequantized"):
         real = getattr(asyncmoe.compute.experts, path)
-        monkeypatch.setattr(asyncmoe.compute.experts, path, lambda *a, real=real, path=path: taken.append(path) or real(*a))
-    paths = {1: ("_gemv", "_gemv"), 40: ("_dequantized", "_fused"), 700: ("_dequantized", "_dequantized")}
+        monkeypatch.setattr(
+            asyncmoe.compute.experts,
+            path,
+            lambda *a, real=real, path=path: taken.append(path) or real(*a),
+        )
+    paths = {
+        1: ("_gemv", "_gemv"),
+        40: ("_dequantized", "_fused"),
+        700: ("_dequantized", "_dequantized"),
+    }
     for T, (if_fp8, if_4_bit) in paths.items():  # T tokens, top-2: 2T pairs over 4 slots
         x, slots, held = case(torch.float32, T=T, hidden=model.config.hidden_size)
         weights = slot_weights(m, held, torch.float32)
         dense = dict(weights)
         for name in weight_names(m):
             weights[name], weights[name + fmt.suffix] = fmt.quantize(dense[name], m.is_transposed)
-            dense[name] = fmt.dequantize([weights[name], weights[name + fmt.suffix]], torch.float32, m.is_transposed)
+            dense[name] = fmt.dequantize(
+                [weights[name], weights[name + fmt.suffix]], torch.float32, m.is_transposed
+            )
         taken.clear()
         got = routed_outputs(m, x, slots, weights, fmt)
         assert taken[0] == (if_fp8 if quantize == "fp8" else if_4_bit)
@@ -207,12 +252,20 @@ def test_decode_takes_the_gemv_on_cuda_and_equals_the_grouped_path(monkeypatch):
     """Up to DENSE_GEMV_PAIRS_PER_SLOT pairs a slot the GEMV (decode, small batches), above it the grouped GEMM;
     the same outputs."""
     m = experts_module(True, False, False).cuda().bfloat16()
-    weights = {n: p.detach() for n, p in m.named_parameters(recurse=False)}  # every expert in a slot: C = E
+    weights = {
+        n: p.detach() for n, p in m.named_parameters(recurse=False)
+    }  # every expert in a slot: C = E
     taken = []
     for path in ("_gemv", "_grouped"):
         real = getattr(asyncmoe.compute.experts, path)
-        monkeypatch.setattr(asyncmoe.compute.experts, path, lambda *a, real=real, path=path: taken.append(path) or real(*a))
-    most = asyncmoe.compute.experts.DENSE_GEMV_PAIRS_PER_SLOT * E // 2  # tokens: top-2 over E = 6 slots
+        monkeypatch.setattr(
+            asyncmoe.compute.experts,
+            path,
+            lambda *a, real=real, path=path: taken.append(path) or real(*a),
+        )
+    most = (
+        asyncmoe.compute.experts.DENSE_GEMV_PAIRS_PER_SLOT * E // 2
+    )  # tokens: top-2 over E = 6 slots
     for T, path in ((1, "_gemv"), (most, "_gemv"), (most + 1, "_grouped")):
         g = torch.Generator().manual_seed(T)
         x = torch.randn(T, H, generator=g).cuda().bfloat16()

@@ -31,7 +31,9 @@ def case(transposed: bool, block, C=5, N=72, K=100, S=7, seed=0):
 @pytest.mark.parametrize("block", [(128, 128), (16, 32), (32, 16)])
 def test_kernel_matches_reference(device, transposed, block):
     x, q, s, slots = (t.to(device) for t in case(transposed, block))
-    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])  # the interpreter has no bf16 math
+    dtypes = [torch.float32] + (
+        [torch.bfloat16] if device == "cuda" else []
+    )  # the interpreter has no bf16 math
     for dtype in dtypes:
         want = fp8_gemv_reference(x.to(dtype), q, s, slots, block, transposed)
         got = fp8_gemv_triton(x.to(dtype), q, s, slots, block, transposed)
@@ -52,9 +54,13 @@ def test_reference_is_the_dequantized_matmul():
 
 def test_op_passes_opcheck():
     x, q, s, slots = case(False, (16, 32))
-    torch.library.opcheck(torch.ops.asyncmoe.fp8_gemv.default, (x, q.view(torch.uint8), s, slots, 16, 32, False))
+    torch.library.opcheck(
+        torch.ops.asyncmoe.fp8_gemv.default, (x, q.view(torch.uint8), s, slots, 16, 32, False)
+    )
     x, q, s, slots = case(True, (32, 16))
-    torch.library.opcheck(torch.ops.asyncmoe.fp8_gemv.default, (x, q.view(torch.uint8), s, slots, 32, 16, True))
+    torch.library.opcheck(
+        torch.ops.asyncmoe.fp8_gemv.default, (x, q.view(torch.uint8), s, slots, 32, 16, True)
+    )
 
 
 def test_fake_states_the_contract():

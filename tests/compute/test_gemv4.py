@@ -21,7 +21,9 @@ def case(fmt, C=5, N=40, K=384, S=7, seed=0):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}{f.group}")
 def test_kernel_matches_reference(device, fmt):
     x, packed, scales, slots = (t.to(device) for t in case(fmt))
-    for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):  # no bf16 in the interpreter
+    for dtype in [torch.float32] + (
+        [torch.bfloat16] if device == "cuda" else []
+    ):  # no bf16 in the interpreter
         want = gemv4_reference(x.to(dtype), packed, scales, slots, fmt.name)
         got = gemv4_triton(x.to(dtype), packed, scales, slots, fmt.name)
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
@@ -33,7 +35,9 @@ def test_reference_is_the_dequantized_matmul(fmt):
     x, packed, scales, slots = case(fmt)
     w = fmt.dequantize([packed, scales], torch.float32, transposed=False)  # [C, N, K]
     want = torch.stack([w[max(int(i), 0)] @ x[j] for j, i in enumerate(slots)])
-    torch.testing.assert_close(gemv4_reference(x, packed, scales, slots, fmt.name), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        gemv4_reference(x, packed, scales, slots, fmt.name), want, atol=1e-4, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}{f.group}")
@@ -57,6 +61,10 @@ def test_a_transposed_modules_weights_quantize_contiguous(fmt):
     assert packed.is_contiguous() and scales.is_contiguous()
     x, slots = torch.randn(3, 96), torch.tensor([0, 1, 1])
     want = x[:, None, :] @ fmt.dequantize([packed, scales], torch.float32, transposed=True)[slots]
-    torch.testing.assert_close(gemv4_triton(x, packed, scales, slots, fmt.name), want[:, 0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        gemv4_triton(x, packed, scales, slots, fmt.name), want[:, 0], atol=1e-4, rtol=1e-4
+    )
     with pytest.raises(ValueError, match="pass contiguous tensors"):
-        gemv4_triton(x, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, slots, fmt.name)
+        gemv4_triton(
+            x, packed.transpose(0, 1).contiguous().transpose(0, 1), scales, slots, fmt.name
+        )

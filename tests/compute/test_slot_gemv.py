@@ -20,7 +20,9 @@ def case(C=5, N=72, K=300, S=7, seed=0):
 @pytest.mark.parametrize("device", devices())
 def test_kernel_matches_reference(device):
     x, w, slots = (t.to(device) for t in case())
-    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])  # the interpreter has no bf16 math
+    dtypes = [torch.float32] + (
+        [torch.bfloat16] if device == "cuda" else []
+    )  # the interpreter has no bf16 math
     for dtype in dtypes:
         want = slot_gemv_reference(x.to(dtype), w.to(dtype), slots)
         got = slot_gemv_triton(x.to(dtype), w.to(dtype), slots)
@@ -28,7 +30,9 @@ def test_kernel_matches_reference(device):
         # only the order of the float32 sums differs; bf16 output rounds once more
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
         torch.testing.assert_close(got, want, **tol)
-        assert torch.equal(got[3], torch.zeros_like(got[3]))  # another wave's pair: zeros, nothing read
+        assert torch.equal(
+            got[3], torch.zeros_like(got[3])
+        )  # another wave's pair: zeros, nothing read
 
 
 def test_reference_is_each_pairs_matmul():
@@ -36,7 +40,9 @@ def test_reference_is_each_pairs_matmul():
     x64, w64 = x.double(), w.double()
     rows = [w64[s] @ x64[j] if s >= 0 else x64.new_zeros(72) for j, s in enumerate(slots)]
     got = slot_gemv_reference(x, w, slots).double()
-    torch.testing.assert_close(got, torch.stack(rows), atol=1e-4, rtol=1e-4)  # float32 sums against float64
+    torch.testing.assert_close(
+        got, torch.stack(rows), atol=1e-4, rtol=1e-4
+    )  # float32 sums against float64
 
 
 def test_op_passes_opcheck():

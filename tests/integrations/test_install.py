@@ -35,23 +35,31 @@ def test_cache_not_an_int(model, cache):
 @pytest.mark.parametrize("cache", ["16", "6 parsecs"])
 def test_cache_a_string_that_is_no_budget(model, cache):
     with pytest.raises(
-        ValueError, match=rf"cache='{cache}': give slots per MoE layer as an int \(cache=16\), a GPU-memory budget"
+        ValueError,
+        match=rf"cache='{cache}': give slots per MoE layer as an int \(cache=16\), a GPU-memory budget",
     ):
         asyncmoe.compile(model, cache=cache)
 
 
 def test_cache_below_top_k(model):
     with pytest.raises(
-        ValueError, match=r"cache=1 is below top_k=2: every token needs its 2 experts resident at once; use cache>=2"
+        ValueError,
+        match=r"cache=1 is below top_k=2: every token needs its 2 experts resident at once; use cache>=2",
     ):
         asyncmoe.compile(model, cache=1)
 
 
 def test_model_without_moe_layer():
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
     )
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no MoE layer.*supported: the \d+ families.*mixtral"):
+    with pytest.raises(
+        ValueError, match=r"LlamaForCausalLM has no MoE layer.*supported: the \d+ families.*mixtral"
+    ):
         asyncmoe.compile(transformers.LlamaForCausalLM(config), cache=4)
 
 
@@ -70,7 +78,8 @@ def test_family_not_on_the_experts_interface():
     )
     model = transformers.Llama4ForCausalLM(config)
     with pytest.raises(
-        ValueError, match=r"MoE layers \(.*Llama4TextExperts.*\) that do not use transformers' experts interface.*olmoe"
+        ValueError,
+        match=r"MoE layers \(.*Llama4TextExperts.*\) that do not use transformers' experts interface.*olmoe",
     ):
         asyncmoe.compile(model, cache=2)
 
@@ -86,21 +95,25 @@ def test_unsupported_dtype(model):
 def test_quantized_model(model):
     model.config.quantization_config = {"quant_method": "gptq"}
     with pytest.raises(
-        ValueError, match=r"this model is quantized \(gptq\); asyncmoe keeps experts in .*Load it dequantized"
+        ValueError,
+        match=r"this model is quantized \(gptq\); asyncmoe keeps experts in .*Load it dequantized",
     ):
         asyncmoe.compile(model, cache=4)
 
 
 def test_compiled_twice(model):
     asyncmoe.compile(model, cache=4)
-    with pytest.raises(RuntimeError, match="already asyncmoe-compiled: call asyncmoe.compile once per model"):
+    with pytest.raises(
+        RuntimeError, match="already asyncmoe-compiled: call asyncmoe.compile once per model"
+    ):
         asyncmoe.compile(model, cache=4)
 
 
 def test_not_enough_host_memory(model, monkeypatch):
     monkeypatch.setattr(asyncmoe.cache.host, "available_host_bytes", lambda: 1000)
     with pytest.raises(
-        MemoryError, match=r"the CPU expert slots: needs \d+\.\d+ KiB of host memory but only 1000 B is available"
+        MemoryError,
+        match=r"the CPU expert slots: needs \d+\.\d+ KiB of host memory but only 1000 B is available",
     ):
         asyncmoe.compile(model, cache=4)
 
@@ -123,7 +136,9 @@ def test_prefetch_of_the_wrong_type(model, prefetch):
 def test_cuda_without_a_gpu(model):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU: device='cuda' is valid here")
-    with pytest.raises(ValueError, match=r"device='cuda', but torch sees no CUDA GPU here.*use device='cpu'"):
+    with pytest.raises(
+        ValueError, match=r"device='cuda', but torch sees no CUDA GPU here.*use device='cpu'"
+    ):
         asyncmoe.compile(model, cache=4, device="cuda")
     assert not hasattr(find_experts(model)[0][1], "asyncmoe")  # refused before anything moved
 
@@ -142,7 +157,8 @@ def test_a_device_asyncmoe_does_not_run_on(model, device, message):
 
 def test_time_stalls_needs_cuda(model):
     with pytest.raises(
-        ValueError, match="time_stalls reads the GPU's clock, so it needs a CUDA device; this model runs on cpu"
+        ValueError,
+        match="time_stalls reads the GPU's clock, so it needs a CUDA device; this model runs on cpu",
     ):
         asyncmoe.compile(model, cache=4, time_stalls=True, device="cpu")
 
@@ -155,18 +171,26 @@ def test_offloaded_experts_are_plain_attributes_kept_in_the_state_dict(model):
     experts = find_experts(model)[0][1]
     data_ptr = experts.gate_up_proj.data_ptr()
     install(model, Settings(cache=4, policy="lru", prefetch=False))
-    assert "gate_up_proj" not in dict(experts.named_parameters()) and experts.gate_up_proj.data_ptr() == data_ptr
+    assert (
+        "gate_up_proj" not in dict(experts.named_parameters())
+        and experts.gate_up_proj.data_ptr() == data_ptr
+    )
     assert experts.asyncmoe.cache.host_gate_up_proj.data_ptr() == data_ptr
     after = model.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_every_cached_layer_is_built_as_asked(model):
-    asyncmoe.compile(model, cache=4, policy="fifo", prefetch=asyncmoe.Prefetch(sources=("transition",), depth=1))
+    asyncmoe.compile(
+        model, cache=4, policy="fifo", prefetch=asyncmoe.Prefetch(sources=("transition",), depth=1)
+    )
     providers = [m.asyncmoe for _, m in find_experts(model)]
     assert all(isinstance(p, CachedProvider) for p in providers)
     assert [(p.cache.num_slots, p.cache.policy) for p in providers] == [(4, "fifo")] * 2
-    assert providers[0].prefetch is None and providers[1].prefetch.transitions.shape == (16, 16)  # the layer before
+    assert providers[0].prefetch is None and providers[1].prefetch.transitions.shape == (
+        16,
+        16,
+    )  # the layer before
     assert providers[0].cache.pace is providers[1].cache.pace
     assert model.config._experts_implementation == "asyncmoe"
 
@@ -189,12 +213,19 @@ def test_gpu_memory_drops_by_the_offloaded_bytes():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     experts = [m for _, m in find_experts(model)]
-    offloaded = sum(p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False))
+    offloaded = sum(
+        p.numel() * p.element_size() for m in experts for p in m.parameters(recurse=False)
+    )
     asyncmoe.compile(model, cache=16)
     torch.cuda.synchronize()
     after = torch.cuda.memory_allocated()
     caches = [m.asyncmoe.cache for m in experts]
-    added = sum(b.numel() * b.element_size() for c in caches for n, b in c.named_buffers() if not n.startswith("host_"))
+    added = sum(
+        b.numel() * b.element_size()
+        for c in caches
+        for n, b in c.named_buffers()
+        if not n.startswith("host_")
+    )
     assert before - after >= offloaded - added - 2**20, (before, after, offloaded, added)
     assert added < offloaded / 3  # 16 of 64 slots plus small tables
     print(
@@ -226,12 +257,16 @@ def test_two_models_from_one_config():
 
 def test_config_that_names_asyncmoe_but_was_never_compiled(model):
     model.config._experts_implementation = "asyncmoe"
-    with pytest.raises(ValueError, match="names the 'asyncmoe' experts implementation, but the module was never"):
+    with pytest.raises(
+        ValueError, match="names the 'asyncmoe' experts implementation, but the module was never"
+    ):
         asyncmoe.compile(model, cache=16)
 
 
 def test_auto_needs_a_gpu(model):
-    with pytest.raises(ValueError, match=r"cache='auto' sizes the slots from the GPU memory free.*runs on cpu"):
+    with pytest.raises(
+        ValueError, match=r"cache='auto' sizes the slots from the GPU memory free.*runs on cpu"
+    ):
         asyncmoe.compile(model, cache="auto", device="cpu")
 
 

@@ -40,7 +40,9 @@ def checkpoints(tmp_path_factory):
 @torch.no_grad()
 def test_loaded_model_equals_the_saved_one(checkpoints, family, capsys):
     original, path = checkpoints[family]
-    model = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu", prefetch=True)
+    model = asyncmoe.from_pretrained(
+        path, cache=4, dtype=torch.float32, device="cpu", prefetch=True
+    )
     assert "experts of 2 of 2 MoE layers in host memory" in capsys.readouterr().out
     g = torch.Generator().manual_seed(0)
     for shape in [(2, 9), (1, 1), (3, 4)]:
@@ -55,7 +57,8 @@ def test_missing_shard(checkpoints, tmp_path):
     shard = sorted(tmp_path.glob("*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(
-        FileNotFoundError, match=rf"missing 1 of the \d+ shards.*{shard.name}.*download the checkpoint again"
+        FileNotFoundError,
+        match=rf"missing 1 of the \d+ shards.*{shard.name}.*download the checkpoint again",
     ):
         asyncmoe.from_pretrained(tmp_path, cache=4, device="cpu")
 
@@ -81,23 +84,39 @@ def test_truncated_shard_names_the_file(checkpoints, tmp_path, monkeypatch):
     _, path = checkpoints["qwen3_moe"]
     shutil.copytree(path, tmp_path, dirs_exist_ok=True)
     shard = sorted(tmp_path.glob("*.safetensors"))[1]
-    for keep in (shard.stat().st_size // 2, 4):  # data cut short; even the header's length cut short
+    for keep in (
+        shard.stat().st_size // 2,
+        4,
+    ):  # data cut short; even the header's length cut short
         shard.write_bytes(shard.read_bytes()[:keep])
-        monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: pytest.fail("loaded"))
+        monkeypatch.setattr(
+            loading.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: pytest.fail("loaded")
+        )
         with pytest.raises(
-            ValueError, match=rf"{shard.name} is not a readable safetensors file .*download or save it again"
+            ValueError,
+            match=rf"{shard.name} is not a readable safetensors file .*download or save it again",
         ):
             asyncmoe.from_pretrained(tmp_path, cache=4, device="cpu")
 
 
-@pytest.mark.parametrize("path", ["./no/such/dir", "~/no/such/dir", "/no/such/dir", "org/name/revision"])
+@pytest.mark.parametrize(
+    "path", ["./no/such/dir", "~/no/such/dir", "/no/such/dir", "org/name/revision"]
+)
 def test_a_missing_local_directory_fails_at_once(path, monkeypatch):
     """A path that can only be local and is not there: FileNotFoundError, without asking the hub for it."""
-    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", lambda *a, **kw: pytest.fail("asked the hub"))
-    with pytest.raises(FileNotFoundError, match=rf"no checkpoint directory at '{path}': check the path"):
+    monkeypatch.setattr(
+        loading.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **kw: pytest.fail("asked the hub"),
+    )
+    with pytest.raises(
+        FileNotFoundError, match=rf"no checkpoint directory at '{path}': check the path"
+    ):
         asyncmoe.from_pretrained(path, cache=4, device="cpu")
     with pytest.raises(FileNotFoundError):
-        asyncmoe.from_pretrained(pathlib.Path("no-such-dir"), cache=4, device="cpu")  # a path object is local
+        asyncmoe.from_pretrained(
+            pathlib.Path("no-such-dir"), cache=4, device="cpu"
+        )  # a path object is local
 
 
 def test_what_looks_local():
@@ -116,14 +135,17 @@ def test_checkpoint_bytes_from_the_headers(checkpoints):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int8])
 def test_dtype_we_cannot_run(checkpoints, dtype):
-    with pytest.raises(TypeError, match=rf"dtype={dtype}: asyncmoe runs experts in torch.float32, torch.bfloat16"):
+    with pytest.raises(
+        TypeError, match=rf"dtype={dtype}: asyncmoe runs experts in torch.float32, torch.bfloat16"
+    ):
         asyncmoe.from_pretrained(checkpoints["olmoe"][1], cache=4, dtype=dtype, device="cpu")
 
 
 def test_not_enough_host_memory(checkpoints, monkeypatch):
     monkeypatch.setattr(asyncmoe.cache.host, "available_host_bytes", lambda: 10_000)
     with pytest.raises(
-        MemoryError, match=r"loading .* in torch.bfloat16: needs \d+\.\d+ KiB of host memory but only 9.77 KiB"
+        MemoryError,
+        match=r"loading .* in torch.bfloat16: needs \d+\.\d+ KiB of host memory but only 9.77 KiB",
     ):
         asyncmoe.from_pretrained(checkpoints["olmoe"][1], cache=4, device="cpu")
 
@@ -182,7 +204,9 @@ def test_olmoe_checkpoint_loads_without_its_experts_on_the_gpu(tmp_path):
 
     resident = random_model("olmoe-1b-7b", torch.bfloat16, "cuda")
     ckpt_bytes = sum(p.numel() * p.element_size() for p in resident.parameters())
-    experts_bytes = sum(p.numel() * p.element_size() for n, p in resident.named_parameters() if ".experts." in n)
+    experts_bytes = sum(
+        p.numel() * p.element_size() for n, p in resident.named_parameters() if ".experts." in n
+    )
     resident_gpu = torch.cuda.memory_allocated()
     ids = torch.randint(1, 50304, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
     unmodified = asyncmoe.Decoder(resident, 1, 48).generate(ids, 32).tokens[0].tolist()
@@ -199,7 +223,9 @@ def test_olmoe_checkpoint_loads_without_its_experts_on_the_gpu(tmp_path):
     torch.cuda.empty_cache()
 
     run = subprocess.run(
-        [sys.executable, "-c", LOAD, str(tmp_path), json.dumps(ids.tolist())], capture_output=True, text=True
+        [sys.executable, "-c", LOAD, str(tmp_path), json.dumps(ids.tolist())],
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.split("RESULT ")[-1])
@@ -212,10 +238,15 @@ def test_olmoe_checkpoint_loads_without_its_experts_on_the_gpu(tmp_path):
         f"{got['peak_anon'] / 2**30:.2f} GiB ({got['peak_anon'] / experts_bytes:.2f} x the experts), mapped "
         f"checkpoint pages {got['peak_file'] / 2**30:.2f} GiB, RSS high-water mark {got['peak_rss'] / 2**30:.2f} GiB"
     )
-    agree = next((i for i, (a, b) in enumerate(zip(got["tokens"], unmodified, strict=True)) if a != b), len(unmodified))
+    agree = next(
+        (i for i, (a, b) in enumerate(zip(got["tokens"], unmodified, strict=True)) if a != b),
+        len(unmodified),
+    )
     print(f"tokens equal to the unmodified bf16 model's: the first {agree - ids.shape[1]} of 32")
     assert got["tokens"] == want
     assert got["peak_gpu"] < 0.4 * resident_gpu
     # Private memory is what loading allocates. The shards' pages that transformers' mmap loader maps in
     # are the kernel's page cache of the files (clean, droppable), so they are reported, not bounded.
-    assert got["peak_anon"] <= 1.1 * experts_bytes + shard + 2**30  # + non-expert weights (~1 GB) and CUDA context
+    assert (
+        got["peak_anon"] <= 1.1 * experts_bytes + shard + 2**30
+    )  # + non-expert weights (~1 GB) and CUDA context

@@ -28,12 +28,16 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, path: str, port: int, ids: torch.Tensor, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(RANKS)
+    )
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(RANKS))
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
     try:
         config = asyncmoe.expert_parallel()
-        plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
+        plain = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=config
+        )
         with pytest.raises(ValueError, match="prefetch under expert parallelism is not supported"):
             asyncmoe.compile(plain, cache=CACHE, device="cpu", prefetch=True)
         model = asyncmoe.from_pretrained(
@@ -47,7 +51,14 @@ def _rank(rank: int, path: str, port: int, ids: torch.Tensor, folder: str) -> No
         own, summed = asyncmoe.stats(model), asyncmoe.stats(model, group=dist.group.WORLD)
         sizes = [[(layer.experts, layer.slots) for layer in s.layers] for s in (own, summed)]
         torch.save(
-            dict(logits=logits, tokens=tokens, experts=experts, own=own.totals, summed=summed.totals, sizes=sizes),
+            dict(
+                logits=logits,
+                tokens=tokens,
+                experts=experts,
+                own=own.totals,
+                summed=summed.totals,
+                sizes=sizes,
+            ),
             f"{folder}/rank{rank}.pt",
         )
     finally:
@@ -79,12 +90,19 @@ def test_each_rank_caches_its_own_experts(family, tmp_path):
     for r, g in enumerate(got):
         torch.testing.assert_close(g["logits"], want_logits, atol=1e-5, rtol=1e-5)
         assert torch.equal(g["tokens"], want_tokens)
-        for (_, m), host in zip(find_experts(ref), g["experts"]):  # the rank's experts, and only those
+        for (_, m), host in zip(
+            find_experts(ref), g["experts"]
+        ):  # the rank's experts, and only those
             assert torch.equal(host, m.down_proj.detach()[r * per_rank : (r + 1) * per_rank])
         assert g["own"]["misses"] > 0  # every rank served some of the pairs
-        assert g["sizes"] == [[(per_rank, CACHE)] * 2, [(16, RANKS * CACHE)] * 2]  # per rank; summed over ranks
+        assert g["sizes"] == [
+            [(per_rank, CACHE)] * 2,
+            [(16, RANKS * CACHE)] * 2,
+        ]  # per rank; summed over ranks
     for key in ("calls", "hits", "misses", "bytes_h2d", "host_bytes", "gpu_bytes"):
-        assert got[0]["summed"][key] == sum(g["own"][key] for g in got) == got[1]["summed"][key], key
+        assert got[0]["summed"][key] == sum(g["own"][key] for g in got) == got[1]["summed"][key], (
+            key
+        )
 
 
 def test_expert_parallel_config(monkeypatch):

@@ -17,7 +17,12 @@ from models import tiny
 BLOCK = (16, 16)
 FAMILIES = {  # the families whose releases ship fp8 experts, with every dimension a whole number of blocks
     "deepseek_v3": dict(
-        moe_intermediate_size=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, head_dim=16
+        moe_intermediate_size=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=16,
     ),
     "qwen3_moe": dict(moe_intermediate_size=32),
     "mixtral": dict(intermediate_size=64),
@@ -43,16 +48,24 @@ def test_experts_stay_fp8_and_outputs_equal_the_reference(checkpoint, capsys):
     reference = dequantized(model, BLOCK)
     torch.testing.assert_close(ours(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
     s = asyncmoe.stats(ours)
-    dense_bytes = sum(p[0].numel() * 2 for _, m in find_experts(model)[:1] for p in m.parameters(recurse=False))
-    assert s.layers[0].expert_bytes < 0.6 * dense_bytes  # about half of bf16's: fp8 bytes plus their scales
-    assert s.totals["bytes_h2d"] == s.totals["misses"] * s.layers[0].expert_bytes  # misses copy the fp8 bytes
+    dense_bytes = sum(
+        p[0].numel() * 2 for _, m in find_experts(model)[:1] for p in m.parameters(recurse=False)
+    )
+    assert (
+        s.layers[0].expert_bytes < 0.6 * dense_bytes
+    )  # about half of bf16's: fp8 bytes plus their scales
+    assert (
+        s.totals["bytes_h2d"] == s.totals["misses"] * s.layers[0].expert_bytes
+    )  # misses copy the fp8 bytes
 
 
 def test_equals_transformers_own_dequantizing_load(checkpoint):
     pytest.importorskip("accelerate")  # transformers loads fine-grained FP8 through it
     family, _, path = checkpoint
     config = transformers.FineGrainedFP8Config(dequantize=True, weight_block_size=BLOCK)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=config
+    )
     ours = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu")
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=1e-5)
@@ -87,42 +100,60 @@ def test_greedy_tokens_equal_the_reference_on_the_gpu(checkpoint):
 
 def test_dequantize_loads_the_experts_in_the_compute_dtype(checkpoint):
     family, model, path = checkpoint
-    ours = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu", quantize="dequantize")
+    ours = asyncmoe.from_pretrained(
+        path, cache=4, dtype=torch.float32, device="cpu", quantize="dequantize"
+    )
     for _, m in find_experts(ours):
         assert all(t.dtype == torch.float32 for t in m.asyncmoe.cache.slots)
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(ours(ids).logits, dequantized(model, BLOCK)(ids).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ours(ids).logits, dequantized(model, BLOCK)(ids).logits, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_partial_blocks_at_the_edges(tmp_path):
     """DeepSeek-V3's own kv_a_proj_with_mqa has 576 rows, 4.5 blocks of 128: the last block is partial."""
-    model = tiny("deepseek_v3", moe_intermediate_size=32)  # kv_a_proj_with_mqa: 24 rows, 1.5 blocks of 16
+    model = tiny(
+        "deepseek_v3", moe_intermediate_size=32
+    )  # kv_a_proj_with_mqa: 24 rows, 1.5 blocks of 16
     path = write_fp8_checkpoint(model, tmp_path, BLOCK, shards=2)
     ours = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu")
     ids = torch.randint(3, 128, (1, 9))
-    torch.testing.assert_close(ours(ids).logits, dequantized(model, BLOCK)(ids).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ours(ids).logits, dequantized(model, BLOCK)(ids).logits, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_a_missing_scale_is_named(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    path = write_fp8_checkpoint(tiny("qwen3_moe", moe_intermediate_size=32), tmp_path, BLOCK, shards=1)
+    path = write_fp8_checkpoint(
+        tiny("qwen3_moe", moe_intermediate_size=32), tmp_path, BLOCK, shards=1
+    )
     shard = next(path.glob("model-*.safetensors"))
     with safe_open(shard, "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.self_attn.q_proj.weight_scale_inv"}
+        tensors = {
+            k: f.get_tensor(k)
+            for k in f.keys()
+            if k != "model.layers.1.self_attn.q_proj.weight_scale_inv"
+        }
     save_file(tensors, shard, metadata={"format": "pt"})
     index = json.loads((path / "model.safetensors.index.json").read_text())
     del index["weight_map"]["model.layers.1.self_attn.q_proj.weight_scale_inv"]
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"fp8 tensor model.layers.1.self_attn.q_proj.weight has no .*_scale_inv"):
+    with pytest.raises(
+        ValueError, match=r"fp8 tensor model.layers.1.self_attn.q_proj.weight has no .*_scale_inv"
+    ):
         asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu")
 
 
 def test_dequantize_needs_an_fp8_checkpoint(tmp_path):
     tiny("qwen3_moe").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="quantize=.dequantize. reads quantized checkpoints"):
-        asyncmoe.from_pretrained(tmp_path, cache=4, dtype=torch.float32, device="cpu", quantize="dequantize")
+        asyncmoe.from_pretrained(
+            tmp_path, cache=4, dtype=torch.float32, device="cpu", quantize="dequantize"
+        )
 
 
 def test_gpt_oss_mxfp4_checkpoint_stays_4_bit(tmp_path, capsys):
@@ -143,7 +174,9 @@ def test_gpt_oss_mxfp4_checkpoint_stays_4_bit(tmp_path, capsys):
     assert torch.equal(ours.generate(ids[:1], **kw), reference.generate(ids[:1], **kw))
     pytest.importorskip("accelerate")
     config = transformers.Mxfp4Config(dequantize=True)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=config)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=config
+    )
     # transformers' dequantization of the same files is the reference's, tensor for tensor ...
     want = reference.state_dict()
     assert all(torch.equal(t, want[k]) for k, t in theirs.state_dict().items())
@@ -155,5 +188,7 @@ def test_a_quantized_checkpoint_is_not_requantized(tmp_path):
     from checkpoints import write_mxfp4_checkpoint
 
     path = write_mxfp4_checkpoint(tiny("gpt_oss"), tmp_path)
-    with pytest.raises(ValueError, match="stores its experts in mxfp4: quantize='fp8' would re-quantize them"):
+    with pytest.raises(
+        ValueError, match="stores its experts in mxfp4: quantize='fp8' would re-quantize them"
+    ):
         asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu", quantize="fp8")

@@ -45,7 +45,8 @@ def test_record_takes_what_the_routers_chose_call_by_call():
     routed = []
     for _, m in find_experts(model):
         m.register_forward_pre_hook(
-            lambda m, a, kw: routed.append(a[1] if len(a) > 1 else kw["top_k_index"]), with_kwargs=True
+            lambda m, a, kw: routed.append(a[1] if len(a) > 1 else kw["top_k_index"]),
+            with_kwargs=True,
         )
     with asyncmoe.record(model) as rec:
         rec.new_sequence()
@@ -54,9 +55,15 @@ def test_record_takes_what_the_routers_chose_call_by_call():
         model(torch.randint(0, 128, (1, 4)))
     model(torch.randint(0, 128, (1, 2)))  # after the block: not recorded
     trace = rec.trace
-    assert trace.ids.shape == (10, 2, 2) and trace.weights.shape == (10, 2, 2) and list(trace.starts) == [0, 6]
+    assert (
+        trace.ids.shape == (10, 2, 2)
+        and trace.weights.shape == (10, 2, 2)
+        and list(trace.starts) == [0, 6]
+    )
     for layer in range(2):
-        assert np.array_equal(trace.ids[:, layer], torch.cat([routed[layer], routed[2 + layer]]).numpy())
+        assert np.array_equal(
+            trace.ids[:, layer], torch.cat([routed[layer], routed[2 + layer]]).numpy()
+        )
     assert trace.gate_ids is None
 
 
@@ -69,9 +76,16 @@ def test_nothing_recorded():
 
 def test_a_model_without_moe_layers_cannot_be_recorded():
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
     )
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM has no MoE layer to record; supported: the \d+ families"):
+    with pytest.raises(
+        ValueError,
+        match=r"LlamaForCausalLM has no MoE layer to record; supported: the \d+ families",
+    ):
         asyncmoe.record(transformers.LlamaForCausalLM(config))
 
 
@@ -87,4 +101,6 @@ def test_a_trace_records_the_experts_stored_bytes(tmp_path):
     fp8 = asyncmoe.stats(model).layers[0].expert_bytes
     assert trace.expert_bytes == fp8
     result = simulate(trace, 4, compiled=False)
-    assert result.totals["bytes_per_token"] == pytest.approx(result.totals["misses_per_token"] * fp8)
+    assert result.totals["bytes_per_token"] == pytest.approx(
+        result.totals["misses_per_token"] * fp8
+    )

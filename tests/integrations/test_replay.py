@@ -44,7 +44,9 @@ def test_replay_feeds_the_recorded_gate_to_the_gate_predictor():
     with torch.no_grad(), asyncmoe.record(recorded, gate=True) as rec:
         decode_like(recorded, [5, 9, 17])
     trace = rec.trace
-    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",)))
+    model = asyncmoe.compile(
+        tiny("olmoe"), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",))
+    )
     _, second = find_experts(model)[1]
     decode_like(model, [1])  # the first layer's prefetch scores the second for trace row 0
     torch.testing.assert_close(second.asyncmoe.prefetch.gate, gate_scores(trace)[0, 1])
@@ -67,13 +69,21 @@ def test_an_uncompiled_model_replays_and_rewinds():
 
 def test_replay_walks_its_cursor_and_predicts_the_recorded_gate():
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
-    gate_ids, gate_probs = torch.tensor([[1, 2], [3, -1], [0, 1]]), torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]])
+    gate_ids, gate_probs = (
+        torch.tensor([[1, 2], [3, -1], [0, 1]]),
+        torch.tensor([[0.6, 0.4], [0.9, 0.0], [0.5, 0.5]]),
+    )
     replay = Replay(ids, gate_ids, gate_probs)
     out = torch.zeros(4)
-    recorded_gate_scores(replay.recorded_gate(), 2, 2, out)  # rows 0 and 1, before the forward moves the cursor
+    recorded_gate_scores(
+        replay.recorded_gate(), 2, 2, out
+    )  # rows 0 and 1, before the forward moves the cursor
     assert out.tolist() == pytest.approx([0, 0.3, 0.2, 0.45])
     assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int64)), ids[:2])
-    assert torch.equal(replay(torch.zeros(2, 2, dtype=torch.int32)), torch.tensor([[4, 5], [0, 1]], dtype=torch.int32))
+    assert torch.equal(
+        replay(torch.zeros(2, 2, dtype=torch.int32)),
+        torch.tensor([[4, 5], [0, 1]], dtype=torch.int32),
+    )
     assert replay.cursor.item() == 4  # wraps at the trace's end
 
 
@@ -82,11 +92,17 @@ def test_a_malformed_trace_file_is_refused_before_the_model_changes(tmp_path):
     replayed without complaint."""
     model = tiny("olmoe")
     before = {name: p.clone() for name, p in model.named_parameters()}
-    np.savez(tmp_path / "empty.npz", ids=np.zeros((0, 2, 2), dtype=np.int16), num_experts=np.int64(16))
-    with pytest.raises(ValueError, match=r"replay=.*empty.npz': trace ids have shape \(0, 2, 2\) \(0 tokens"):
+    np.savez(
+        tmp_path / "empty.npz", ids=np.zeros((0, 2, 2), dtype=np.int16), num_experts=np.int64(16)
+    )
+    with pytest.raises(
+        ValueError, match=r"replay=.*empty.npz': trace ids have shape \(0, 2, 2\) \(0 tokens"
+    ):
         asyncmoe.compile(model, cache=4, replay=tmp_path / "empty.npz")
     np.savez(tmp_path / "twice.npz", ids=np.array([[[3, 5], [2, 2]]]), num_experts=np.int64(16))
-    with pytest.raises(ValueError, match=r"twice.npz': token 0 names expert 2 twice in its layer-1 row of ids"):
+    with pytest.raises(
+        ValueError, match=r"twice.npz': token 0 names expert 2 twice in its layer-1 row of ids"
+    ):
         asyncmoe.compile(model, cache=4, replay=str(tmp_path / "twice.npz"))
     assert not any(hasattr(m, "asyncmoe_replay") for _, m in find_experts(model))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
@@ -97,5 +113,7 @@ def test_a_trace_changed_after_it_was_built_is_refused_at_install():
     trace.ids[4, 1] = [9, 9]
     with pytest.raises(ValueError, match="token 4 names expert 9 twice in its layer-1 row"):
         replay_routing(tiny("olmoe"), trace, "cpu")
-    with pytest.raises(ValueError, match=r"ids \[tokens, k\] of at least one token and expert, got \(0, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"ids \[tokens, k\] of at least one token and expert, got \(0, 2\)"
+    ):
         Replay(torch.zeros(0, 2, dtype=torch.int64))

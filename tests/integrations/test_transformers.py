@@ -52,7 +52,9 @@ def test_well_known_families_are_listed_and_run():
     assert [f for f in WELL_KNOWN if not_run_because(f)] == []  # the sweep runs each of them
     assert set(LMS) <= listed  # every causal LM on the interface is in the list users are shown
     skipped = {f: not_run_because(f) for f in sorted(listed) if not_run_because(f)}
-    print(f"\nsweep: {len(listed) - len(skipped)} of {len(listed)} listed families run; skipped: {skipped}")
+    print(
+        f"\nsweep: {len(listed) - len(skipped)} of {len(listed)} listed families run; skipped: {skipped}"
+    )
 
 
 @pytest.mark.parametrize("family", supported_families())
@@ -80,20 +82,28 @@ def test_family_matches_unmodified(family):
 
 def test_families_hint_names_the_list():
     hint = families_hint()
-    assert hint.startswith(f"supported: the {len(supported_families())} families on transformers' experts interface")
+    assert hint.startswith(
+        f"supported: the {len(supported_families())} families on transformers' experts interface"
+    )
     assert all(f in hint for f in WELL_KNOWN)
 
 
 def test_the_asyncmoe_implementation_is_registered():
     assert "asyncmoe" in ALL_EXPERTS_FUNCTIONS
     model = asyncmoe.compile(tiny("olmoe"), cache=4)
-    assert all(m.config._experts_implementation == "asyncmoe" and hasattr(m, PROVIDER) for _, m in find_experts(model))
+    assert all(
+        m.config._experts_implementation == "asyncmoe" and hasattr(m, PROVIDER)
+        for _, m in find_experts(model)
+    )
 
 
 def test_find_experts_and_their_routers():
     model = tiny("olmoe")
     experts = find_experts(model)
-    assert [name for name, _ in experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert [name for name, _ in experts] == [
+        "model.layers.0.mlp.experts",
+        "model.layers.1.mlp.experts",
+    ]
     assert all(is_experts_module(m) and num_experts(m) == NUM_EXPERTS for _, m in experts)
     assert not is_experts_module(model.model.layers[0].mlp)
     for name, m in experts:

@@ -23,7 +23,12 @@ from asyncmoe.prefetch.predictors import (
 def test_the_source_bits_are_the_caches():
     from asyncmoe.cache import state
 
-    assert (GATE, TEMPORAL, TRANSITION, SOURCES) == (state.GATE, state.TEMPORAL, state.TRANSITION, state.SOURCES)
+    assert (GATE, TEMPORAL, TRANSITION, SOURCES) == (
+        state.GATE,
+        state.TEMPORAL,
+        state.TRANSITION,
+        state.SOURCES,
+    )
     assert [1 << i for i in range(len(SOURCES))] == [GATE, TEMPORAL, TRANSITION]
 
 
@@ -37,7 +42,11 @@ def test_gate_scores_follow_the_router():
 
 def test_gate_scores_are_the_mean_of_each_tokens_top_probabilities():
     g = torch.Generator().manual_seed(0)
-    x, weight, bias = torch.randn(5, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
+    x, weight, bias = (
+        torch.randn(5, 8, generator=g),
+        torch.randn(6, 8, generator=g),
+        torch.randn(6, generator=g),
+    )
     out = torch.zeros(6)
     gate_scores(x, weight, bias, 2, out)
     probs = (x @ weight.T + bias).softmax(-1)
@@ -46,16 +55,18 @@ def test_gate_scores_are_the_mean_of_each_tokens_top_probabilities():
     torch.testing.assert_close(out, want)
     picked = gate_top(x, weight, bias, 2)
     torch.testing.assert_close(top_scores(picked.indices, picked.values, 6).mean(0), want)
-    assert top_scores(torch.tensor([[-1, 2]]), torch.tensor([[0.7, 0.2]]), 4)[0].tolist() == pytest.approx(
-        [0, 0, 0.2, 0]
-    )
+    assert top_scores(torch.tensor([[-1, 2]]), torch.tensor([[0.7, 0.2]]), 4)[
+        0
+    ].tolist() == pytest.approx([0, 0, 0.2, 0])
 
 
 def test_transition_scores_learn_a_mapping():
     transitions = torch.zeros(4, 6)
     for _ in range(10):  # expert 0 before -> 5 here; 2 -> 3
         observe(
-            torch.tensor([True, False, True, False]), torch.tensor([0, 0, 0, 1, 0, 1], dtype=torch.bool), transitions
+            torch.tensor([True, False, True, False]),
+            torch.tensor([0, 0, 0, 1, 0, 1], dtype=torch.bool),
+            transitions,
         )
     before = torch.tensor([True, False, False, False])
     observe(before, torch.tensor([0, 0, 0, 0, 0, 1], dtype=torch.bool), transitions)
@@ -67,11 +78,14 @@ def test_observe_decays_then_adds_the_pairs():
     transitions = torch.full((2, 3), 4.0)
     observe_reference(torch.tensor([True, False]), torch.tensor([False, True, True]), transitions)
     want = torch.tensor(
-        [[4 * TRANSITION_DECAY, 4 * TRANSITION_DECAY + 1, 4 * TRANSITION_DECAY + 1]] + [[4 * TRANSITION_DECAY] * 3]
+        [[4 * TRANSITION_DECAY, 4 * TRANSITION_DECAY + 1, 4 * TRANSITION_DECAY + 1]]
+        + [[4 * TRANSITION_DECAY] * 3]
     )
     torch.testing.assert_close(transitions, want)
     again = torch.full((2, 3), 4.0)
-    observe(torch.tensor([True, False]), torch.tensor([False, True, True]), again)  # the CPU: the reference
+    observe(
+        torch.tensor([True, False]), torch.tensor([False, True, True]), again
+    )  # the CPU: the reference
     assert torch.equal(again, transitions)
 
 
@@ -93,7 +107,14 @@ def test_combine_ranks_the_gate_first_and_drops_weak_support():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(sources=("oracle",)), dict(sources=()), dict(depth=0), dict(depth=2), dict(budget=0), dict(copy_programs=0)],
+    [
+        dict(sources=("oracle",)),
+        dict(sources=()),
+        dict(depth=0),
+        dict(depth=2),
+        dict(budget=0),
+        dict(copy_programs=0),
+    ],
 )
 def test_bad_prefetch_settings(bad):
     with pytest.raises(ValueError, match="prefetch"):
@@ -104,4 +125,6 @@ def test_default_prefetch_settings():
     p = asyncmoe.Prefetch()
     assert (p.sources, p.depth, p.budget, p.per_token) == (("gate",), 1, 2, None)
     assert asyncmoe.Prefetch is predictors.Prefetch
-    asyncmoe.Prefetch(sources=("temporal",), depth=2)  # deeper needs a predictor that sees past the next layer
+    asyncmoe.Prefetch(
+        sources=("temporal",), depth=2
+    )  # deeper needs a predictor that sees past the next layer

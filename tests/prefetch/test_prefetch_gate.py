@@ -52,11 +52,18 @@ def test_prefetch_gate_stops_a_layer_whose_prefetches_go_unused(use):
         cache_ops.ensure(cache, torch.tensor([[routed]]), 0)
     late = slice(len(admitted) // 2, None)  # the prefetching calls of the second half
     if use == "timely":
-        assert all(admitted[late]) and not any(explored)  # every prefetch admitted: the gate stays open
+        assert all(admitted[late]) and not any(
+            explored
+        )  # every prefetch admitted: the gate stays open
     else:
         assert not any(admitted[late])  # nothing copied
-        assert sum(explored[late]) == steps // 2 // EXPLORE_EVERY  # but every EXPLORE_EVERY-th call explores
-        assert cache.counters[Counter.EXPLORED] == sum(explored) and cache.counters[Counter.EXPLORED_PAID] == 0
+        assert (
+            sum(explored[late]) == steps // 2 // EXPLORE_EVERY
+        )  # but every EXPLORE_EVERY-th call explores
+        assert (
+            cache.counters[Counter.EXPLORED] == sum(explored)
+            and cache.counters[Counter.EXPLORED_PAID] == 0
+        )
 
 
 @pytest.mark.parametrize("victim_needed", [False, True])
@@ -80,7 +87,9 @@ def test_prefetch_gate_counts_the_hits_a_prefetch_evicts(victim_needed):
         ids = torch.arange(E).view(2, E // 2) if victim_needed else torch.tensor([[guess]])
         for wave in range(2 if victim_needed else 1):
             cache_ops.ensure(cache, ids, wave)
-    assert count(Counter.PREFETCH_TIMELY) == sum(admitted)  # every admitted prefetch was used by its call
+    assert count(Counter.PREFETCH_TIMELY) == sum(
+        admitted
+    )  # every admitted prefetch was used by its call
     assert count(Counter.PREFETCH_VICTIMS) == (sum(admitted) if victim_needed else 0)
     late = admitted[steps // 2 :]
     assert admitted[0] == 1  # no evidence yet: the gate is open
@@ -90,16 +99,25 @@ def test_prefetch_gate_counts_the_hits_a_prefetch_evicts(victim_needed):
         assert all(late)
 
 
-def mixtral_router_replay(batch: int, prefetch: bool, pace=(0, 0, 0), calls: int = 150) -> tuple[int, int]:
+def mixtral_router_replay(
+    batch: int, prefetch: bool, pace=(0, 0, 0), calls: int = 150
+) -> tuple[int, int]:
     """Copies (misses + prefetches) and prefetch victims over a replay shaped as the Mixtral-8x7B shape's router
     at 4 of 8 slots: 6 layers, routing uniform over 8 experts, top-2; the gate predictor sees the next layer's
     routing with 30% of its picks replaced at random. `pace`: (stamp, window, copy) for every layer's gate."""
     L, E, C, k = 6, 8, 4, 2
     g = torch.Generator().manual_seed(0)
-    routing = [[torch.rand(batch, E, generator=g).topk(k, dim=-1).indices for _ in range(L)] for _ in range(calls)]
+    routing = [
+        [torch.rand(batch, E, generator=g).topk(k, dim=-1).indices for _ in range(L)]
+        for _ in range(calls)
+    ]
     guesses = [
         [
-            torch.where(torch.rand(batch, k, generator=g) < 0.3, torch.randint(0, E, (batch, k), generator=g), ids)
+            torch.where(
+                torch.rand(batch, k, generator=g) < 0.3,
+                torch.randint(0, E, (batch, k), generator=g),
+                ids,
+            )
             for ids in step
         ]
         for step in routing
@@ -156,13 +174,17 @@ def test_a_gated_layer_explores_every_period_and_reopens_where_half_is_enough(wa
     p = PrefetchBuffers(E, cache.expert_to_slot.device)
     if stride > 1:
         cache.pace.copy_(torch.tensor([0, 1000, 1000 * stride + 500]))  # copy // window: the stride
-    routed = torch.arange(E - 1, E - 2 - C * (waves - 1), -1).view(1, -1)  # E-1 alone, or C+1 experts: two waves
+    routed = torch.arange(E - 1, E - 2 - C * (waves - 1), -1).view(
+        1, -1
+    )  # E-1 alone, or C+1 experts: two waves
     assert num_waves(routed.numel(), C, E) == waves
     period = EXPLORE_EVERY * stride
     assert explore_period(cache.pace).item() == period
     admitted, explored, guess, right_from, end = [], [], 0, 4 * period, 8 * period
     for call in range(1, end):
-        ids = torch.tensor([[guess]]) if call > right_from else routed  # from then on the prediction is routed
+        ids = (
+            torch.tensor([[guess]]) if call > right_from else routed
+        )  # from then on the prediction is routed
         for wave in range(num_waves(ids.numel(), C, E)):
             cache_ops.ensure(cache, ids, wave)
         # not resident: a prediction copies it
@@ -175,14 +197,20 @@ def test_a_gated_layer_explores_every_period_and_reopens_where_half_is_enough(wa
         if cache.explored.item() >= 0:
             explored.append(call)
     paid = cache.counters[Counter.EXPLORED_PAID].item()
-    if stride == 1:  # open with no evidence yet; explores at 32 ... 128, 160; those at 128 and 160 paid: open again
+    if (
+        stride == 1
+    ):  # open with no evidence yet; explores at 32 ... 128, 160; those at 128 and 160 paid: open again
         assert admitted == [1, *range(5 * period + 1, end)]
         assert explored == list(range(period, 6 * period, period)) and paid == 2
     else:
-        assert admitted == [] and explored == list(range(period, end, period)) and paid == 4  # 384 ... 672
+        assert (
+            admitted == [] and explored == list(range(period, end, period)) and paid == 4
+        )  # 384 ... 672
 
 
-@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
+@pytest.mark.parametrize(
+    "use_kernel", [False, True]
+)  # the kernel on cuda where there is one, else interpreted
 def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
     """The latency suite resets the counters after each round's prompt. A layer's prefetch runs before its own
     `ensure`, so the next one sees `calls` at 0, which every exploring period divides: a gate that explored on
@@ -192,17 +220,37 @@ def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
     device = "cuda" if use_kernel and torch.cuda.is_available() else "cpu"
     c = ExpertCache({"w": torch.randn(E, 3, device=device)}, C, "lru")
     p = PrefetchBuffers(E, c.expert_to_slot.device)
-    c.pace.copy_(torch.tensor([0, 1000, 1000]))  # a copy as long as the window: half is enough, explore every 32nd call
+    c.pace.copy_(
+        torch.tensor([0, 1000, 1000])
+    )  # a copy as long as the window: half is enough, explore every 32nd call
     prefetched = lambda: c.counters[Counter.PREFETCHED].item()  # noqa: E731
 
-    def prefetch(expert):  # the gate predicts `expert`, as the prefetch op does before the layer's own ensure
+    def prefetch(
+        expert,
+    ):  # the gate predicts `expert`, as the prefetch op does before the layer's own ensure
         p.gate.copy_(one_hot(expert, E, device))
-        predict_and_prefetch(Request(GATE, 1, c.policy), c.state, p.state, None, c.hosts, c.slots, use_kernel=use_kernel)
+        predict_and_prefetch(
+            Request(GATE, 1, c.policy),
+            c.state,
+            p.state,
+            None,
+            c.hosts,
+            c.slots,
+            use_kernel=use_kernel,
+        )
 
-    for call in range(4):  # experts 0 and 1 predicted, E-1 routed: the prefetches are wasted and the gate closes
+    for call in range(
+        4
+    ):  # experts 0 and 1 predicted, E-1 routed: the prefetches are wasted and the gate closes
         prefetch(call % 2)
         algorithm.ensure(
-            torch.tensor([[E - 1]], device=device), 0, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel
+            torch.tensor([[E - 1]], device=device),
+            0,
+            c.policy,
+            c.state,
+            c.hosts,
+            c.slots,
+            use_kernel=use_kernel,
         )
     assert prefetched() == 1  # the first, with no evidence yet
     read_stats([("layer", c)], reset=True)
@@ -211,8 +259,12 @@ def test_a_stats_reset_does_not_make_a_gated_layer_explore(use_kernel):
     assert prefetched() == 0
 
 
-@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
-def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_once_after_them(use_kernel):
+@pytest.mark.parametrize(
+    "use_kernel", [False, True]
+)  # the kernel on cuda where there is one, else interpreted
+def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_once_after_them(
+    use_kernel,
+):
     """A decode step may skip prefetch while every gate is closed (the Decoder's `Gates`). The gate's evidence then
     decays by the calls since its last prefetch, as if it had run on each, and a closed gate explores on its first
     prefetch after `calls` passed a multiple of the period, once: not on a second prefetch in the same period. An
@@ -224,10 +276,20 @@ def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_on
     c.pace.copy_(torch.tensor([0, 1000, 1000]))  # half is enough, explore every 32nd call
     count = lambda counter: c.counters[counter].item()  # noqa: E731
 
-    def call(predicted=None, routed=E - 1):  # the gate predicts `predicted`, then the call routes to `routed`
+    def call(
+        predicted=None, routed=E - 1
+    ):  # the gate predicts `predicted`, then the call routes to `routed`
         if predicted is not None:
             p.gate.copy_(one_hot(predicted, E, device))
-            predict_and_prefetch(Request(GATE, 1, c.policy), c.state, p.state, None, c.hosts, c.slots, use_kernel=use_kernel)
+            predict_and_prefetch(
+                Request(GATE, 1, c.policy),
+                c.state,
+                p.state,
+                None,
+                c.hosts,
+                c.slots,
+                use_kernel=use_kernel,
+            )
         ids = torch.tensor([[routed]], device=device)
         algorithm.ensure(ids, 0, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
 
@@ -239,29 +301,44 @@ def test_calls_without_prefetch_decay_the_evidence_and_a_closed_gate_explores_on
     for _ in range(40):  # calls 4 .. 43: no prefetch
         call()
     call(2)  # calls = 44, the first prefetch since 32: explores, with no copy
-    assert count(Counter.EXPLORED) == 1 and count(Counter.EXPLORED_PAID) == 0 and count(Counter.PREFETCHED) == 1
+    assert (
+        count(Counter.EXPLORED) == 1
+        and count(Counter.EXPLORED_PAID) == 0
+        and count(Counter.PREFETCHED) == 1
+    )
     assert p.visited.item() == 44 and c.explored.item() == -1  # scored by the call's ensure
-    wasted = evidence[0] * OUTCOME_DECAY**41  # decayed over calls 4 .. 44, as prefetches on each would have
-    torch.testing.assert_close(p.outcomes[PREFETCHES, WASTED].cpu(), wasted.cpu(), rtol=1e-5, atol=0)
+    wasted = (
+        evidence[0] * OUTCOME_DECAY**41
+    )  # decayed over calls 4 .. 44, as prefetches on each would have
+    torch.testing.assert_close(
+        p.outcomes[PREFETCHES, WASTED].cpu(), wasted.cpu(), rtol=1e-5, atol=0
+    )
     call(3)  # calls = 45, in the same period: no second exploration
     assert count(Counter.EXPLORED) == 1 and p.gate_open_host.item() == 0
     for _ in range(46, 70):
         call()
     call(5, routed=5)  # calls = 70: explores, and a copy would have saved the call's miss
-    assert count(Counter.EXPLORED) == 2 and count(Counter.EXPLORED_PAID) == 1 and count(Counter.PREFETCHED) == 1
+    assert (
+        count(Counter.EXPLORED) == 2
+        and count(Counter.EXPLORED_PAID) == 1
+        and count(Counter.PREFETCHED) == 1
+    )
     call(6)  # the next prefetch reads it as a prefetch that paid
     assert p.outcomes[PREFETCHES, PAID].item() == 1
 
 
 @pytest.mark.parametrize(
-    "copy, window, ranks", [(0, 0, 4), (1000, 1000, 1), (1000, 1001, 2), (400, 1000, 3), (100, 1000, 4)]
+    "copy, window, ranks",
+    [(0, 0, 4), (1000, 1000, 1), (1000, 1001, 2), (400, 1000, 3), (100, 1000, 4)],
 )
 def test_ranks_in_window_are_the_copies_that_start_before_it_ends(copy, window, ranks):
     assert ranks_in_window(torch.tensor([0, window, copy]), 4).item() == ranks
 
 
 @pytest.mark.parametrize("second_pays", [False, True])
-@pytest.mark.parametrize("use_kernel", [False, True])  # the kernel on cuda where there is one, else interpreted
+@pytest.mark.parametrize(
+    "use_kernel", [False, True]
+)  # the kernel on cuda where there is one, else interpreted
 def test_a_second_guess_that_does_not_pay_is_gated_apart_from_the_first(second_pays, use_kernel):
     """Budget 2: each call the gate predicts two experts that are not resident, the first likelier, and the call
     routes to the first (and to the second where it pays). A second guess that is never routed stops being copied
@@ -275,21 +352,58 @@ def test_a_second_guess_that_does_not_pay_is_gated_apart_from_the_first(second_p
     c.pace.copy_(torch.tensor([0, 1500, 1000]))  # the second copy starts within the window
     count = lambda counter: c.counters[counter].item()  # noqa: E731
     for call in range(n):
-        first, second = (2 * call) % 12, (2 * call + 1) % 12  # six calls apart: long evicted from four slots
+        first, second = (
+            (2 * call) % 12,
+            (2 * call + 1) % 12,
+        )  # six calls apart: long evicted from four slots
         p.gate.copy_(one_hot(first, E, device) * 0.6 + one_hot(second, E, device) * 0.3)
-        predict_and_prefetch(Request(GATE, 2, c.policy), c.state, p.state, None, c.hosts, c.slots, use_kernel=use_kernel)
-        routed = [first, second] if second_pays else [first, 12 + call % 4]  # 12 .. 15: never predicted
-        algorithm.ensure(torch.tensor([routed], device=device), 0, c.policy, c.state, c.hosts, c.slots, use_kernel)
+        predict_and_prefetch(
+            Request(GATE, 2, c.policy),
+            c.state,
+            p.state,
+            None,
+            c.hosts,
+            c.slots,
+            use_kernel=use_kernel,
+        )
+        routed = (
+            [first, second] if second_pays else [first, 12 + call % 4]
+        )  # 12 .. 15: never predicted
+        algorithm.ensure(
+            torch.tensor([routed], device=device),
+            0,
+            c.policy,
+            c.state,
+            c.hosts,
+            c.slots,
+            use_kernel,
+        )
     assert p.gate_open_host.item() == 1
-    assert count(Counter.RUNNERS_UP) == n and count(Counter.RUNNERS_UP_PAID) == (n if second_pays else 0)
-    assert count(Counter.PREFETCH_TIMELY) == (2 * n if second_pays else n)  # every first guess was copied and used
-    assert count(Counter.PREFETCHED) == (2 * n if second_pays else n + 1)  # the second: only before its first miss
+    assert count(Counter.RUNNERS_UP) == n and count(Counter.RUNNERS_UP_PAID) == (
+        n if second_pays else 0
+    )
+    assert count(Counter.PREFETCH_TIMELY) == (
+        2 * n if second_pays else n
+    )  # every first guess was copied and used
+    assert count(Counter.PREFETCHED) == (
+        2 * n if second_pays else n + 1
+    )  # the second: only before its first miss
     assert not c.runners_up.any()  # scored and cleared by the call
     c.pace.copy_(torch.tensor([0, 900, 1000]))  # ... and now after it
     before = c.counters.clone()
     for call in range(n, n + 6):
-        p.gate.copy_(one_hot(2 * call % 12, E, device) * 0.6 + one_hot((2 * call + 1) % 12, E, device) * 0.3)
-        predict_and_prefetch(Request(GATE, 2, c.policy), c.state, p.state, None, c.hosts, c.slots, use_kernel=use_kernel)
+        p.gate.copy_(
+            one_hot(2 * call % 12, E, device) * 0.6 + one_hot((2 * call + 1) % 12, E, device) * 0.3
+        )
+        predict_and_prefetch(
+            Request(GATE, 2, c.policy),
+            c.state,
+            p.state,
+            None,
+            c.hosts,
+            c.slots,
+            use_kernel=use_kernel,
+        )
         algorithm.ensure(
             torch.tensor([[2 * call % 12, (2 * call + 1) % 12]], device=device),
             0,
@@ -304,7 +418,8 @@ def test_a_second_guess_that_does_not_pay_is_gated_apart_from_the_first(second_p
 
 
 @pytest.mark.parametrize(
-    "copy, window, open_", [(0, 0, True), (1000, 1000, True), (3000, 1000, True), (13000, 1000, False)]
+    "copy, window, open_",
+    [(0, 0, True), (1000, 1000, True), (3000, 1000, True), (13000, 1000, False)],
 )
 def test_prefetch_gate_wants_more_saved_where_a_copy_outlasts_the_compute(copy, window, open_):
     """82 of 100 prefetches saved a miss. Where a copy takes no longer than the compute it hides behind (or
@@ -320,7 +435,9 @@ def test_prefetch_gate_wants_more_saved_where_a_copy_outlasts_the_compute(copy, 
     predicted = torch.rand(E) + 0.1
     p.predicted.copy_(predicted)
     gate_prefetch(cache.state, p.state, 1)
-    likeliest = one_hot(int(predicted.argmax()), E)  # budget 1: the one expert admitted, its score as it was
+    likeliest = one_hot(
+        int(predicted.argmax()), E
+    )  # budget 1: the one expert admitted, its score as it was
     assert torch.equal(p.predicted, predicted * likeliest if open_ else torch.zeros(E))
 
 

@@ -26,13 +26,16 @@ BITS = {"gate": GATE, "temporal": TEMPORAL, "transition": TRANSITION}
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "T, E, per_token, bias", [(1, 64, 8, False), (3, 8, 2, True), (20, 60, 6, False), (64, 128, 8, True)]
+    "T, E, per_token, bias",
+    [(1, 64, 8, False), (3, 8, 2, True), (20, 60, 6, False), (64, 128, 8, True)],
 )
 def test_gate_kernel_matches_reference(device, dtype, T, E, per_token, bias):
     g = torch.Generator().manual_seed(T * E)
     H = 96
     x = torch.randn(T, H, generator=g).to(device, dtype)
-    weight = torch.randn(E, H, generator=g).to(device, dtype) / H**0.5 * 4  # spread probabilities, few near-ties
+    weight = (
+        torch.randn(E, H, generator=g).to(device, dtype) / H**0.5 * 4
+    )  # spread probabilities, few near-ties
     b = torch.randn(E, generator=g).to(device, dtype) if bias else None
     want, got = torch.full((2, E), -1.0, device=device)  # written whole, not added to
     gate_scores_reference(x, weight, b, per_token, want)
@@ -50,10 +53,15 @@ def test_a_prefill_sized_call_takes_the_reference(device, monkeypatch):
     """More than MAX_TOKENS tokens: `gate_scores` runs the reference even where the kernel is asked for."""
     launched = []
     monkeypatch.setattr(score_kernels, "gate_scores_triton", lambda *a: launched.append(1))
-    x, weight = torch.randn(score_kernels.MAX_TOKENS + 1, 8, device=device), torch.randn(4, 8, device=device)
+    x, weight = (
+        torch.randn(score_kernels.MAX_TOKENS + 1, 8, device=device),
+        torch.randn(4, 8, device=device),
+    )
     out = torch.zeros(4, device=device)
     gate_scores(x, weight, None, 4, out, use_kernel=True)
-    assert not launched and torch.isclose(out.sum(), torch.tensor(1.0, device=device))  # all 4 probabilities
+    assert not launched and torch.isclose(
+        out.sum(), torch.tensor(1.0, device=device)
+    )  # all 4 probabilities
     gate_scores(x[:1], weight, None, 4, out, use_kernel=True)
     assert launched == [1]
 
@@ -82,7 +90,9 @@ def _prefetch_pair(E_before, E, C, device, seed):
     # exact in any order: the kernel sums in another order than torch, and an ulp could flip a near-tie in the
     # top-keep (it did with random counts on the H200)
     successors = torch.randint(0, E, (E_before, 2), generator=g)
-    counts = torch.tensor([[1.0, 1.0], [1.0, 3.0], [2.0, 0.0]])[torch.randint(0, 3, (E_before,), generator=g)]
+    counts = torch.tensor([[1.0, 1.0], [1.0, 3.0], [2.0, 0.0]])[
+        torch.randint(0, 3, (E_before,), generator=g)
+    ]
     transitions = torch.zeros(E_before, E).index_put_(
         (torch.arange(E_before)[:, None], successors), counts, accumulate=True
     )
@@ -109,16 +119,24 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
     the exploring calls, with the prefetch's pace measured (a copy 2x or 4x the compute) or not: the 32nd does not
     explore (a copy 4x the window explores every 128th call), the 64th does (unmeasured: every 32nd); every
     seventh call skips the prefetch, as a step without prefetch does."""
-    (kernel, reference), (kernel_p, reference_p), g = _prefetch_pair(E_before, E, C, device, E * C + len(sources))
+    (kernel, reference), (kernel_p, reference_p), g = _prefetch_pair(
+        E_before, E, C, device, E * C + len(sources)
+    )
     bits = sum(BITS[s] for s in sources)
     scored = 0
     for step in range(steps):
-        ids = (torch.rand(1, E, generator=g) * torch.linspace(2, 1, E)).topk(k, dim=-1).indices.to(device)
+        ids = (
+            (torch.rand(1, E, generator=g) * torch.linspace(2, 1, E))
+            .topk(k, dim=-1)
+            .indices.to(device)
+        )
         # few: shares big enough to pass MIN_SUPPORT
         before = (torch.rand(E_before, generator=g) < 3 / E_before).to(device)
         gate = torch.rand(E, generator=g) * (torch.rand(E, generator=g) < 0.15)
         gate[step % E] = 0.25  # a tie with another nomination now and then
-        pace = torch.tensor([0, 1000 * (step % 3), 4000])  # every third call unmeasured: MIN_PRECISION
+        pace = torch.tensor(
+            [0, 1000 * (step % 3), 4000]
+        )  # every third call unmeasured: MIN_PRECISION
         for c, p, use_kernel in ((kernel, kernel_p, True), (reference, reference_p, False)):
             c.pace.copy_(pace)
             algorithm.ensure(ids, 0, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel)
@@ -135,7 +153,9 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
                 use_kernel=use_kernel,
             )
         torch.testing.assert_close(kernel_p.predicted, reference_p.predicted, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(kernel_p.outcomes, reference_p.outcomes, atol=0, rtol=1e-6)  # a fused multiply-add
+        torch.testing.assert_close(
+            kernel_p.outcomes, reference_p.outcomes, atol=0, rtol=1e-6
+        )  # a fused multiply-add
         assert torch.equal(kernel_p.nominated, reference_p.nominated), step
         for name in ("visited", "gate_open", "transitions"):
             assert torch.equal(getattr(kernel_p, name), getattr(reference_p, name)), name
@@ -144,8 +164,13 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
     assert scored > 0
     if "gate" in sources:
         assert reference.counters[Counter.PREFETCHED] > 0
-        assert reference_p.outcomes[PREFETCHES, WASTED] > 0  # wasted prefetches: the gate's estimate moved
-        assert reference.counters[Counter.RUNNERS_UP] > 0 and reference_p.outcomes[RUNNERS_UP, WASTED] > 0  # k > 1
+        assert (
+            reference_p.outcomes[PREFETCHES, WASTED] > 0
+        )  # wasted prefetches: the gate's estimate moved
+        assert (
+            reference.counters[Counter.RUNNERS_UP] > 0
+            and reference_p.outcomes[RUNNERS_UP, WASTED] > 0
+        )  # k > 1
 
 
 @pytest.mark.parametrize("device", devices())

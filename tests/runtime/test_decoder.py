@@ -35,7 +35,9 @@ def prompts(kind: str, batch: int) -> torch.Tensor:
 
 def first_eos(new: torch.Tensor, eos: int) -> list[int]:
     """New tokens of each row up to and including its first `eos`, all of them where it has none; [B, n] -> B."""
-    return [(row == eos).nonzero()[0].item() + 1 if (row == eos).any() else row.numel() for row in new]
+    return [
+        (row == eos).nonzero()[0].item() + 1 if (row == eos).any() else row.numel() for row in new
+    ]
 
 
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "deepseek_v3"])
@@ -46,7 +48,9 @@ def test_greedy_equals_transformers_generate(family, batch):
     model = asyncmoe.compile(copy.deepcopy(ref), cache=4)
     dec = asyncmoe.Decoder(model, batch_size=batch, max_length=48)
     ids = torch.randint(3, 128, (batch, 7), generator=torch.Generator().manual_seed(batch))
-    kw = dict(max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))  # EOS and pad: the config's
+    kw = dict(
+        max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids)
+    )  # EOS and pad: the config's
     start = time.perf_counter()
     out = dec.generate(ids, 24)
     wall_ms = (time.perf_counter() - start) * 1e3
@@ -66,17 +70,33 @@ def test_eos_ends_each_sequence_as_transformers_does(batch):
     dec = asyncmoe.Decoder(model, batch_size=batch, max_length=40)
     ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(2))[:batch]
     mask = torch.ones_like(ids)
-    free = ref.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=[], pad_token_id=0)
+    free = ref.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+    )
     eos = free[0, 7 + 3].item()  # the 4th new token of the first sequence
     ends = first_eos(free[:, 7:], eos)
     if batch == 3:
         assert len(set(ends)) == 3, ends  # the prompts make the sequences finish at different steps
-    want = ref.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=eos, pad_token_id=0, do_sample=False)
+    want = ref.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        eos_token_id=eos,
+        pad_token_id=0,
+        do_sample=False,
+    )
     assert want.shape[1] == 7 + max(ends) < 7 + 30
     out = dec.generate(ids, 30, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out.tokens, want)
     assert out.lengths.tolist() == [7 + e for e in ends] and out.new_tokens == max(ends)
-    assert dec.length - 7 < 30  # the loop ended once every sequence had finished, not at max_new_tokens
+    assert (
+        dec.length - 7 < 30
+    )  # the loop ended once every sequence had finished, not at max_new_tokens
     streamed = []
     dec.generate(ids, 30, eos_token_id=eos, pad_token_id=0, callback=streamed.append)
     assert streamed == out.tokens[:, 7:].T.tolist()  # streaming ends at the last EOS
@@ -89,10 +109,19 @@ def test_eos_and_pad_default_to_the_generation_config():
     ref = tiny("mixtral")
     ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
-    free = ref.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=[], pad_token_id=0)
+    free = ref.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+    )
     eos = [free[0, 7 + 3].item(), free[1, 7 + 20].item()]
     ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = eos, None
-    dec = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=4), batch_size=3, max_length=40)
+    dec = asyncmoe.Decoder(
+        asyncmoe.compile(copy.deepcopy(ref), cache=4), batch_size=3, max_length=40
+    )
     out = dec.generate(ids, 30)
     want = ref.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     assert torch.equal(out.tokens, want)
@@ -111,7 +140,11 @@ def test_sampled_sequences_stop_at_eos_and_are_padded():
     eos = dec.generate(ids, 30, eos_token_id=[], **kw).tokens[0, 5 + 3].item()
     out = dec.generate(ids, 30, eos_token_id=eos, pad_token_id=0, **kw)
     ends = first_eos(out.tokens[:, 5:], eos)
-    assert ends[0] <= 4 and out.lengths.tolist() == [5 + e for e in ends] and out.tokens.shape[1] == 5 + max(ends)
+    assert (
+        ends[0] <= 4
+        and out.lengths.tolist() == [5 + e for e in ends]
+        and out.tokens.shape[1] == 5 + max(ends)
+    )
     for row, end in zip(out.tokens, ends, strict=True):
         assert (row[5 + end :] == 0).all()
 
@@ -124,11 +157,15 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     kw = dict(do_sample=True, temperature=0.9, top_p=0.8, seed=3)
     a, b = dec.generate(ids, 20, **kw), dec.generate(ids, 20, **kw)
     assert torch.equal(a.tokens, b.tokens)
-    assert not torch.equal(a.tokens, dec.generate(ids, 20, do_sample=True, temperature=5.0, seed=4).tokens)
+    assert not torch.equal(
+        a.tokens, dec.generate(ids, 20, do_sample=True, temperature=5.0, seed=4).tokens
+    )
     greedy = dec.generate(ids, 20)
     assert torch.equal(dec.generate(ids, 20, do_sample=True, top_k=1, seed=1).tokens, greedy.tokens)
     unfiltered = dec.generate(ids, 20, do_sample=True, seed=1).tokens
-    assert torch.equal(dec.generate(ids, 20, do_sample=True, top_k=1000, seed=1).tokens, unfiltered)  # > vocabulary
+    assert torch.equal(
+        dec.generate(ids, 20, do_sample=True, top_k=1000, seed=1).tokens, unfiltered
+    )  # > vocabulary
     streamed = []
     dec.generate(ids, 6, callback=streamed.append)
     assert streamed == [greedy.tokens[:, 5 + i].tolist() for i in range(6)]
@@ -151,7 +188,9 @@ MESSAGES = dict(
 )
 
 
-@pytest.mark.parametrize("bad", HF_REFUSES + [dict(do_sample=True, top_p=2.0), dict(do_sample=True, top_p=0.0)])
+@pytest.mark.parametrize(
+    "bad", HF_REFUSES + [dict(do_sample=True, top_p=2.0), dict(do_sample=True, top_p=0.0)]
+)
 @torch.no_grad()
 def test_generate_refuses_what_transformers_refuses(bad):
     ref = tiny("olmoe")
@@ -187,7 +226,9 @@ def test_bad_stop_tokens_are_refused():
         dec.generate(ids, 4, eos_token_id=[3, -1])
     with pytest.raises(TypeError, match="pad_token_id must be an int, got 0.5"):
         dec.prefill(ids, pad_token_id=0.5)
-    with pytest.raises(ValueError, match="pad_token_id=500 is outside the model's vocabulary of 128"):
+    with pytest.raises(
+        ValueError, match="pad_token_id=500 is outside the model's vocabulary of 128"
+    ):
         dec.generate(ids, 4, eos_token_id=2, pad_token_id=500)
 
 
@@ -201,7 +242,9 @@ def test_bad_input_names_the_argument():
         r"input_ids\[None\]",
     ):
         dec.generate(ids[0], 4)
-    with pytest.raises(TypeError, match=r"input_ids must hold integer token ids, got torch.float32; .*\.long\(\)"):
+    with pytest.raises(
+        TypeError, match=r"input_ids must hold integer token ids, got torch.float32; .*\.long\(\)"
+    ):
         dec.generate(ids.float(), 4)
     with pytest.raises(TypeError, match="input_ids must be a torch.Tensor"):
         dec.prefill(ids.tolist())
@@ -211,15 +254,21 @@ def test_bad_input_names_the_argument():
         dec.prefill(ids[:, :0])
     outside = ids.clone()
     outside[0, 1], outside[1, 3] = -1, 200
-    with pytest.raises(ValueError, match=r"input_ids must be token ids in \[0, 128\).*got values in \[-1, 200\]"):
+    with pytest.raises(
+        ValueError, match=r"input_ids must be token ids in \[0, 128\).*got values in \[-1, 200\]"
+    ):
         dec.generate(outside, 4)
     with pytest.raises(ValueError, match="decode continues a prefill: call prefill"):
         dec.decode(1)
     for bad in (-5, 0, 1, 2.0):
-        with pytest.raises(ValueError, match=f"max_length must be an int >= 2, room for prompt .* got {bad}"):
+        with pytest.raises(
+            ValueError, match=f"max_length must be an int >= 2, room for prompt .* got {bad}"
+        ):
             asyncmoe.Decoder(model, max_length=bad)
     for bad in (0, -1, True):
-        with pytest.raises(ValueError, match=f"batch_size must be an int >= 1, the number of prompts .* got {bad}"):
+        with pytest.raises(
+            ValueError, match=f"batch_size must be an int >= 1, the number of prompts .* got {bad}"
+        ):
             asyncmoe.Decoder(model, batch_size=bad)
 
 
@@ -236,7 +285,9 @@ def test_capture_needs_slots_for_the_whole_batch():
 
 def test_prompt_too_long():
     dec = asyncmoe.Decoder(asyncmoe.compile(tiny("olmoe"), cache=4), max_length=10)
-    with pytest.raises(ValueError, match=r"exceeds max_length=10; use Decoder\(..., max_length=14\)"):
+    with pytest.raises(
+        ValueError, match=r"exceeds max_length=10; use Decoder\(..., max_length=14\)"
+    ):
         dec.generate(torch.ones(1, 6, dtype=torch.long), 8)
     with pytest.raises(
         ValueError,
@@ -277,18 +328,28 @@ def test_a_step_skips_prefetch_while_every_gate_is_closed():
     steps = prefetch_steps(dec)
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(1))
     out = dec.generate(ids, 200, eos_token_id=[])
-    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False, eos_token_id=[])
+    want = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=200,
+        do_sample=False,
+        eos_token_id=[],
+    )
     assert torch.equal(out.tokens, want)
     late = sorted(set(steps))[-4:]
     assert [b - a for a, b in zip(late, late[1:])] == [EXPLORE_EVERY] * 3
     assert len(set(steps)) < 200 // 8
     assert not any(p.prefetch.gate_open_host.item() for p in dec.cached[1:])
     stats = asyncmoe.stats(model)
-    assert stats.totals["explored"] >= 3 * 3  # the late prefetching steps explored, in each of the three targets
+    assert (
+        stats.totals["explored"] >= 3 * 3
+    )  # the late prefetching steps explored, in each of the three targets
     assert f"explored {stats.totals['explored']} times with no copy" in str(stats)
 
 
-def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tensor, steps: int) -> float:
+def lockstep(
+    graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tensor, steps: int
+) -> float:
     """Largest |logit difference| between graph replay and eager steps over `steps` greedy steps (no EOS: every
     step decodes)."""
     graphed.prefill(ids, eos_token_id=[])
@@ -306,10 +367,16 @@ def lockstep(graphed: asyncmoe.Decoder, eager: asyncmoe.Decoder, ids: torch.Tens
 def test_the_capturable_eager_mask_is_transformers_own(window):
     causal = masking_utils.causal_mask_function
     fn = causal if window is None else masking_utils.sliding_window_causal_mask_function(window)
-    kw = dict(batch_size=2, q_length=1, kv_length=9, q_offset=5, mask_function=fn, dtype=torch.bfloat16)
-    padded = dict(kw, q_length=4, q_offset=0, attention_mask=torch.tensor([[1] * 9, [0, 0] + [1] * 7]).bool())
+    kw = dict(
+        batch_size=2, q_length=1, kv_length=9, q_offset=5, mask_function=fn, dtype=torch.bfloat16
+    )
+    padded = dict(
+        kw, q_length=4, q_offset=0, attention_mask=torch.tensor([[1] * 9, [0, 0] + [1] * 7]).bool()
+    )
     for args in (kw, padded):
-        torch.testing.assert_close(eager_mask(**args), masking_utils.eager_mask(**args), rtol=0, atol=0)
+        torch.testing.assert_close(
+            eager_mask(**args), masking_utils.eager_mask(**args), rtol=0, atol=0
+        )
 
 
 @torch.no_grad()
@@ -342,12 +409,23 @@ def test_graph_replay_equals_eager_fp32(family, kind, batch, cache):
     ids = prompts(kind, batch).cuda()
     n = ids.shape[1] + STEPS + 1
     waves = cache < min(NUM_EXPERTS, batch * TOP_K)
-    graphed, eager = asyncmoe.Decoder(a, batch, n, graph=True, waves=waves), asyncmoe.Decoder(b, batch, n, graph=False)
+    graphed, eager = (
+        asyncmoe.Decoder(a, batch, n, graph=True, waves=waves),
+        asyncmoe.Decoder(b, batch, n, graph=False),
+    )
     assert lockstep(graphed, eager, ids, STEPS) <= 1e-5
     s = asyncmoe.stats(a)
-    copies = s.totals["misses"] + s.totals["prefetched"]  # prefetch may fetch an expert before it is missed
-    assert copies > STEPS // 4 and s.totals["evictions"] > 0  # slots really were refilled, every few steps
-    unmodified = asyncmoe.Decoder(ref, batch, n, graph=False).generate(ids, STEPS + 1, eos_token_id=[]).tokens
+    copies = (
+        s.totals["misses"] + s.totals["prefetched"]
+    )  # prefetch may fetch an expert before it is missed
+    assert (
+        copies > STEPS // 4 and s.totals["evictions"] > 0
+    )  # slots really were refilled, every few steps
+    unmodified = (
+        asyncmoe.Decoder(ref, batch, n, graph=False)
+        .generate(ids, STEPS + 1, eos_token_id=[])
+        .tokens
+    )
     assert torch.equal(graphed.history[:, : graphed.length], unmodified)
     print(
         f"\n{family} {kind} batch={batch} cache={cache}: hit rate {100 * s.totals['hit_rate']:.1f}%, "
@@ -368,13 +446,17 @@ def test_graph_replay_bf16_within_the_models_own_compile_tolerance(family):
     own = (torch.compile(ref)(x).logits.float() - ref(x).logits.float()).abs().max().item()
     a = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
     b = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
-    worst = lockstep(asyncmoe.Decoder(a, 1, n, graph=True), asyncmoe.Decoder(b, 1, n, graph=False), ids, 40)
+    worst = lockstep(
+        asyncmoe.Decoder(a, 1, n, graph=True), asyncmoe.Decoder(b, 1, n, graph=False), ids, 40
+    )
     print(f"\n{family} bf16: graph vs eager {worst:.3e}; unmodified eager vs compiled {own:.3e}")
     assert worst <= max(own, 1e-2)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("budget", [1, TOP_K])  # one, and the default: every expert a token routes to
+@pytest.mark.parametrize(
+    "budget", [1, TOP_K]
+)  # one, and the default: every expert a token routes to
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
 @torch.no_grad()
 def test_prefetch_changes_nothing_in_the_graph(family, budget):
@@ -407,7 +489,9 @@ def test_a_graph_step_without_prefetch_replays_while_every_gate_is_closed():
     assert not off.gates and sorted(on._graphs) == [(False, 0, False), (False, 0, True)]
     replays = {key: 0 for key in on._graphs}
     for key, graph in on._graphs.items():
-        graph.replay = lambda key=key, run=graph.replay: replays.__setitem__(key, replays[key] + 1) or run()
+        graph.replay = lambda key=key, run=graph.replay: (
+            replays.__setitem__(key, replays[key] + 1) or run()
+        )
     for _ in range(200):
         on.decode(1), off.decode(1)
         assert torch.equal(on.logits, off.logits)
@@ -450,13 +534,18 @@ def test_reduce_overhead_compile_keeps_the_moe_layers_in_cudagraphs():
         outs = [step(ids, use_cache=False).logits.clone() for ids in batches[:warm]]
         evictions = asyncmoe.stats(model).totals["evictions"]
         graphs, *kernels = api_calls(
-            lambda: outs.extend(step(ids, use_cache=False).logits.clone() for ids in batches[warm:]), *launches
+            lambda: outs.extend(
+                step(ids, use_cache=False).logits.clone() for ids in batches[warm:]
+            ),
+            *launches,
         )
     finally:
         torch._inductor.config.triton.cudagraph_or_error = False
     for ids, out in zip(batches, outs, strict=True):
         assert (out - eager(ids, use_cache=False).logits).abs().max().item() <= 1e-5
-    assert asyncmoe.stats(model).totals["evictions"] > evictions  # the replays refilled slots: the routing changed
+    assert (
+        asyncmoe.stats(model).totals["evictions"] > evictions
+    )  # the replays refilled slots: the routing changed
     _, *eager_kernels = api_calls(lambda: eager(batches[0], use_cache=False), *launches)
     calls = len(batches) - warm
     print(
@@ -474,7 +563,13 @@ def test_transformers_generate_with_static_cache_compiled():
     ref = tiny("olmoe", device="cuda")
     model = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
     ids = prompts("random", 1).cuda()
-    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, cache_implementation="static")
+    kw = dict(
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     assert asyncmoe.stats(model).totals["misses"] > 0
 
@@ -489,7 +584,9 @@ def test_stall_timing_in_the_graph(prefetch):
     n, steps = ids.shape[1] + 65, 64
     timing = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=prefetch, time_stalls=True)
     timed = asyncmoe.Decoder(timing, 1, n)
-    plain = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=prefetch), 1, n)
+    plain = asyncmoe.Decoder(
+        asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=prefetch), 1, n
+    )
     timed.prefill(ids), plain.prefill(ids)
     asyncmoe.stats(timed.model, reset=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -501,9 +598,13 @@ def test_stall_timing_in_the_graph(prefetch):
     assert torch.equal(timed.history, plain.history)
     s = asyncmoe.stats(timed.model)
     elapsed_ns = start.elapsed_time(end) * 1e6
-    for layer in s.layers:  # every call decides on the GPU: its ensure takes time; waits are never negative
+    for (
+        layer
+    ) in s.layers:  # every call decides on the GPU: its ensure takes time; waits are never negative
         assert layer.calls == steps and layer.ensure_ns > 0 and layer.wait_ns >= 0
-    assert 0 < s.totals["stall_ns"] < elapsed_ns  # the stalls sit on the compute stream, one after another
+    assert (
+        0 < s.totals["stall_ns"] < elapsed_ns
+    )  # the stalls sit on the compute stream, one after another
     per_call = {k: s.totals[k] / 1e3 / s.totals["calls"] for k in ("wait_ns", "ensure_ns")}
     print(
         f"\nprefetch={prefetch}: per layer call: wait {per_call['wait_ns']:.1f} us, "
@@ -524,7 +625,9 @@ def test_prefetch_pace_is_measured_in_the_graph():
     ids = prompts("random", 1).cuda()
     steps = 64
     # the prompt, prefill's token, the capture step, the timed steps
-    dec = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + 2 + steps)
+    dec = asyncmoe.Decoder(
+        asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + 2 + steps
+    )
     caches = [m.asyncmoe.cache for _, m in find_experts(dec.model)]
     assert len(caches) > 1 and len({c.pace.data_ptr() for c in caches}) == 1
     dec.prefill(ids)
@@ -553,8 +656,12 @@ def test_graph_stops_at_eos_as_eager_steps_do():
     ref = tiny("olmoe", device="cuda")
     ids = torch.randint(3, 128, (3, 7), generator=torch.Generator().manual_seed(2)).cuda()
     n, new = 7 + 64, 64
-    graphed = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=3 * TOP_K), 3, n, graph=True)
-    eager = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=3 * TOP_K), 3, n, graph=False)
+    graphed = asyncmoe.Decoder(
+        asyncmoe.compile(copy.deepcopy(ref), cache=3 * TOP_K), 3, n, graph=True
+    )
+    eager = asyncmoe.Decoder(
+        asyncmoe.compile(copy.deepcopy(ref), cache=3 * TOP_K), 3, n, graph=False
+    )
     free = eager.generate(ids, new, eos_token_id=[]).tokens[:, 7:]
     eos = free[0, 3].item()
     ends = first_eos(free, eos)
@@ -572,13 +679,19 @@ def test_generate_looks_for_eos_every_few_steps_not_every_token():
     """With an EOS to watch for, the host syncs once every CHECK_EVERY steps; each step is one graph replay."""
     ref = tiny("olmoe", device="cuda")
     ids = prompts("random", 1).cuda()
-    dec = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + STEPS)
+    dec = asyncmoe.Decoder(
+        asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K), 1, ids.shape[1] + STEPS
+    )
     free = dec.generate(ids, STEPS, eos_token_id=[]).tokens[0].tolist()  # captures the graph
-    eos = next(t for t in range(128) if t not in free)  # never produced: every step runs, and every check
+    eos = next(
+        t for t in range(128) if t not in free
+    )  # never produced: every step runs, and every check
     calls = ("cudaGraphLaunch", "cudaStreamSynchronize")
     short = api_calls(lambda: dec.generate(ids, 2, eos_token_id=eos), *calls)
     long = api_calls(lambda: dec.generate(ids, STEPS, eos_token_id=eos), *calls)
-    print(f"\n{STEPS} new tokens: {long[0]} graph launches, {long[1]} stream syncs; 2 new tokens: {short[1]} syncs")
+    print(
+        f"\n{STEPS} new tokens: {long[0]} graph launches, {long[1]} stream syncs; 2 new tokens: {short[1]} syncs"
+    )
     assert long[0] - short[0] == STEPS - 2
     assert long[1] - short[1] <= STEPS // CHECK_EVERY + 1
     assert dec.history[0, : dec.length].tolist() == free
@@ -586,12 +699,16 @@ def test_generate_looks_for_eos_every_few_steps_not_every_token():
 
 def test_graph_on_a_cpu_model_refused_at_construction():
     model = asyncmoe.compile(tiny("mixtral"), cache=4)
-    with pytest.raises(ValueError, match=r"graph=True captures each step in a CUDA graph.*on cpu.*graph=False"):
+    with pytest.raises(
+        ValueError, match=r"graph=True captures each step in a CUDA graph.*on cpu.*graph=False"
+    ):
         asyncmoe.Decoder(model, max_length=16, graph=True)
 
 
 def test_max_length_past_the_positions_warns():
     model = asyncmoe.compile(tiny("mixtral"), cache=4)  # max_position_embeddings=256
-    with pytest.warns(UserWarning, match=r"max_length=300 is past the model's max_position_embeddings=256"):
+    with pytest.warns(
+        UserWarning, match=r"max_length=300 is past the model's max_position_embeddings=256"
+    ):
         asyncmoe.Decoder(model, max_length=300)
     assert asyncmoe.Decoder(model).max_length == 256  # the default: the model's positions

@@ -14,19 +14,33 @@ def test_format_round_trip(tmp_path):
     tr.starts = np.array([0, 50])
     tr.save(tmp_path / "t.npz")
     back = Trace.load(tmp_path / "t.npz")
-    assert np.array_equal(back.ids, tr.ids) and back.num_experts == 12 and back.starts.tolist() == [0, 50]
-    assert (back.tokens, back.layers, back.top_k) == (120, 3, 2) and back.weights is None and back.gate_ids is None
+    assert (
+        np.array_equal(back.ids, tr.ids)
+        and back.num_experts == 12
+        and back.starts.tolist() == [0, 50]
+    )
+    assert (
+        (back.tokens, back.layers, back.top_k) == (120, 3, 2)
+        and back.weights is None
+        and back.gate_ids is None
+    )
     with pytest.raises(ValueError, match=r"must lie in \[0, num_experts=4\)"):
         Trace(np.full((2, 1, 1), 7), 4)
     np.savez(tmp_path / "bad.npz", x=np.zeros(3))
     with pytest.raises(ValueError, match="not an asyncmoe trace"):
         Trace.load(tmp_path / "bad.npz")
-    gate_ids = np.where(np.arange(3)[None, :, None] == 0, -1, tr.ids[:, :, :1])  # [N, L, 1], none for layer 0
+    gate_ids = np.where(
+        np.arange(3)[None, :, None] == 0, -1, tr.ids[:, :, :1]
+    )  # [N, L, 1], none for layer 0
     gated = Trace(tr.ids, 12, gate_ids=gate_ids, gate_probs=np.full(gate_ids.shape, 0.5))
     gated.save(tmp_path / "g.npz")
     back = Trace.load(tmp_path / "g.npz")
-    assert np.array_equal(back.gate_ids, gate_ids) and np.array_equal(back.gate_probs, np.full(gate_ids.shape, 0.5))
-    with pytest.raises(ValueError, match=r"gate_ids \(120, 2, 1\) and gate_probs \(120, 2, 1\) must both be"):
+    assert np.array_equal(back.gate_ids, gate_ids) and np.array_equal(
+        back.gate_probs, np.full(gate_ids.shape, 0.5)
+    )
+    with pytest.raises(
+        ValueError, match=r"gate_ids \(120, 2, 1\) and gate_probs \(120, 2, 1\) must both be"
+    ):
         Trace(tr.ids, 12, gate_ids=gate_ids[:, :2], gate_probs=np.zeros((120, 2, 1)))
 
 
@@ -41,7 +55,10 @@ def test_weights_round_trip_in_half_precision(tmp_path):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (dict(ids=np.zeros((3, 2))), r"trace ids must be \[tokens, layers, k\], got shape \(3, 2\)"),
+        (
+            dict(ids=np.zeros((3, 2))),
+            r"trace ids must be \[tokens, layers, k\], got shape \(3, 2\)",
+        ),
         (dict(gate_ids=np.zeros((4, 1, 1))), "gate_ids and gate_probs come together"),
         (
             dict(gate_ids=np.full((4, 1, 1), 9), gate_probs=np.zeros((4, 1, 1))),
@@ -56,7 +73,8 @@ def test_a_bad_trace_is_refused_at_build(bad, message):
 
 def test_load_a_missing_file(tmp_path):
     with pytest.raises(
-        FileNotFoundError, match=r"trace=.*nope.npz.*no such trace file \(an .npz written by asyncmoe.record\)"
+        FileNotFoundError,
+        match=r"trace=.*nope.npz.*no such trace file \(an .npz written by asyncmoe.record\)",
     ):
         Trace.load(tmp_path / "nope.npz", what="trace=")
     with pytest.raises(FileNotFoundError, match="no such trace file"):
@@ -89,7 +107,10 @@ GATE = np.zeros((4, 2, 2), dtype=np.int64)
 @pytest.mark.parametrize(
     "arrays, message",
     [
-        (dict(ids=np.zeros((0, 2, 2), dtype=np.int16)), r"shape \(0, 2, 2\) \(0 tokens, 2 layers, k=2\)"),
+        (
+            dict(ids=np.zeros((0, 2, 2), dtype=np.int16)),
+            r"shape \(0, 2, 2\) \(0 tokens, 2 layers, k=2\)",
+        ),
         (dict(ids=np.zeros((3, 0, 2), dtype=np.int16)), r"0 layers"),
         (
             dict(ids=np.array([[[0, 1]], [[2, 9]]])),
@@ -109,15 +130,30 @@ GATE = np.zeros((4, 2, 2), dtype=np.int64)
             dict(gate_ids=GATE[:3], gate_probs=np.zeros((3, 2, 2))),
             r"gate_ids \(3, 2, 2\) and gate_probs \(3, 2, 2\) must both be \[tokens, layers, g\]",
         ),
-        (dict(gate_ids=GATE, gate_probs=np.zeros((4, 2, 1))), r"gate_ids \(4, 2, 2\) and gate_probs \(4, 2, 1\)"),
-        (dict(gate_ids=GATE[..., :0], gate_probs=np.zeros((4, 2, 0))), r"\(g >= 1\)"),
-        (dict(gate_ids=GATE + 8, gate_probs=np.zeros((4, 2, 2))), r"gate_ids must lie in \[-1, num_experts=8\)"),
         (
-            dict(gate_ids=np.where(np.arange(2)[None, :, None] == 0, -1, GATE + 5), gate_probs=np.zeros((4, 2, 2))),
+            dict(gate_ids=GATE, gate_probs=np.zeros((4, 2, 1))),
+            r"gate_ids \(4, 2, 2\) and gate_probs \(4, 2, 1\)",
+        ),
+        (dict(gate_ids=GATE[..., :0], gate_probs=np.zeros((4, 2, 0))), r"\(g >= 1\)"),
+        (
+            dict(gate_ids=GATE + 8, gate_probs=np.zeros((4, 2, 2))),
+            r"gate_ids must lie in \[-1, num_experts=8\)",
+        ),
+        (
+            dict(
+                gate_ids=np.where(np.arange(2)[None, :, None] == 0, -1, GATE + 5),
+                gate_probs=np.zeros((4, 2, 2)),
+            ),
             "token 0 names expert 5 twice in its layer-1 row of gate_ids",
         ),
-        (dict(weights=np.zeros((4, 2, 1))), r"weights \(4, 2, 1\) must have the ids' shape \(4, 2, 2\)"),
-        (dict(starts=np.array([2, 0])), r"starts must be ascending token offsets in \[0, tokens=4\], got \[2, 0\]"),
+        (
+            dict(weights=np.zeros((4, 2, 1))),
+            r"weights \(4, 2, 1\) must have the ids' shape \(4, 2, 2\)",
+        ),
+        (
+            dict(starts=np.array([2, 0])),
+            r"starts must be ascending token offsets in \[0, tokens=4\], got \[2, 0\]",
+        ),
         (dict(expert_bytes=np.float64(1.5)), "expert_bytes must be an int scalar"),
     ],
 )
@@ -131,7 +167,11 @@ def test_a_malformed_trace_file_is_refused_where_it_loads(arrays, message, tmp_p
 
 def test_layer_0s_empty_gate_rows_may_repeat_minus_one(tmp_path):
     gate_ids = np.where(np.arange(2)[None, :, None] == 0, -1, np.array([0, 1]))
-    back = Trace.load(saved(tmp_path, gate_ids=np.broadcast_to(gate_ids, (4, 2, 2)), gate_probs=np.zeros((4, 2, 2))))
+    back = Trace.load(
+        saved(
+            tmp_path, gate_ids=np.broadcast_to(gate_ids, (4, 2, 2)), gate_probs=np.zeros((4, 2, 2))
+        )
+    )
     assert (back.gate_ids[:, 0] == -1).all()
 
 

@@ -43,7 +43,11 @@ def test_record_then_simulate_gives_the_runtimes_own_counters(tmp_path):
         decode_like(model, tokens)
     rec.trace.save(tmp_path / "run.npz")
     trace = Trace.load(tmp_path / "run.npz")
-    assert trace.ids.shape == (60, 2, 2) and trace.starts.tolist() == [0] and trace.weights.shape == (60, 2, 2)
+    assert (
+        trace.ids.shape == (60, 2, 2)
+        and trace.starts.tolist() == [0]
+        and trace.weights.shape == (60, 2, 2)
+    )
     sim = simulate(trace, cache=4, policy="lru", compiled=False)
     runtime = asyncmoe.stats(model)
     assert [(r.hits, r.misses) for r in sim.layers] == [(r.hits, r.misses) for r in runtime.layers]
@@ -68,7 +72,9 @@ def test_lru_equals_a_plain_ordered_dict_lru(seed):
     """With one expert per token LRU is unambiguous; the simulator must match OrderedDict exactly."""
     trace = random_trace(seed, N=300, L=2, E=10, k=1)
     sim = simulate(trace, cache=4, policy="lru", compiled=False)
-    assert [r.misses for r in sim.layers] == [plain_lru_misses(trace.ids[:, layer], 4) for layer in range(2)]
+    assert [r.misses for r in sim.layers] == [
+        plain_lru_misses(trace.ids[:, layer], 4) for layer in range(2)
+    ]
 
 
 def test_lru_with_several_experts_per_token_stays_close_to_ordered_dict():
@@ -99,7 +105,10 @@ def brute_force_misses(ids: np.ndarray, cache: int) -> int:
             options = (
                 [resident | need]
                 if evict == 0
-                else [(resident - set(out)) | need for out in itertools.combinations(sorted(resident - need), evict)]
+                else [
+                    (resident - set(out)) | need
+                    for out in itertools.combinations(sorted(resident - need), evict)
+                ]
             )
         return len(missing) + min(best(t + 1, r) for r in options)
 
@@ -119,7 +128,9 @@ def test_belady_with_rows_larger_than_the_cache_equals_the_searched_bound(seed):
     trace = random_trace(seed, N=8, L=1, E=7, k=4, skew=0.5)
     for cache in (1, 2, 3, 5):
         assert belady_misses(trace.ids[:, 0], cache) == brute_force_misses(trace.ids[:, 0], cache)
-    assert belady_misses(np.array([[0, 1, 2], [0, 1, 2]]), 2) == 4  # 3, then the one of three not kept
+    assert (
+        belady_misses(np.array([[0, 1, 2], [0, 1, 2]]), 2) == 4
+    )  # 3, then the one of three not kept
     # 0 waits in one slot while 1, 2, 3 cycle through the other
     assert belady_misses(np.array([[0, 0, 0], [1, 2, 3], [0, 0, 0]]), 2) == 4
 
@@ -165,11 +176,20 @@ def test_simulate_the_recorded_gate():
     with pytest.raises(ValueError, match="budget must be >= 1"):
         simulate(Trace(trace.ids, 64), cache=16, prefetch=("temporal",), budget=0, compiled=False)
     plain = simulate(trace, cache=16, compiled=False)
-    one, wide = (simulate(trace, cache=16, prefetch=("gate",), budget=b, compiled=False) for b in (1, trace.top_k))
-    assert 0 < one.totals["prefetched_per_token"] <= trace.layers < wide.totals["prefetched_per_token"]
+    one, wide = (
+        simulate(trace, cache=16, prefetch=("gate",), budget=b, compiled=False)
+        for b in (1, trace.top_k)
+    )
+    assert (
+        0 < one.totals["prefetched_per_token"] <= trace.layers < wide.totals["prefetched_per_token"]
+    )
     assert one.totals["prefetch_recall"] > 0.05
     assert wide.totals["misses_per_token"] < 0.8 * plain.totals["misses_per_token"]
-    assert wide.totals["misses_per_token"] < one.totals["misses_per_token"] < 0.9 * plain.totals["misses_per_token"]
+    assert (
+        wide.totals["misses_per_token"]
+        < one.totals["misses_per_token"]
+        < 0.9 * plain.totals["misses_per_token"]
+    )
 
 
 def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_within_the_window():
@@ -178,22 +198,32 @@ def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_withi
     nominations past the first are routed often enough to be copied."""
     trace = demo_trace(300)
     runs = {
-        (pace, budget): simulate(trace, cache=16, prefetch=("gate",), budget=budget, compiled=False, pace_us=pace)
+        (pace, budget): simulate(
+            trace, cache=16, prefetch=("gate",), budget=budget, compiled=False, pace_us=pace
+        )
         for pace in ((254.0, 210.0), (131.0, 210.0))
         for budget in (1, 2)
     }
     bf16, fp8 = (254.0, 210.0), (131.0, 210.0)
     assert runs[bf16, 2].layers == runs[bf16, 1].layers
-    assert runs[fp8, 2].totals["prefetched_per_token"] > 1.3 * runs[fp8, 1].totals["prefetched_per_token"]
+    assert (
+        runs[fp8, 2].totals["prefetched_per_token"]
+        > 1.3 * runs[fp8, 1].totals["prefetched_per_token"]
+    )
     assert runs[fp8, 2].totals["misses_per_token"] < runs[fp8, 1].totals["misses_per_token"]
-    with pytest.raises(ValueError, match=r"pace_us is \(an expert's copy, a layer's window\) in µs, both > 0"):
+    with pytest.raises(
+        ValueError, match=r"pace_us is \(an expert's copy, a layer's window\) in µs, both > 0"
+    ):
         simulate(trace, cache=16, prefetch=("gate",), compiled=False, pace_us=(0.0, 210.0))
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (dict(prefetch=("oracle",)), r"unknown predictors \['oracle'\]; simulable: gate, temporal, transition"),
+        (
+            dict(prefetch=("oracle",)),
+            r"unknown predictors \['oracle'\]; simulable: gate, temporal, transition",
+        ),
         (dict(cache=1), r"cache=1 is below the trace's top_k=2; use cache>=2"),
     ],
 )
@@ -222,7 +252,9 @@ def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_li
         for cache in (4, 6):  # the second compiles a second graph of `_step`
             sim = simulate(trace, cache=cache)
             assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"] > 0
-        assert torch._dynamo.config.recompile_limit == 1  # simulate's own raise of the limit ends with it
+        assert (
+            torch._dynamo.config.recompile_limit == 1
+        )  # simulate's own raise of the limit ends with it
 
 
 def test_cli_simulate_json(tmp_path, capsys):
@@ -247,9 +279,20 @@ def test_cli_simulate_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"hit_rate", "belady_hit_rate", "misses_per_token", "bytes_per_token"} <= set(out)
     assert out["belady_hit_rate"] >= out["hit_rate"] and out["bytes_per_token"] > 0
-    argv = ["simulate", str(tmp_path / "t.npz"), "--cache", "4", "--prefetch", "temporal", "--budget", "2"]
+    argv = [
+        "simulate",
+        str(tmp_path / "t.npz"),
+        "--cache",
+        "4",
+        "--prefetch",
+        "temporal",
+        "--budget",
+        "2",
+    ]
     assert main([*argv, "--pace", "254", "210", "--json", "--no-compile"]) == 0
-    paced = simulate(Trace.load(tmp_path / "t.npz"), 4, prefetch=("temporal",), budget=2, pace_us=(254.0, 210.0))
+    paced = simulate(
+        Trace.load(tmp_path / "t.npz"), 4, prefetch=("temporal",), budget=2, pace_us=(254.0, 210.0)
+    )
     assert json.loads(capsys.readouterr().out) == json.loads(paced.to_json())
 
 
@@ -264,7 +307,8 @@ def test_a_budget_gives_the_slots_compile_would():
     sim = simulate(trace, "20KB", expert_bytes=1000, compiled=False)
     assert sim.cache == 6 and sim.layers == simulate(trace, 6, compiled=False).layers
     with pytest.raises(
-        ValueError, match=r"holds 1 experts per MoE layer .* smallest budget that works is cache='5.86KiB'"
+        ValueError,
+        match=r"holds 1 experts per MoE layer .* smallest budget that works is cache='5.86KiB'",
     ):
         simulate(trace, "5KB", expert_bytes=1000, compiled=False)
     with pytest.raises(ValueError, match="records no expert size to divide it by"):
@@ -275,7 +319,12 @@ def test_a_budget_gives_the_slots_compile_would():
 
 def test_progress_hears_of_every_token():
     seen = []
-    simulate(random_trace(0, N=7), 4, compiled=False, progress=lambda done, total: seen.append((done, total)))
+    simulate(
+        random_trace(0, N=7),
+        4,
+        compiled=False,
+        progress=lambda done, total: seen.append((done, total)),
+    )
     assert seen == [(done, 7) for done in range(1, 8)]
 
 
@@ -286,13 +335,17 @@ def test_a_trace_changed_after_it_was_built_is_refused():
         simulate(trace, 4, compiled=False)
 
 
-def test_cli_simulate_says_what_it_does_before_the_work_and_shows_progress(tmp_path, capsys, monkeypatch):
+def test_cli_simulate_says_what_it_does_before_the_work_and_shows_progress(
+    tmp_path, capsys, monkeypatch
+):
     """Compiling the step once printed nothing for half a minute: now a line says what runs before anything does,
     a heartbeat counts the compile, and progress the tokens, all on stderr (stdout keeps the table)."""
     random_trace(0).save(tmp_path / "t.npz")
     real, said = simulator.simulate, []
 
-    def slow_to_compile(trace, cache, policy, prefetch, budget, expert_bytes, compiled, pace_us, progress):
+    def slow_to_compile(
+        trace, cache, policy, prefetch, budget, expert_bytes, compiled, pace_us, progress
+    ):
         said.append(capsys.readouterr().err)
         assert compiled
         time.sleep(0.3)  # as torch.compile works on the first token
@@ -317,7 +370,23 @@ def test_cli_simulate_takes_a_budget(tmp_path, capsys):
     trace.expert_bytes = 1000
     trace.save(tmp_path / "t.npz")
     for extra in ([], ["--expert-bytes", "2000"]):  # the trace's expert bytes, or the option's
-        assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "20KB", "--json", "--no-compile", *extra]) == 0
+        assert (
+            main(
+                [
+                    "simulate",
+                    str(tmp_path / "t.npz"),
+                    "--cache",
+                    "20KB",
+                    "--json",
+                    "--no-compile",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         out, err = capsys.readouterr()
         slots = 6 if not extra else 3
-        assert json.loads(out)["cache"] == slots and f"cache='20KB' gives {slots} slots per MoE layer" in err
+        assert (
+            json.loads(out)["cache"] == slots
+            and f"cache='20KB' gives {slots} slots per MoE layer" in err
+        )
