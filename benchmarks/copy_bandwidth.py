@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from asyncmoe.cache.host import PinnedBlock, carve, uva_view
 from asyncmoe.cache.gather_copy import gather_copy_triton
+from asyncmoe.cache.host import PinnedBlock, carve, uva_view
 
 EXPERT_ELEMS = 2048 * 2048 + 2048 * 1024  # one OLMoE expert, both projections
 E = 64

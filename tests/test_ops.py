@@ -1,5 +1,6 @@
-"""The custom ops (cache/ops.py, prefetch/ops.py): each passes torch.library.opcheck (schema, fake, mutation declarations, aot dispatch),
-each fake states the contract, and on a GPU `ensure` replays in a CUDA graph."""
+"""The custom ops (cache/ops.py, prefetch/ops.py): each passes torch.library.opcheck (schema, fake,
+mutation declarations, aot dispatch), each fake states the contract, and on a GPU `ensure` replays
+in a CUDA graph."""
 
 import pytest
 import torch
@@ -77,7 +78,8 @@ def test_prefetch_opcheck(predictors):
 
 
 def test_the_prefetch_op_admits_into_the_target():
-    """`prefetch_ops.prefetch` on the CPU runs inline: the gate's nominations are admitted into the cache it is given."""
+    """`prefetch_ops.prefetch` on the CPU runs inline: the gate's nominations are admitted into the
+    cache it is given."""
     cache, p = warm_cache("lru"), PrefetchBuffers(10, torch.device("cpu"))
     p.gate.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.7, 0.0, 0.0, 0.1, 0.0]))
     prefetch_ops.prefetch(cache, p, GATE, 2)
@@ -97,9 +99,10 @@ def test_gate_scores_opcheck(bias, source):
 
 @pytest.mark.cuda
 def test_a_prefetch_forks_at_the_source_decision_and_copies_after_its_copies():
-    """The predict stream, forked with a source whose `ensure` has run, waits only for that ensure's decision; the
-    copy stream waits for the ensure's copies; and the next prediction does not queue behind a prefetch's copies.
-    Here the source's "copies" and then the prefetch's are sleeps of about a second."""
+    """The predict stream, forked with a source whose `ensure` has run, waits only for that ensure's
+    decision; the copy stream waits for the ensure's copies; and the next prediction does not queue
+    behind a prefetch's copies. Here the source's "copies" and then the prefetch's are sleeps of
+    about a second."""
     routed = torch.zeros(8, dtype=torch.bool, device="cuda")
     target = torch.full((9,), -1, dtype=torch.int64, device="cuda")  # the target's expert_to_slot
     compute = torch.cuda.current_stream()
@@ -133,9 +136,9 @@ def test_a_prefetch_forks_at_the_source_decision_and_copies_after_its_copies():
 
 @pytest.mark.cuda
 def test_ensure_decides_while_the_prefetch_copies_and_copies_after_it():
-    """`ensure(wait=True)` waits for the prefetch into its layer to have planned, not to have copied: it decides
-    while the prefetch's copies run and makes its own copies after them. Here the prefetch's "copies" are a sleep of
-    about a second on the copy stream."""
+    """`ensure(wait=True)` waits for the prefetch into its layer to have planned, not to have
+    copied: it decides while the prefetch's copies run and makes its own copies after them. Here the
+    prefetch's "copies" are a sleep of about a second on the copy stream."""
     cache = ExpertCache({"w": torch.randn(10, 4, 3, device="cuda")}, 4, "lru")
     side = SIDE.stream(cache.routed.device, "copy")
     cache_ops.ensure(
@@ -158,7 +161,8 @@ def test_ensure_decides_while_the_prefetch_copies_and_copies_after_it():
 
 
 def test_gate_scores_with_a_recorded_gate_score_what_was_recorded():
-    """A replayed layer: the live router runs, and the recorded gate of the rows at the cursor replaces it."""
+    """A replayed layer: the live router runs, and the recorded gate of the rows at the cursor
+    replaces it."""
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
     ids, probs = (
         torch.tensor([[1, 2], [3, -1], [0, 1]]),
@@ -250,7 +254,8 @@ def test_prefetch_fake_checks_its_request(bits, budget, before, message):
 @pytest.mark.cuda
 @torch.no_grad()
 def test_ensure_replays_in_a_cuda_graph_with_new_routing():
-    """No host sync on the ensure path: captured once, replayed with routing the capture never saw."""
+    """No host sync on the ensure path: captured once, replayed with routing the capture never
+    saw."""
     E, C = 16, 4
     hosts = {"w": torch.randn(E, 64, 32, device="cuda")}
     eager, graphed = ExpertCache(hosts, C, "lru"), ExpertCache(hosts, C, "lru")

@@ -1,5 +1,5 @@
-"""The predictor kernels (prefetch/scores.py, prefetch/prefetch_scores.py) against their plain-torch references: under TRITON_INTERPRET=1 on the
-CPU, on cuda for real."""
+"""The predictor kernels (prefetch/scores.py, prefetch/prefetch_scores.py) against their plain-torch
+references: under TRITON_INTERPRET=1 on the CPU, on cuda for real."""
 
 import pytest
 import torch
@@ -50,7 +50,8 @@ def test_gate_kernel_matches_reference(device, dtype, T, E, per_token, bias):
 
 @pytest.mark.parametrize("device", devices())
 def test_a_prefill_sized_call_takes_the_reference(device, monkeypatch):
-    """More than MAX_TOKENS tokens: `gate_scores` runs the reference even where the kernel is asked for."""
+    """More than MAX_TOKENS tokens: `gate_scores` runs the reference even where the kernel is asked
+    for."""
     launched = []
     monkeypatch.setattr(score_kernels, "gate_scores_triton", lambda *a: launched.append(1))
     x, weight = (
@@ -86,9 +87,9 @@ def _prefetch_pair(E_before, E, C, device, seed):
     hosts = {"w": torch.randn(E, 2, 3, generator=g).to(device)}
     caches = [ExpertCache(hosts, C, "lfru") for _ in range(2)]
     targets = [PrefetchBuffers(E, caches[0].expert_to_slot.device, E_before) for _ in range(2)]
-    # each row: one or two successors, counts summing to a power of two, so every share is a sum of quarters,
-    # exact in any order: the kernel sums in another order than torch, and an ulp could flip a near-tie in the
-    # top-keep (it did with random counts on the H200)
+    # each row: one or two successors, counts summing to a power of two, so every share is a sum of
+    # quarters, exact in any order: the kernel sums in another order than torch, and an ulp could
+    # flip a near-tie in the top-keep (it did with random counts on the H200)
     successors = torch.randint(0, E, (E_before, 2), generator=g)
     counts = torch.tensor([[1.0, 1.0], [1.0, 3.0], [2.0, 0.0]])[
         torch.randint(0, 3, (E_before,), generator=g)
@@ -114,11 +115,12 @@ def _prefetch_pair(E_before, E, C, device, seed):
 )  # the first: Prefetch()'s default
 @pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 70), (64, 64, 16, 8, 8)])
 def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
-    """The side stream's fused scoring + gating, then the decision and copy, against the torch chain over
-    calls that route, prefetch (the runners-up too, gated apart), waste prefetches (so the gate closes) and reach
-    the exploring calls, with the prefetch's pace measured (a copy 2x or 4x the compute) or not: the 32nd does not
-    explore (a copy 4x the window explores every 128th call), the 64th does (unmeasured: every 32nd); every
-    seventh call skips the prefetch, as a step without prefetch does."""
+    """The side stream's fused scoring + gating, then the decision and copy, against the torch chain
+    over calls that route, prefetch (the runners-up too, gated apart), waste prefetches (so the gate
+    closes) and reach the exploring calls, with the prefetch's pace measured (a copy 2x or 4x the
+    compute) or not: the 32nd does not explore (a copy 4x the window explores every 128th call), the
+    64th does (unmeasured: every 32nd); every seventh call skips the prefetch, as a step without
+    prefetch does."""
     (kernel, reference), (kernel_p, reference_p), g = _prefetch_pair(
         E_before, E, C, device, E * C + len(sources)
     )
@@ -176,8 +178,8 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("T, E, g, per_token", [(1, 64, 8, 8), (3, 6, 4, 2), (5, 128, 8, 6)])
 def test_recorded_kernel_matches_reference(device, T, E, g, per_token):
-    """A replayed trace's recorded gate, from a cursor near the end (rows wrap), -1 ids for no nomination, and
-    the per-layer slice of the trace's [N, L, g] arrays as the replay holds it."""
+    """A replayed trace's recorded gate, from a cursor near the end (rows wrap), -1 ids for no
+    nomination, and the per-layer slice of the trace's [N, L, g] arrays as the replay holds it."""
     gen = torch.Generator().manual_seed(E + T)
     N = 7
     ids = torch.stack([torch.randperm(E, generator=gen)[:g] for _ in range(N * 2)]).view(N, 2, g)
