@@ -68,7 +68,8 @@ def profile_prompt(model, args) -> None:
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=args.prompt + 1, graph=False)
     cached = asyncmoe.stats(model).layers  # [] where every layer is resident
     ms = cuda_ms(lambda: dec.prefill(ids), 5)
-    line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
+    gpu = torch.cuda.get_device_name()
+    line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {gpu}: {ms:.1f} ms a prompt"
     if cached:  # one more prompt, untimed, for its own counters
         asyncmoe.stats(model, reset=True)
         dec.prefill(ids)

@@ -517,7 +517,8 @@ def test_decode(benchmark, case, request):
     model = make(*model_key(case))
     setup_s = time.perf_counter() - start
     cache = slots_of(model, shape, fraction)
-    if CUDA:  # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
+    # the peak while it runs: the model is built whole on the GPU before the offloading systems move experts out
+    if CUDA:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     graph = CUDA and (system == "unmodified" or "graph" in system)
