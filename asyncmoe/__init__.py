@@ -1,14 +1,13 @@
 """asyncmoe: run Mixture-of-Experts models whose experts do not fit in GPU memory.
 
-model = asyncmoe.compile(model, cache=16)   # 16 GPU slots per MoE layer; experts -> pinned host memory
-model.generate(ids, max_new_tokens=64)
-print(asyncmoe.stats(model))
+model = asyncmoe.compile(model, cache=16)   # 16 GPU slots per MoE layer; experts -> pinned host
+memory model.generate(ids, max_new_tokens=64) print(asyncmoe.stats(model))
 """
 
 from . import ops  # registers the custom ops
 from .api import compile, demo_model_path, from_pretrained, record, stats
 from .integrations.parallel import expert_parallel
-from .predict import Prefetch
+from .prefetch import Prefetch
 from .runtime import Decoder, Generation
 from .settings import AutoCache
 

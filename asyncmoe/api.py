@@ -13,7 +13,7 @@ from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
 from .integrations.transformers import PROVIDER, check_model, find_experts
-from .predict import Prefetch
+from .prefetch import Prefetch
 from .providers import CachedProvider, ResidentProvider
 from .settings import AutoCache, Settings
 from .stats import Stats, read_stats
@@ -30,30 +30,30 @@ def compile(
     time_stalls: bool = False,
     quantize: str | None = None,
 ) -> nn.Module:
-    """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots per MoE layer.
+    """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots
+    per MoE layer.
 
-    `cache` is slots per MoE layer, or a GPU-memory budget for all layers' slots together ("6GiB", "6GB",
-    "512MiB"), which gives every layer the slots that fit for the experts' format, or "auto": the slots that fit
-    in the GPU memory free now, leaving a share for the KV cache and activations (`asyncmoe.AutoCache(max_length=,
-    batch_size=)` leaves what a Decoder of that size needs instead).
-    `cache >= num_experts` keeps every expert resident and runs the model's own implementation.
-    `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout, 128x128
-    blocks), quantized layer by layer on the way to host memory: a miss copies about half of bf16's bytes and
-    the same GPU memory holds twice the experts. None keeps the model's dtype (or its fp8 experts).
-    `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
-    can be compiled straight onto the GPU without its experts ever going there.
-    `policy`: eviction policy, one of "markov" (the default: LFRU behind a prediction of the next call from the
-    experts that followed the current ones; an [E, E] table a layer), "lfru", "lru", "lfu", "fifo".
-    `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
-    computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose). The default,
-    None, turns it on where the model runs on a CUDA device and off elsewhere: on the CPU nothing runs beside
-    the copies, so prefetch can only cost.
-    `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose work still
-    runs: realistic routing for random-weight models of real shapes (docs/traces.md).
-    `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its own
-    decision and copies (`stats` reports them); three one-thread kernels per layer call, so off by default
-    (docs/decisions.md#stall-timing-off).
-    Returns the same model.
+    `cache` is slots per MoE layer, or a GPU-memory budget for all layers' slots together ("6GiB",
+    "6GB", "512MiB"), which gives every layer the slots that fit for the experts' format, or "auto":
+    the slots that fit in the GPU memory free now, leaving a share for the KV cache and activations
+    (`asyncmoe.AutoCache(max_length=, batch_size=)` leaves what a Decoder of that size needs
+    instead). `cache >= num_experts` keeps every expert resident and runs the model's own
+    implementation. `quantize="fp8"`: store the experts as block-wise fp8 (transformers'
+    fine-grained FP8 layout, 128x128 blocks), quantized layer by layer on the way to host memory: a
+    miss copies about half of bf16's bytes and the same GPU memory holds twice the experts. None
+    keeps the model's dtype (or its fp8 experts). `device` is where the model runs (default: where
+    its experts are now); a model loaded on the CPU can be compiled straight onto the GPU without
+    its experts ever going there. `policy`: eviction policy, one of "markov" (the default: LFRU
+    behind a prediction of the next call from the experts that followed the current ones; an [E, E]
+    table a layer), "lfru", "lru", "lfu", "fifo". `prefetch`: predict the next layers' experts and
+    copy them on a side stream while a layer computes (True: `Prefetch()`, the gate predictor for
+    the next layer; a `Prefetch` to choose). The default, None, turns it on where the model runs on
+    a CUDA device and off elsewhere: on the CPU nothing runs beside the copies, so prefetch can only
+    cost. `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose
+    work still runs: realistic routing for random-weight models of real shapes (docs/traces.md).
+    `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its
+    own decision and copies (`stats` reports them); three one-thread kernels per layer call, so off
+    by default (docs/decisions.md#stall-timing-off). Returns the same model.
     """
     check_model(model)
     if isinstance(replay, (str, os.PathLike)):
@@ -62,8 +62,9 @@ def compile(
 
 
 def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
-    """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")` (eager forwards only).
-    `gate=True` also records the gate predictor's nominations, which a replay of the trace feeds to it."""
+    """`with asyncmoe.record(model) as r: model.generate(...)`, then `r.trace.save("out.npz")`
+    (eager forwards only). `gate=True` also records the gate predictor's nominations, which a replay
+    of the trace feeds to it."""
     check_model(model)
     return TraceRecorder(model, gate)
 
@@ -84,41 +85,55 @@ def from_pretrained(
     Non-expert weights go to `device` (default: cuda when available), every expert to pinned host
     memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
     (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
-    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`.
-    A checkpoint with fine-grained fp8 experts (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1
-    and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its other weights
-    are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's experts on the way in;
-    `quantize="dequantize"` loads an fp8 checkpoint's experts in `dtype` instead.
-    Under `torchrun`, `distributed_config=asyncmoe.expert_parallel()` has transformers split every MoE layer's
-    experts over the ranks: each rank loads only its own experts, and caches them (`cache` slots of its own).
+    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`. A checkpoint
+    with fine-grained fp8 experts (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1
+    and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its
+    other weights are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's
+    experts on the way in; `quantize="dequantize"` loads an fp8 checkpoint's experts in `dtype`
+    instead. Under `torchrun`, `distributed_config=asyncmoe.expert_parallel()` has transformers
+    split every MoE layer's experts over the ranks: each rank loads only its own experts, and caches
+    them (`cache` slots of its own).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load(path, Settings(cache, policy, device, prefetch, None, time_stalls, quantize), dtype, **kwargs)
+    return load(
+        path,
+        Settings(cache, policy, device, prefetch, None, time_stalls, quantize),
+        dtype,
+        **kwargs,
+    )
 
 
 def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
-    """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync). Under expert
-    parallelism each rank counts its own experts; `group` (a torch.distributed process group, such as
-    `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must call."""
+    """Per-layer hits, misses, evictions and bytes moved, read from the device now (one sync). Under
+    expert parallelism each rank counts its own experts; `group` (a torch.distributed process group,
+    such as `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must
+    call."""
     check_model(model)
-    providers = [(name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)]
+    providers = [
+        (name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)
+    ]
     if not providers:
-        raise ValueError("this model is not asyncmoe-compiled: call asyncmoe.compile(model, cache=...) first")
+        raise ValueError(
+            "this model is not asyncmoe-compiled: call asyncmoe.compile(model, cache=...) first"
+        )
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
     resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
     return read_stats(caches, resident, reset, group)
 
 
 def demo_model_path() -> pathlib.Path:
-    """The small MoE model asyncmoe ships (OLMoE routing shape: 64 experts, top-8; trained on Python's stdlib).
+    """The small MoE model asyncmoe ships (OLMoE routing shape: 64 experts, top-8; trained on
+    Python's stdlib).
 
-    A transformers checkpoint directory: `AutoModelForCausalLM.from_pretrained(asyncmoe.demo_model_path())`.
-    How it was made: scripts/train_demo_model.py and the `training.json` beside it.
+    A transformers checkpoint directory:
+    `AutoModelForCausalLM.from_pretrained(asyncmoe.demo_model_path())`. How it was made:
+    scripts/train_demo_model.py and the `training.json` beside it.
     """
     path = pathlib.Path(__file__).parent / "data" / "demo_model"
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(
-            f"the embedded demo model is missing from {path}: reinstall asyncmoe from a full checkout, "
+            f"the embedded demo model is missing from {path}: reinstall asyncmoe from a full "
+            "checkout, "
             "or remake it with `python scripts/train_demo_model.py --out asyncmoe/data/demo_model`"
         )
     return path

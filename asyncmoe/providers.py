@@ -3,8 +3,8 @@
 The transformers integration hands every experts call to the module's provider and knows nothing
 else about caching. `ResidentProvider` is what `cache >= num_experts` gets: the experts stay where
 the model put them and the model's own implementation runs (no tables, no copies, no overhead).
-`QuantizedResidentProvider` is the same for experts kept quantized on the GPU, computed by asyncmoe's
-dequantizing kernels (the model's own implementations take no fp8 weights).
+`QuantizedResidentProvider` is the same for experts kept quantized on the GPU, computed by
+asyncmoe's dequantizing kernels (the model's own implementations take no fp8 weights).
 `CachedProvider` asks the layer's `ExpertCache` for slot ids, computes from the slot buffers, and
 (with prefetch) predicts and prefetches the experts of the next layers while this one computes.
 """
@@ -18,22 +18,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import kernels, ops
+from . import gpu
+from .cache import ops as cache_ops
 from .cache.expert_cache import ExpertCache, num_waves
+from .cache.gather_copy import gather_copy
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
-from .experts import absent_zeroed, combine, routed_outputs
+from .compute.experts import absent_zeroed, combine, routed_outputs
 from .formats import Format
-from .kernels.gather_copy import gather_copy
-from .predict.predictors import Prefetch
+from .prefetch import ops as prefetch_ops
+from .prefetch.predictors import Prefetch
+from .prefetch.state import PrefetchBuffers
 
 
 class ExpertWeightProvider(nn.Module):
-    def forward(self, experts: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    def forward(
+        self, experts: nn.Module, hidden_states, top_k_index, top_k_weights
+    ) -> torch.Tensor:
         raise NotImplementedError
 
 
 class ResidentProvider(ExpertWeightProvider):
-    """Every expert resident: run the implementation the model used before asyncmoe (`implementation`)."""
+    """Every expert resident: run the implementation the model used before asyncmoe
+    (`implementation`)."""
 
     def __init__(self, implementation: str, fn: Callable):
         super().__init__()
@@ -44,9 +50,12 @@ class ResidentProvider(ExpertWeightProvider):
 
 
 class QuantizedResidentProvider(ExpertWeightProvider):
-    """Every expert resident on the GPU in a quantized format: `weights` [E, ...] each, read by expert id."""
+    """Every expert resident on the GPU in a quantized format: `weights` [E, ...] each, read by
+    expert id."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], fmt: Format, expert_parallel: bool = False):
+    def __init__(
+        self, weights: dict[str, torch.Tensor], fmt: Format, expert_parallel: bool = False
+    ):
         super().__init__()
         self.fmt = fmt
         self.names = list(weights)
@@ -65,42 +74,63 @@ class QuantizedResidentProvider(ExpertWeightProvider):
 
 @dataclass
 class Links:
-    """A cached layer's neighbours for prefetch: the previous cached layer and the layers it prefetches for.
-    A plain object, so that the providers it holds are not registered as submodules of each other."""
+    """A cached layer's neighbours for prefetch: the previous cached layer and the layers it
+    prefetches for. A plain object, so that the providers it holds are not registered as submodules
+    of each other."""
 
     previous: CachedProvider | None = None
     targets: tuple[CachedProvider, ...] = ()
 
 
 class CachedProvider(ExpertWeightProvider):
-    """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run in waves."""
+    """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run
+    in waves."""
 
     def __init__(
-        self, cache: ExpertCache, router: tuple[torch.Tensor, torch.Tensor | None] | None, fmt: Format | None = None
+        self,
+        cache: ExpertCache,
+        router: tuple[torch.Tensor, torch.Tensor | None] | None,
+        fmt: Format | None = None,
     ):
         super().__init__()
         self.cache = cache
         self.fmt = fmt  # the slots' format (None: the model's dtype)
         self.router = (
-            router  # this layer's router (weight [E, H], bias): the gate predictor of the layer before uses it
+            # this layer's router (weight [E, H], bias): the gate predictor of the layer before uses
+            # it
+            router
         )
         self.links = Links()  # set by `link`
+        # this layer's, where it is a prefetch target (set by `link`)
+        self.prefetch: PrefetchBuffers | None = None
         self.plan: Prefetch | None = None
         self.wait = False  # a prefetch into this layer is issued earlier in each forward
-        self.paused = False  # prefetch skipped in this forward, here and in every linked layer (`prefetch_paused`)
-        self.stamps = self.laps = False  # the one layer pair that measures the prefetch's window (see `link`)
+        # prefetch skipped in this forward, here and in every linked layer (`prefetch_paused`)
+        self.paused = False
+        # the one layer pair that measures the prefetch's window (see `link`)
+        self.stamps = self.laps = False
         self.per_token = 1  # experts each token nominates to the gate predictor scoring this layer
         self.budget = 1  # most experts a prefetch admits into this layer per call
-        # routing replayed from a trace with its gate recorded: what the gate op reads in place of the live scores
+        # routing replayed from a trace with its gate recorded: what the gate op reads in place of
+        # the live scores
         self.replayed_gate: list[torch.Tensor] = []
-        self.expert_parallel = False  # pairs may name another rank's experts (id E): set by the integration
+        # pairs may name another rank's experts (id E): set by the integration
+        self.expert_parallel = False
+
+    def clear(self) -> None:
+        """Back to as built: the cache's tables and history, and this layer's prefetch state (in
+        place)."""
+        self.cache.clear()
+        if self.prefetch is not None:
+            self.prefetch.clear()
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
         T, k = top_k_index.shape
         C, E = self.cache.num_slots, self.cache.num_experts
         if k > C:
             raise ValueError(
-                f"this call routes each token to {k} experts but the cache has {C} slots per layer: every token "
+                f"this call routes each token to {k} experts but the cache has {C} slots per "
+                "layer: every token "
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
@@ -108,29 +138,33 @@ class CachedProvider(ExpertWeightProvider):
         linked = not self.paused
         while wave < waves:
             first = wave == 0 and linked
-            slots = ops.ensure(
+            slots = cache_ops.ensure(
                 self.cache, top_k_index, wave, wait=self.wait and first, lap=self.laps and first
             )  # [T, k]
-            if filled is not None:  # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
+            # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
+            if filled is not None:
                 waves, filled = filled(), None
                 if wave == waves:
                     break  # wave 0 held every expert the call needs: this plan has nothing to copy
             if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
                 filled = self._waves_filled()
             if first and self.plan is not None:
-                gated = self._prefetch(hidden_states)  # after this layer's misses, so it overlaps its compute
+                # after this layer's misses, so it overlaps its compute
+                gated = self._prefetch(hidden_states)
             part = routed_outputs(experts, hidden_states, slots, weights, self.fmt)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
             wave += 1
         for target in gated:
-            ops.gate_join(hidden_states, target.cache)  # the side stream has read hidden_states: it may be freed
+            # the side stream has read hidden_states: free it
+            prefetch_ops.gate_join(hidden_states, target.prefetch)
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 
     def _waves_filled(self) -> Callable[[], int]:
-        """The waves this call's experts fill, from wave 0's plan, for the host. On CUDA the count is copied to pinned
-        memory as soon as the plan is queued, and read once wave 0's compute and wave 1's plan and copies are queued
-        too: the host waits for wave 0's copies while the GPU has the rest to run (docs/decisions.md#eager-waves)."""
+        """The waves this call's experts fill, from wave 0's plan, for the host. On CUDA the count
+        is copied to pinned memory as soon as the plan is queued, and read once wave 0's compute and
+        wave 1's plan and copies are queued too: the host waits for wave 0's copies while the GPU
+        has the rest to run (docs/decisions.md#eager-waves)."""
         last = self.cache.wave_of.max()
         if not last.is_cuda:
             return lambda: int(last) + 1  # a CPU tensor: no queue to wait for
@@ -140,24 +174,31 @@ class CachedProvider(ExpertWeightProvider):
         copied.record()
 
         def read() -> int:
-            copied.synchronize()  # the host sync, eager only: `forward` never calls this under _fixed_shapes
+            # the host sync, eager only: `forward` never calls this under _fixed_shapes
+            copied.synchronize()
             return int(host) + 1
 
         return read
 
     def _prefetch(self, hidden_states: torch.Tensor) -> list[CachedProvider]:
-        """Predict and prefetch for the targets; returns those whose gate scores read `hidden_states` on the side
-        stream, which the compute stream must join (`ops.gate_join`) before it may free them."""
+        """Predict and prefetch for the targets; returns those whose gate scores read
+        `hidden_states` on the side stream, which the compute stream must join
+        (`prefetch_ops.gate_join`) before it may free them."""
         sources = self.plan.sources
         previous = self.links.previous
         if "transition" in sources and previous is not None:
-            ops.observe(previous.cache, self.cache)
+            prefetch_ops.observe(previous.cache, self.cache, self.prefetch)
         gated = []
         for depth, target in enumerate(self.links.targets, start=1):
             gate = "gate" in sources and depth == 1 and target.router is not None
             if gate:  # replayed routing: the router's work runs, the trace says what it predicted
-                ops.gate_scores(
-                    hidden_states, target.router, target.per_token, target.cache, target.replayed_gate, self.cache
+                prefetch_ops.gate_scores(
+                    hidden_states,
+                    target.router,
+                    target.per_token,
+                    target.prefetch,
+                    target.replayed_gate,
+                    self.cache,
                 )
                 gated.append(target)
             before = target.links.previous
@@ -166,15 +207,26 @@ class CachedProvider(ExpertWeightProvider):
             bits |= TRANSITION if before is not None else 0
             if bits:
                 stamp = self.stamps and depth == 1
-                ops.prefetch(target.cache, bits, target.budget, before, self.plan.copy_programs, stamp, self.cache)
+                copy_programs = self.plan.copy_programs
+                prefetch_ops.prefetch(
+                    target.cache,
+                    target.prefetch,
+                    bits,
+                    target.budget,
+                    before,
+                    copy_programs,
+                    stamp,
+                    self.cache,
+                )
         return gated
 
 
 @contextlib.contextmanager
 def prefetch_paused(providers: list[CachedProvider]):
-    """Forwards in this block skip prefetch in the linked `providers`: no predictor, no prefetch, no wait for one,
-    so a step captured here has none of the side streams' work or dependencies. The prefetch gates' state is
-    left as it was (the evidence decays by the calls between prefetches)."""
+    """Forwards in this block skip prefetch in the linked `providers`: no predictor, no prefetch, no
+    wait for one, so a step captured here has none of the side streams' work or dependencies. The
+    prefetch gates' state is left as it was (the evidence decays by the calls between
+    prefetches)."""
     for p in providers:
         p.paused = True
     try:
@@ -185,27 +237,32 @@ def prefetch_paused(providers: list[CachedProvider]):
 
 
 def _fixed_shapes(x: torch.Tensor) -> bool:
-    """Whether this forward must run the worst case's waves, which shapes alone fix (`num_waves`): a CUDA graph
-    capture or torch.compile trace. Eager, a call stops after the waves its experts fill, read on the host
-    once wave 0 has ranked them (`wave_plan`): the rest would sort, gather and decide over every pair for
-    nothing (docs/decisions.md#eager-waves)."""
+    """Whether this forward must run the worst case's waves, which shapes alone fix (`num_waves`): a
+    CUDA graph capture or torch.compile trace. Eager, a call stops after the waves its experts fill,
+    read on the host once wave 0 has ranked them (`wave_plan`): the rest would sort, gather and
+    decide over every pair for nothing (docs/decisions.md#eager-waves)."""
     return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> None:
     """Wire consecutive cached layers for prefetch: each predicts for the next `plan.depth` layers.
 
-    The caches share one `pace` (built so by the integration): on CUDA the first pair of layers measures, in
-    every forward, the compute a prefetch hides behind (the first layer's prefetch op stamps the GPU clock,
-    the second's `ensure` reads it: two one-thread launches a forward, not two a layer), and one expert's copy
-    is timed here, once. The prefetch gate weighs a wasted copy against the compute a used one hides."""
-    if plan is not None and len(providers) > 1 and kernels.available(providers[0].cache.pace):  # GPU clock: Triton
+    The caches share one `pace` (built so by the integration): on CUDA the first pair of layers
+    measures, in every forward, the compute a prefetch hides behind (the first layer's prefetch op
+    stamps the GPU clock, the second's `ensure` reads it: two one-thread launches a forward, not two
+    a layer), and one expert's copy is timed here, once. The prefetch gate weighs a wasted copy
+    against the compute a used one hides."""
+    # GPU clock: Triton
+    if plan is not None and len(providers) > 1 and gpu.available(providers[0].cache.pace):
         providers[0].cache.pace[PACE_COPY] = copy_ns(providers[0].cache)
         providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         targets = tuple(providers[i + 1 : i + 1 + plan.depth]) if plan is not None else ()
         p.links = Links(providers[i - 1] if i > 0 else None, targets)
         p.plan = plan
+        if plan is not None and i > 0:  # a target of the layers before it
+            before = providers[i - 1].cache.num_experts if "transition" in plan.sources else 0
+            p.prefetch = PrefetchBuffers(p.cache.num_experts, p.cache.expert_to_slot.device, before)
         if plan is not None:
             p.wait = i > 0
             p.per_token = plan.per_token or top_k
@@ -213,10 +270,11 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
 
 
 def copy_ns(cache: ExpertCache, repeats: int = 5) -> int:
-    """One expert's host -> slot copy on this GPU, in ns: what a wasted prefetch holds the link for. Timed over
-    `repeats` copies queued behind a first one, so each launch's host time hides behind the copy before it (an
-    event pair around one launch counts that too: docs/decisions.md#runners-up-within-the-window). CUDA events
-    and a sync, at compile only. Slot 0 is written: at compile no table points at it."""
+    """One expert's host -> slot copy on this GPU, in ns: what a wasted prefetch holds the link for.
+    Timed over `repeats` copies queued behind a first one, so each launch's host time hides behind
+    the copy before it (an event pair around one launch counts that too:
+    docs/decisions.md#runners-up-within-the-window). CUDA events and a sync, at compile only. Slot 0
+    is written: at compile no table points at it."""
     one = torch.ones(1, dtype=torch.int64, device=cache.expert_to_slot.device)
     src, dst = one - 1, one - 1
     gather_copy(cache.hosts, cache.slots, src, dst, one)  # compiles the kernel for these tensors

@@ -1,7 +1,8 @@
-"""What `compile` and `from_pretrained` were asked for: one frozen settings object, checked once when it is built.
+"""What `compile` and `from_pretrained` were asked for: one frozen settings object, checked once
+when it is built.
 
-The checks here need only the values; those that need the model (top_k, the experts' dtypes, free GPU memory)
-run where the model is installed (`integrations/install.py`).
+The checks here need only the values; those that need the model (top_k, the experts' dtypes, free
+GPU memory) run where the model is installed (`integrations/install.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from .cache.policies import DEFAULT_POLICY, get_policy
 from .formats import Format, parse_quantize
-from .predict.predictors import Prefetch
+from .prefetch.predictors import Prefetch
 from .trace.format import Trace
 
 BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
@@ -42,7 +43,8 @@ def parse_budget(cache: str) -> int:
 
 
 def budget_text(nbytes: int) -> str:
-    """A budget string of at least `nbytes` (rounded up in the largest binary unit that keeps it >= 1)."""
+    """A budget string of at least `nbytes` (rounded up in the largest binary unit that keeps it >=
+    1)."""
     for unit in ("TiB", "GiB", "MiB", "KiB"):
         if nbytes >= UNITS[unit.lower()]:
             return f"{math.ceil(nbytes / UNITS[unit.lower()] * 100) / 100:g}{unit}"
@@ -55,10 +57,11 @@ def _is_int(x) -> bool:
 
 @dataclass(frozen=True)
 class AutoCache:
-    """`cache=AutoCache(max_length=4096, batch_size=1)`: the slots that fit in the GPU memory free at compile time
-    once the model's other weights are on the GPU, leaving room for the KV cache and activations of a Decoder of
-    that `max_length` and `batch_size`. Without a `max_length` (`cache="auto"`), the slots take `share` of that
-    free memory and leave the rest for the KV cache and activations."""
+    """`cache=AutoCache(max_length=4096, batch_size=1)`: the slots that fit in the GPU memory free
+    at compile time once the model's other weights are on the GPU, leaving room for the KV cache and
+    activations of a Decoder of that `max_length` and `batch_size`. Without a `max_length`
+    (`cache="auto"`), the slots take `share` of that free memory and leave the rest for the KV cache
+    and activations."""
 
     max_length: int | None = None
     batch_size: int = 1
@@ -66,15 +69,25 @@ class AutoCache:
 
     def __post_init__(self):
         if self.max_length is not None and (not _is_int(self.max_length) or self.max_length < 1):
-            raise ValueError(f"AutoCache(max_length={self.max_length!r}): give the Decoder's max_length, an int >= 1")
+            raise ValueError(
+                f"AutoCache(max_length={self.max_length!r}): give the Decoder's "
+                "max_length, an int >= 1"
+            )
         if not _is_int(self.batch_size) or self.batch_size < 1:
-            raise ValueError(f"AutoCache(batch_size={self.batch_size!r}): give the Decoder's batch_size, an int >= 1")
+            raise ValueError(
+                f"AutoCache(batch_size={self.batch_size!r}): give the Decoder's "
+                "batch_size, an int >= 1"
+            )
         if not isinstance(self.share, numbers.Real) or not 0 < self.share <= 1:
-            raise ValueError(f"AutoCache(share={self.share!r}): the share of free GPU memory for slots, in (0, 1]")
+            raise ValueError(
+                f"AutoCache(share={self.share!r}): the share of free GPU memory for "
+                "slots, in (0, 1]"
+            )
 
 
 def parse_cache(cache) -> int | AutoCache:
-    """`cache=` -> slots per MoE layer (an int), a budget in bytes (an int, as `Settings.budget`) or an AutoCache."""
+    """`cache=` -> slots per MoE layer (an int), a budget in bytes (an int, as `Settings.budget`) or
+    an AutoCache."""
     if isinstance(cache, AutoCache) or _is_int(cache):
         return cache
     if isinstance(cache, str) and cache.strip().lower() == "auto":
@@ -82,14 +95,16 @@ def parse_cache(cache) -> int | AutoCache:
     if isinstance(cache, str):
         return parse_budget(cache)
     raise TypeError(
-        f"cache must be an int (GPU slots per MoE layer), a GPU-memory budget such as '6GiB', 'auto' or "
+        "cache must be an int (GPU slots per MoE layer), a GPU-memory budget such as '6GiB', "
+        "'auto' or "
         f"an asyncmoe.AutoCache, got {type(cache).__name__} {cache!r}"
     )
 
 
 @dataclass(frozen=True)
 class Settings:
-    """`compile`'s keywords, checked. `cache` as given (for messages); `slots`, `budget` or `auto`: what it asks."""
+    """`compile`'s keywords, checked. `cache` as given (for messages); `slots`, `budget` or `auto`:
+    what it asks."""
 
     cache: int | str | AutoCache = 16
     policy: str = DEFAULT_POLICY
@@ -104,20 +119,26 @@ class Settings:
         if isinstance(self.cache, str) and not isinstance(asked, AutoCache) and asked <= 0:
             raise ValueError(f"cache={self.cache!r}: a budget must be more than 0 bytes")
         if _is_int(self.cache) and self.cache <= 0:
-            raise ValueError(f"cache={self.cache}: must be at least the model's top_k (slots per MoE layer)")
+            raise ValueError(
+                f"cache={self.cache}: must be at least the model's top_k (slots per MoE layer)"
+            )
         get_policy(self.policy)
-        if self.quantize != "dequantize":  # from_pretrained's: an fp8 checkpoint's experts read in the model's dtype
+        # from_pretrained's: an fp8 checkpoint's experts read in the model's dtype
+        if self.quantize != "dequantize":
             parse_quantize(self.quantize)
         if not isinstance(self.time_stalls, bool):
             raise TypeError(f"time_stalls must be True or False, got {self.time_stalls!r}")
         if self.prefetch is not None and not isinstance(self.prefetch, (bool, Prefetch)):
             raise TypeError(
-                f"prefetch must be True, False, None (on where the model runs on CUDA) or an asyncmoe.Prefetch, got "
-                f"{self.prefetch!r}; to choose predictors use e.g. asyncmoe.Prefetch(sources=('gate', 'temporal'))"
+                "prefetch must be True, False, None (on where the model runs on CUDA) or an "
+                "asyncmoe.Prefetch, got "
+                f"{self.prefetch!r}; to choose predictors use e.g. "
+                "asyncmoe.Prefetch(sources=('gate', 'temporal'))"
             )
         if self.replay is not None and not isinstance(self.replay, Trace):
             raise TypeError(
-                f"replay must be an asyncmoe.trace.Trace or the path of its .npz file, got {type(self.replay).__name__}"
+                "replay must be an asyncmoe.trace.Trace or the path of its .npz file, got "
+                f"{type(self.replay).__name__}"
             )
 
     @property

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
 from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
-from .predict.prefetch_gate import MIN_PRECISION, gate_precision
+from .prefetch.prefetch_gate import MIN_PRECISION, gate_precision
 
 
 @dataclass
@@ -31,15 +31,19 @@ class LayerStats:
     hits_temporal: int
     hits_transition: int
     prefetch_timely: int  # prefetch hits in the very call the prefetch was for
-    prefetch_victims: int  # experts a prefetch evicted that the very next call needed (hits it cost)
-    explored: int  # a closed prefetch gate's exploring nominations, scored against their call with no copy
+    # experts a prefetch evicted that the very next call needed (hits it cost)
+    prefetch_victims: int
+    # a closed prefetch gate's exploring nominations, scored against their call with no copy
+    explored: int
     explored_paid: int  # ... that the call routed to and did not hold
-    runners_up: int  # a prefetch's nominations past its likeliest (budget > 1), scored against their call
+    # a prefetch's nominations past its likeliest (budget > 1), scored against their call
+    runners_up: int
     runners_up_paid: int  # ... that the call routed to
     expert_bytes: int
     gpu_bytes: int  # slots + tables
     host_bytes: int  # the host store
-    # GPU-clock time on the compute stream, summed over calls (compile(..., time_stalls=True); else None):
+    # GPU-clock time on the compute stream, summed over calls (compile(..., time_stalls=True); else
+    # None):
     wait_ns: int | None = None  # waiting for the prefetch into this layer to finish its copies
     ensure_ns: int | None = None  # `ensure`'s decision and its copies of the misses
 
@@ -73,11 +77,12 @@ class Stats:
     layers: list[LayerStats]
     resident_layers: int = 0  # MoE layers with cache >= num_experts: nothing to count
     totals: dict = field(default_factory=dict)
-    # what the prefetch gate weighs (ExpertCache.pace; 0: not measured): one expert's copy, and the compute
-    # a prefetch hid behind in the last call, in ns
+    # what the prefetch gate weighs (ExpertCache.pace; 0: not measured): one expert's copy, and the
+    # compute a prefetch hid behind in the last call, in ns
     copy_ns: int = 0
     window_ns: int = 0
-    min_precision: float = MIN_PRECISION  # the share of prefetches that must save a miss (gate_precision)
+    # the share of prefetches that must save a miss (gate_precision)
+    min_precision: float = MIN_PRECISION
 
     def __post_init__(self):
         keys = (
@@ -109,14 +114,17 @@ class Stats:
             self.totals[k] = sum(getattr(r, k) for r in timed) if timed else None
         looked_up = self.totals["hits"] + self.totals["misses"]
         self.totals["hit_rate"] = self.totals["hits"] / looked_up if looked_up else float("nan")
-        self.totals["prefetch_recall"] = self.totals["prefetch_hits"] / looked_up if looked_up else float("nan")
+        self.totals["prefetch_recall"] = (
+            self.totals["prefetch_hits"] / looked_up if looked_up else float("nan")
+        )
 
     def __str__(self) -> str:
         if not self.layers:
             return f"all {self.resident_layers} MoE layers resident (cache >= num_experts): nothing to count"
         t = self.totals
         timed = t["stall_ns"] is not None
-        prefetched = t["prefetched"] > 0  # the prefetch columns only where a prefetch copied something
+        # the prefetch columns only where a prefetch copied something
+        prefetched = t["prefetched"] > 0
         widths = {"layer": 5, "slots": 7, "calls": 7, "hits": 8, "misses": 8, "hit%": 6, "evict": 7}
         widths |= {"prefetch": 8, "pf-recall%": 10, "wasted": 7} if prefetched else {}
         widths |= {"MB h2d": 9}
@@ -159,36 +167,49 @@ class Stats:
         if not t["hits"] + t["misses"]:
             rows.append("no expert looked up yet: no rates")
         if prefetched:
-            rows.append("pf-recall%: routed experts found resident because a prefetch put them there (part of hit%)")
+            rows.append(
+                "pf-recall%: routed experts found resident because a prefetch put them "
+                "there (part of hit%)"
+            )
         else:
-            rows.append("nothing prefetched (prefetch off, or it found nothing worth a copy): no prefetch columns")
+            rows.append(
+                "nothing prefetched (prefetch off, or it found nothing worth a copy): no "
+                "prefetch columns"
+            )
         if t["prefetch_hits"]:
             rows.append(
                 "prefetch hits by predictor (an expert can have several): "
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
-                + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched for"
+                + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched "
+                "for"
             )
         if t["explored"]:
             rows.append(
-                f"closed prefetch gates explored {t['explored']} times with no copy: {t['explored_paid']} would have "
+                f"closed prefetch gates explored {t['explored']} times with no copy: "
+                f"{t['explored_paid']} would have "
                 "saved a miss"
             )
         if t["runners_up"]:
             rows.append(
-                f"prefetch nominations past each call's likeliest: {t['runners_up']}, of which the call routed to "
+                f"prefetch nominations past each call's likeliest: {t['runners_up']}, of which the "
+                "call routed to "
                 f"{t['runners_up_paid']} (copied only while enough of them are)"
             )
         rows.append(
-            f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store {t['host_bytes'] / 2**20:.1f} MiB"
+            f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store "
+            f"{t['host_bytes'] / 2**20:.1f} MiB"
         )
         if self.copy_ns and self.window_ns:
             rows.append(
-                f"prefetch gate: an expert's copy {self.copy_ns / 1e3:.1f} us, the compute a prefetch hid behind "
-                f"{self.window_ns / 1e3:.1f} us: open while {100 * self.min_precision:.0f}% of prefetches save a miss"
+                f"prefetch gate: an expert's copy {self.copy_ns / 1e3:.1f} us, the compute a "
+                "prefetch hid behind "
+                f"{self.window_ns / 1e3:.1f} us: open while {100 * self.min_precision:.0f}% of "
+                "prefetches save a miss"
             )
         if timed:
             rows.append(
-                "wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; deciding and copying misses"
+                "wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; "
+                "deciding and copying misses"
             )
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
@@ -211,18 +232,24 @@ def _gpu_bytes(c: ExpertCache) -> int:
 def read_stats(
     caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, reset: bool = False, group=None
 ) -> Stats:
-    """The caches' counters, or with a torch.distributed process group `group` their sums over its ranks (each
-    rank caching its own experts, as under expert parallelism: slots, experts and bytes add up too)."""
+    """The caches' counters, or with a torch.distributed process group `group` their sums over its
+    ranks (each rank caching its own experts, as under expert parallelism: slots, experts and bytes
+    add up too)."""
     if not caches:
         return Stats([], resident_layers)
-    # the timer's two sums (zeros for an untimed cache) and the layer's sizes ride along with the counters
+    # the timer's two sums (zeros for an untimed cache) and the layer's sizes ride along with the
+    # counters
     rows = torch.stack(
         [
             torch.cat(
                 [
                     c.counters,
-                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS]] if c.timer.numel() else c.counters.new_zeros(2),
-                    c.counters.new_tensor([c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]),
+                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS]]
+                    if c.timer.numel()
+                    else c.counters.new_zeros(2),
+                    c.counters.new_tensor(
+                        [c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]
+                    ),
                 ]
             )
             for _, c in caches
@@ -255,6 +282,13 @@ def read_stats(
                 ensure_ns=ensure,
             )
         )
-    pace = caches[0][1].pace.cpu()  # a host sync on request (stats read-out), never inside a forward
+    # a host sync on request (stats read-out), never inside a forward
+    pace = caches[0][1].pace.cpu()
     _, window, copy = pace.tolist()  # a host tensor from here: no further sync
-    return Stats(layers, resident_layers, copy_ns=copy, window_ns=window, min_precision=gate_precision(pace).item())
+    return Stats(
+        layers,
+        resident_layers,
+        copy_ns=copy,
+        window_ns=window,
+        min_precision=gate_precision(pace).item(),
+    )

@@ -15,7 +15,9 @@ def pytest_addoption(parser):
         help="the latency suite's cases: smoke, quick, full-1, full-2, full-3, full, link, formats-1 or "
         "formats-2 (test_latency.py; benchmarks/README.md lists them)",
     )
-    parser.addoption("--quick", action="store_true", help="--profile quick: the OLMoE shape at batch 1, ~150 s")
+    parser.addoption(
+        "--quick", action="store_true", help="--profile quick: the OLMoE shape at batch 1, ~150 s"
+    )
     parser.addoption(
         "--cases-json",
         metavar="PATH",
@@ -47,7 +49,11 @@ def pytest_runtest_call(item):
     finished.append(bench.stats)
     machine, commit = config.stash[_machine]
     data = config.hook.pytest_benchmark_generate_json(
-        config=config, benchmarks=finished, include_data=True, machine_info=machine, commit_info=commit
+        config=config,
+        benchmarks=finished,
+        include_data=True,
+        machine_info=machine,
+        commit_info=commit,
     )
     partial = pathlib.Path(path + ".partial")
     partial.write_text(json.dumps(data, indent=4))

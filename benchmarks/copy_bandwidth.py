@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
+from asyncmoe.cache.gather_copy import gather_copy_triton
 from asyncmoe.cache.host import PinnedBlock, carve, uva_view
-from asyncmoe.kernels.gather_copy import gather_copy_triton
 
 EXPERT_ELEMS = 2048 * 2048 + 2048 * 1024  # one OLMoE expert, both projections
 E = 64
@@ -119,8 +119,13 @@ def main():
             for where, beside in (("alone", None), ("beside compute", compute)):
                 ms = timed(fn, args.reps, beside)
                 gbs = n * expert_mb / 1e3 / (ms / 1e3)
-                rows.append({"experts": n, "variant": name, "where": where, "ms": ms, "GB_per_s": gbs})
-                print(f"{n:>3} experts  {name:<48} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s", flush=True)
+                rows.append(
+                    {"experts": n, "variant": name, "where": where, "ms": ms, "GB_per_s": gbs}
+                )
+                print(
+                    f"{n:>3} experts  {name:<48} {where:<15} {ms:8.3f} ms  {gbs:6.1f} GB/s",
+                    flush=True,
+                )
             torch.cuda.synchronize()
             want = host[srcs[args.reps - 1]]
             assert torch.equal(slots[:n].cpu(), want), f"{name} copied the wrong bytes"

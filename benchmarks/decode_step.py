@@ -61,14 +61,21 @@ def timed_round(model, dec, ids: torch.Tensor, steps: int, cached: bool) -> floa
 def measure(model, label: str, graph: bool, steps: int, rounds: int, ids: torch.Tensor) -> dict:
     """`model`'s median ms per decode step over `rounds` rounds (`timed_round`), printed as one line; for a cached
     model also the bytes it moved per token, its hit rate and its prefetch recall."""
-    dec = asyncmoe.Decoder(model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph)
+    dec = asyncmoe.Decoder(
+        model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph
+    )
     per_round, moved = [], 0
     cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
     for _ in range(rounds):
         per_round.append(timed_round(model, dec, ids, steps, cached))
         if cached:
             moved += asyncmoe.stats(model).totals["bytes_h2d"]
-    row = {"system": label, "graph": graph, "ms_per_token": statistics.median(per_round), "rounds": per_round}
+    row = {
+        "system": label,
+        "graph": graph,
+        "ms_per_token": statistics.median(per_round),
+        "rounds": per_round,
+    }
     if cached:
         s = asyncmoe.stats(model)
         row.update(
@@ -79,7 +86,10 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, ids: torch.
         )
         if s.totals["stall_ns"] is not None:  # the last round's, on the GPU clock
             row.update(
-                {f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps for k in ("wait_ns", "ensure_ns", "stall_ns")}
+                {
+                    f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps
+                    for k in ("wait_ns", "ensure_ns", "stall_ns")
+                }
             )
     print(
         f"{label:<72} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
@@ -113,18 +123,41 @@ def main():
         help="route asyncmoe models by this .npz trace (docs/traces.md), or as a latency-suite routing: trace, "
         "oracle, oracle-q0.8 (the shape's trace, its gate arrays the oracle's)",
     )
-    p.add_argument("--quantize", choices=["fp8", "mxfp4", "int4"], default=None, help="asyncmoe's experts' format")
+    p.add_argument(
+        "--quantize",
+        choices=["fp8", "mxfp4", "int4"],
+        default=None,
+        help="asyncmoe's experts' format",
+    )
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
-    p.add_argument("--budgets", type=int, nargs="+", default=[asyncmoe.Prefetch.budget], help="prefetch budgets to try")
-    p.add_argument("--copy-programs", type=int, nargs="+", default=[32], help="prefetch copy grid caps (0: full grid)")
+    p.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=[asyncmoe.Prefetch.budget],
+        help="prefetch budgets to try",
+    )
+    p.add_argument(
+        "--copy-programs",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="prefetch copy grid caps (0: full grid)",
+    )
     p.add_argument(
         "--sources",
         nargs="+",
         default=None,
         help="prefetch predictor sets to try, each joined by + (default: Prefetch()'s)",
     )
-    p.add_argument("--policies", nargs="+", default=[DEFAULT_POLICY], help="eviction policies to try")
-    p.add_argument("--time-stalls", action="store_true", help="time each layer's waits on the GPU clock (adds kernels)")
+    p.add_argument(
+        "--policies", nargs="+", default=[DEFAULT_POLICY], help="eviction policies to try"
+    )
+    p.add_argument(
+        "--time-stalls",
+        action="store_true",
+        help="time each layer's waits on the GPU clock (adds kernels)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 

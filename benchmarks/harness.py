@@ -28,10 +28,16 @@ from synthetic import synthetic
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-DTYPE = torch.bfloat16 if CUDA else torch.float32  # fp32 on the CPU: every system's tokens equal the resident model's
+DTYPE = (
+    torch.bfloat16 if CUDA else torch.float32
+)  # fp32 on the CPU: every system's tokens equal the resident model's
 
 DEMO_TRACE = pathlib.Path(__file__).parent / "traces" / "demo_val.npz"
-FORMATS = ("fp8", "mxfp4", "int4")  # an asyncmoe system's experts in host memory and the slots: `asyncmoe-graph-fp8`
+FORMATS = (
+    "fp8",
+    "mxfp4",
+    "int4",
+)  # an asyncmoe system's experts in host memory and the slots: `asyncmoe-graph-fp8`
 PROMPT = 16  # tokens of a decode case's prompt
 
 
@@ -64,7 +70,11 @@ def trace_for(shape: str, routing: str = "trace") -> Trace:
     if experts == 64 and k <= 8:
         demo = Trace.load(DEMO_TRACE)
         return Trace(
-            demo.ids[:, :, :k], demo.num_experts, starts=demo.starts, gate_ids=demo.gate_ids, gate_probs=demo.gate_probs
+            demo.ids[:, :, :k],
+            demo.num_experts,
+            starts=demo.starts,
+            gate_ids=demo.gate_ids,
+            gate_probs=demo.gate_probs,
         )
     return synthetic(experts, k, layers=6, tokens=4096)
 
@@ -89,7 +99,9 @@ def build(kind: str, shape: str, cache: int | str) -> torch.nn.Module:
     if kind == "seed":
         return seed_lru.install(model, cache, DEVICE)
     base, fmt = split_format(kind)
-    return asyncmoe.compile(model, cache=cache, device=DEVICE, prefetch=base.endswith("prefetch"), quantize=fmt)
+    return asyncmoe.compile(
+        model, cache=cache, device=DEVICE, prefetch=base.endswith("prefetch"), quantize=fmt
+    )
 
 
 class ChunkedPrefill(asyncmoe.Decoder):
@@ -125,7 +137,9 @@ def decoder_for(system: str, shape: str, batch: int, cache: int):
     )
 
 
-def h2d_bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10) -> dict[int, float]:
+def h2d_bandwidths(
+    devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10
+) -> dict[int, float]:
     """GB/s of a pinned host -> GPU copy_ (the copy engine) on each of `devices`, median of `reps`. Every copy
     is queued before any is waited for, so with several devices their copies are in flight together."""
     src = {d: torch.empty(nbytes, dtype=torch.uint8).pin_memory() for d in devices}
@@ -141,7 +155,10 @@ def h2d_bandwidths(devices: list[int], nbytes: int = 512 * 2**20, reps: int = 10
                 events[d].append((a, b))
     for d in devices:
         torch.cuda.synchronize(d)
-    return {d: nbytes / 1e9 / (statistics.median(a.elapsed_time(b) for a, b in events[d][2:]) / 1e3) for d in devices}
+    return {
+        d: nbytes / 1e9 / (statistics.median(a.elapsed_time(b) for a, b in events[d][2:]) / 1e3)
+        for d in devices
+    }
 
 
 def h2d_bandwidth() -> float:

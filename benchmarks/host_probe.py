@@ -71,7 +71,9 @@ def int4_weight(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     [k / GROUP, rows, 2] (bf16)."""
     q = torch.randint(0, 16, (rows, k), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    scales_zeros = torch.stack([torch.full((k // GROUP, rows), 0.01), torch.zeros(k // GROUP, rows)], dim=-1)
+    scales_zeros = torch.stack(
+        [torch.full((k // GROUP, rows), 0.01), torch.zeros(k // GROUP, rows)], dim=-1
+    )
     return packed, scales_zeros.to(torch.bfloat16)
 
 
@@ -85,7 +87,11 @@ def make_experts(fmt: str, n: int, D: int, I: int) -> list[tuple]:
         return [(int4_weight(2 * I, D), int4_weight(D, I)) for _ in range(n)]
     bf16 = dict(dtype=torch.bfloat16)
     return [
-        (torch.empty(2 * I, D, **bf16).normal_(std=0.02), torch.empty(D, I, **bf16).normal_(std=0.02)) for _ in range(n)
+        (
+            torch.empty(2 * I, D, **bf16).normal_(std=0.02),
+            torch.empty(D, I, **bf16).normal_(std=0.02),
+        )
+        for _ in range(n)
     ]
 
 
@@ -100,7 +106,9 @@ def run_experts(x: torch.Tensor, experts: list[tuple], linear) -> None:
         linear(F.silu(gate) * up, down)  # [T, D]
 
 
-def expert_mlp(shape: str, fmt: str, threads: list[int], tokens: list[int], n: int, repeats: int) -> list[dict]:
+def expert_mlp(
+    shape: str, fmt: str, threads: list[int], tokens: list[int], n: int, repeats: int
+) -> list[dict]:
     """ms per expert MLP of `shape` in `fmt`, and GB/s of its weights, by threads and tokens."""
     D, I = expert_dims(shape)
     experts = make_experts(fmt, n, D, I)
@@ -112,11 +120,22 @@ def expert_mlp(shape: str, fmt: str, threads: list[int], tokens: list[int], n: i
                 x = torch.randn(T, D, dtype=torch.bfloat16)  # [T, D]
                 ms = median_ms(repeats, run_experts, x, experts, linear) / n
                 gbps = nbytes(experts[0]) / ms / 1e6
-                rows.append(dict(probe=f"{fmt} expert MLP", shape=shape, threads=t, tokens=T, ms=ms, GB_per_s=gbps))
+                rows.append(
+                    dict(
+                        probe=f"{fmt} expert MLP",
+                        shape=shape,
+                        threads=t,
+                        tokens=T,
+                        ms=ms,
+                        GB_per_s=gbps,
+                    )
+                )
     return rows
 
 
-def probe(shapes: list[str], threads: list[int], tokens: list[int], experts: int, gib: float, repeats: int):
+def probe(
+    shapes: list[str], threads: list[int], tokens: list[int], experts: int, gib: float, repeats: int
+):
     rows = read_bandwidth(gib, threads, repeats)
     for shape in shapes:
         for fmt in ["bf16", "int4"] if INT4 else ["bf16"]:
@@ -130,7 +149,14 @@ def table(rows: list[dict]) -> str:
     lines = ["| probe | shape | threads | tokens | ms | GB/s |", "|---|---|--:|--:|--:|--:|"]
     for r in rows:
         ms = f"{r['ms']:.3f}" if "ms" in r else ""
-        cells = [r["probe"], r.get("shape", ""), r.get("threads", ""), r.get("tokens", ""), ms, f"{r['GB_per_s']:.1f}"]
+        cells = [
+            r["probe"],
+            r.get("shape", ""),
+            r.get("threads", ""),
+            r.get("tokens", ""),
+            ms,
+            f"{r['GB_per_s']:.1f}",
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -139,7 +165,9 @@ def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor()
 
@@ -147,15 +175,24 @@ def cpu_name() -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["deepseek-v2-lite", "olmoe-1b-7b"])
-    p.add_argument("--threads", nargs="+", default=["1", "4", "8", "all"], help="thread counts, or all")
+    p.add_argument(
+        "--threads", nargs="+", default=["1", "4", "8", "all"], help="thread counts, or all"
+    )
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--experts", type=int, default=64, help="experts a sample runs in turn: more than the CPU caches")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=64,
+        help="experts a sample runs in turn: more than the CPU caches",
+    )
     p.add_argument("--gib", type=float, default=1.0, help="the read probe's buffer")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = sorted({cores if t == "all" else int(t) for t in args.threads} & set(range(1, cores + 1)))
+    threads = sorted(
+        {cores if t == "all" else int(t) for t in args.threads} & set(range(1, cores + 1))
+    )
     if not INT4:
         print(f"int4: skipped, torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu")
     rows = probe(args.shapes, threads, args.tokens, args.experts, args.gib, args.repeats)

@@ -27,7 +27,11 @@ from shapes import random_model
 def greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """The prompt and `steps` greedy tokens: [1, PROMPT + steps]."""
     rewind_replay(model)
-    return asyncmoe.Decoder(model, 1, PROMPT + steps, graph=False).generate(ids, steps).tokens[:, : PROMPT + steps]
+    return (
+        asyncmoe.Decoder(model, 1, PROMPT + steps, graph=False)
+        .generate(ids, steps)
+        .tokens[:, : PROMPT + steps]
+    )
 
 
 @torch.no_grad()
@@ -85,14 +89,20 @@ def main():
     for name, t in tokens.items():
         with_bf16, with_fp32 = agree(t, tokens["unmodified"]), agree(t, tokens["float32"])
         print(f"  {name:<10} with unmodified {with_bf16:>3}, with float32 {with_fp32}")
-    print("\nfed the unmodified model's tokens: largest |logit - float32's| per step; float32's top-2 gap")
+    print(
+        "\nfed the unmodified model's tokens: largest |logit - float32's| per step; float32's top-2 gap"
+    )
     print(f"{'step':>4} {'gap':>7} {'unmodified':>10} {'asyncmoe':>9}  greedy token = float32's")
     for t in range(len(gap)):
         marks = " ".join(name for name in err if same[name][t])
-        print(f"{t:>4} {gap[t]:>7.4f} {err['unmodified'][t]:>10.4f} {err['asyncmoe'][t]:>9.4f}  {marks}")
+        print(
+            f"{t:>4} {gap[t]:>7.4f} {err['unmodified'][t]:>10.4f} {err['asyncmoe'][t]:>9.4f}  {marks}"
+        )
     for name in err:
         e, hits = err[name], int(same[name].sum())
-        print(f"{name:<10} error median {e.median():.4f} max {e.max():.4f}; float32's token {hits}/{steps}")
+        print(
+            f"{name:<10} error median {e.median():.4f} max {e.max():.4f}; float32's token {hits}/{steps}"
+        )
 
 
 if __name__ == "__main__":

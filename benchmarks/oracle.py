@@ -26,14 +26,22 @@ def oracle(trace: Trace, q: float = 1.0, seed: int = 0) -> Trace:
     N, L, k = ids.shape
     E = trace.num_experts
     if k >= E and q < 1:
-        raise ValueError(f"every token routes to all {E} experts: nothing is left to nominate wrongly")
+        raise ValueError(
+            f"every token routes to all {E} experts: nothing is left to nominate wrongly"
+        )
     gate = ids.copy()
     wrong = rng.random((N, L, k)) >= q
-    for t, l in zip(*np.nonzero(wrong.any(axis=2))):  # draw the replacements among the experts not routed
+    for t, l in zip(
+        *np.nonzero(wrong.any(axis=2))
+    ):  # draw the replacements among the experts not routed
         free = np.setdiff1d(np.arange(E), ids[t, l])
         picks = rng.choice(free, size=int(wrong[t, l].sum()), replace=False)
         gate[t, l, wrong[t, l]] = picks
-    probs = np.asarray(trace.weights, dtype=np.float32) if trace.weights is not None else np.full((N, L, k), 1 / k)
+    probs = (
+        np.asarray(trace.weights, dtype=np.float32)
+        if trace.weights is not None
+        else np.full((N, L, k), 1 / k)
+    )
     gate[:, 0], probs = -1, probs.copy()
     probs[:, 0] = 0.0  # nothing before the first MoE layer predicts it
     return Trace(

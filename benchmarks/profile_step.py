@@ -1,16 +1,16 @@
-"""GPU time per kernel of asyncmoe's decode steps, or of one long prompt, from the profiler: what each launch
-of the cache and the prefetch costs beside the model's own kernels (a CUDA graph replays the same kernels;
-the profiler times them in eager steps, where it can name them).
+"""GPU time per kernel of asyncmoe's decode steps, or of one long prompt, from the profiler: what
+each launch of the cache and the prefetch costs beside the model's own kernels (a CUDA graph replays
+the same kernels; the profiler times them in eager steps, where it can name them).
 
     python benchmarks/profile_step.py --shape olmoe-1b-7b --cache 32 --steps 16
     python benchmarks/profile_step.py --shape qwen3-30b-a3b --cache 32 --prompt 2048 --no-prefetch
 
-Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the last. With
-`--prompt N` the unit is one prompt, and a line before the table gives its wall time (median of 5, CUDA
-events), the bytes it copied and how long its layers waited for their own misses (`time_stalls`, the GPU
-clock). That splits a prompt's time into its copies, its compute and what the waves add around both. The
-model routes by its own router, widened, as the latency suite's `router` cases; `--cache` at or above the
-experts runs the unmodified model, for the compute alone.
+Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the
+last. With `--prompt N` the unit is one prompt, and a line before the table gives its wall time
+(median of 5, CUDA events), the bytes it copied and how long its layers waited for their own misses
+(`time_stalls`, the GPU clock). That splits a prompt's time into its copies, its compute and what
+the waves add around both. The model routes by its own router, widened, as the latency suite's
+`router` cases; `--cache` at or above the experts runs the unmodified model, for the compute alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def main():
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps")
+    p.add_argument(
+        "--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps"
+    )
     args = p.parse_args()
 
     model = asyncmoe.compile(
@@ -52,28 +54,29 @@ def main():
         dec.decode(args.steps)
         torch.cuda.synchronize()
     print(
-        f"{args.shape}, cache {args.cache}, prefetch {'off' if args.no_prefetch else 'on'}, {args.steps} eager steps, "
+        f"{args.shape}, cache {args.cache}, prefetch {'off' if args.no_prefetch else 'on'}, "
+        f"{args.steps} eager steps, "
         f"{torch.cuda.get_device_name()}:"
     )
     print_kernels(prof, args.steps, "token", args.top)
 
 
 def profile_prompt(model, args) -> None:
-    """One prompt of `args.prompt` random tokens, timed five times after a warm-up (Triton compiles), then profiled
-    once."""
+    """One prompt of `args.prompt` random tokens, timed five times after a warm-up (Triton
+    compiles), then profiled once."""
     ids = prompt(args.shape, 1, args.prompt, seed=0)
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=args.prompt + 1, graph=False)
     cached = asyncmoe.stats(model).layers  # [] where every layer is resident
     ms = cuda_ms(lambda: dec.prefill(ids), 5)
-    line = (
-        f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {torch.cuda.get_device_name()}: {ms:.1f} ms a prompt"
-    )
+    gpu = torch.cuda.get_device_name()
+    line = f"{args.shape}, cache {args.cache}, prompt {args.prompt}, {gpu}: {ms:.1f} ms a prompt"
     if cached:  # one more prompt, untimed, for its own counters
         asyncmoe.stats(model, reset=True)
         dec.prefill(ids)
         totals = asyncmoe.stats(model).totals
         line += (
-            f", {totals['bytes_h2d'] / 1e9:.2f} GB copied, its layers waited {totals['ensure_ns'] / 1e6:.1f} ms "
+            f", {totals['bytes_h2d'] / 1e9:.2f} GB copied, its layers waited "
+            f"{totals['ensure_ns'] / 1e6:.1f} ms "
             f"for their own misses and {totals['wait_ns'] / 1e6:.1f} ms for prefetches"
         )
     print(line)
@@ -84,7 +87,11 @@ def profile_prompt(model, args) -> None:
 
 
 def print_kernels(prof, units: int, unit: str, top: int) -> None:
-    rows = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows = [
+        (e.key, e.count, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
     rows.sort(key=lambda r: -r[2])
     print(f"{sum(r[2] for r in rows) / units:.1f} µs of kernels per {unit}")
     print(f"{'kernel':<90} {'per ' + unit:>10} {'µs each':>8} {'µs/' + unit:>10}")

@@ -16,14 +16,18 @@ import json
 
 import torch
 
-from asyncmoe import experts, ops
+from asyncmoe.compute import experts, ops
 from asyncmoe.formats import parse_quantize
 from asyncmoe.integrations.transformers import find_experts
 
 from harness import cuda_ms
 from shapes import SHAPES, config
 
-SHAPES_RUN = {"olmoe-1b-7b": 16, "deepseek-v2-lite": 16, "gpt-oss-20b": 8}  # shape: slots of one wave
+SHAPES_RUN = {
+    "olmoe-1b-7b": 16,
+    "deepseek-v2-lite": 16,
+    "gpt-oss-20b": 8,
+}  # shape: slots of one wave
 
 
 def projections(shape: str) -> list[tuple[str, torch.Size, bool]]:
@@ -60,7 +64,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=list(SHAPES_RUN), choices=list(SHAPES))
     p.add_argument("--formats", nargs="+", default=["fp8", "mxfp4", "int4"])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="pairs per slot")
+    p.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="pairs per slot"
+    )
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -70,14 +76,23 @@ def main():
         C = SHAPES_RUN.get(shape, 16)
         for name, (_, R, Q), transposed in projections(shape):
             for fmt in map(parse_quantize, args.formats):
-                w, scales = fmt.quantize(torch.randn(C, R, Q, device=dev, dtype=dtype) * 0.02, transposed)
+                w, scales = fmt.quantize(
+                    torch.randn(C, R, Q, device=dev, dtype=dtype) * 0.02, transposed
+                )
                 K = R if transposed else Q
                 for per_slot in args.rows:
                     x = torch.randn(C * per_slot, K, device=dev, dtype=dtype)
                     offs = torch.full((C,), per_slot, device=dev).cumsum(0).to(torch.int32)
                     ways = variants(x, w, scales, offs, fmt, transposed)
                     want = ways["dequantize+grouped_mm"]().float()
-                    row = dict(shape=shape, projection=name, format=fmt.name, slots=C, rows_per_slot=per_slot, K=K)
+                    row = dict(
+                        shape=shape,
+                        projection=name,
+                        format=fmt.name,
+                        slots=C,
+                        rows_per_slot=per_slot,
+                        K=K,
+                    )
                     for way, fn in ways.items():
                         row[f"{way}_rel_err"] = (fn().float() - want).abs().max().item() / want.pow(
                             2
@@ -85,7 +100,10 @@ def main():
                         row[f"{way}_ms"] = cuda_ms(fn, args.reps)
                     out.append(row)
                     times = "  ".join(f"{way} {row[f'{way}_ms']:.3f} ms" for way in ways)
-                    print(f"{shape:<17} {name:<12} {fmt.name:<5} {per_slot:>4} rows/slot: {times}", flush=True)
+                    print(
+                        f"{shape:<17} {name:<12} {fmt.name:<5} {per_slot:>4} rows/slot: {times}",
+                        flush=True,
+                    )
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": out}
     if args.out:
         with open(args.out, "w") as f:

@@ -2,10 +2,10 @@
 
     python benchmarks/report.py --profile full-1     # one run of the full profile (GPU; full-2, full-3 likewise)
     python benchmarks/report.py --quick              # the quick profile, ~150 s on the H200
-    python benchmarks/report.py --from-json out/bench-2026-12-03-full-1.json   # the table and plots of a run
+    python benchmarks/report.py --from-json out/full-1.json   # the table and plots of a run
 
-Writes bench-<date>-<profile>.json under `--out` (pytest-benchmark's JSON, every case's extra_info included,
-rewritten after each finished case: a run cut short keeps them), bench-<date>-<profile>.md and, with matplotlib
+Writes <profile>.json under `--out` (pytest-benchmark's JSON, every case's extra_info included, rewritten after each
+finished case: a run cut short keeps them), <profile>.md and, with matplotlib
 (`pip install -e ".[bench]"`), ...-ms.png (ms/token against cache size per system) and ...-hits.png (hit rate
 per layer). Per case: median ms/token and its spread over rounds, tokens/s, hit rate, prefetch recall, MB moved
 per token, the host->GPU bandwidth measured right after the case (GPU only), floor = max(resident ms/token, bytes moved
@@ -19,7 +19,6 @@ tables, the targets for the cases the run has, each met or missed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import subprocess
@@ -30,7 +29,9 @@ HERE = pathlib.Path(__file__).parent
 
 def compared_with(system: str) -> list[str]:
     """The systems a row's speedups are over: asyncmoe's over accelerate and the seed, the seed's over accelerate."""
-    return {"unmodified": [], "accelerate": [], "seed": ["accelerate"]}.get(system, ["accelerate", "seed"])
+    return {"unmodified": [], "accelerate": [], "seed": ["accelerate"]}.get(
+        system, ["accelerate", "seed"]
+    )
 
 
 def baselines(row: dict, group: list[dict]) -> list[tuple[str, dict]]:
@@ -42,7 +43,12 @@ def baselines(row: dict, group: list[dict]) -> list[tuple[str, dict]]:
         (
             base,
             next(
-                (d for d in group if d["system"] == base and (base == "accelerate" or d["cache"] == row["cache"])), None
+                (
+                    d
+                    for d in group
+                    if d["system"] == base and (base == "accelerate" or d["cache"] == row["cache"])
+                ),
+                None,
             ),
         )
         for base in compared_with(row["system"])
@@ -54,17 +60,28 @@ def baselines(row: dict, group: list[dict]) -> list[tuple[str, dict]]:
 def rows(data: dict) -> list[dict]:
     """One row per decode case with the derived columns; groups share shape, routing and batch."""
     cases = [
-        dict(b["extra_info"], spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"])
+        dict(
+            b["extra_info"],
+            spread_ms=(b["stats"]["max"] - b["stats"]["min"]) * 1e3 / b["extra_info"]["steps"],
+        )
         for b in data["benchmarks"]
         if "steps" in b["extra_info"]
     ]
     out = []
     for c in cases:
-        group = [d for d in cases if (d["shape"], d["routing"], d["batch"]) == (c["shape"], c["routing"], c["batch"])]
+        group = [
+            d
+            for d in cases
+            if (d["shape"], d["routing"], d["batch"]) == (c["shape"], c["routing"], c["batch"])
+        ]
         # the resident model computes the same whatever a trace's gate arrays say: its row under another routing
         # of the shape and batch serves where this routing has none (the link profile runs it once)
         same = sorted(
-            (d for d in cases if (d["shape"], d["batch"], d["system"]) == (c["shape"], c["batch"], "unmodified")),
+            (
+                d
+                for d in cases
+                if (d["shape"], d["batch"], d["system"]) == (c["shape"], c["batch"], "unmodified")
+            ),
             key=lambda d: d["routing"] != c["routing"],
         )
         resident = same[0]["ms_per_token"] if same else None
@@ -80,7 +97,9 @@ def rows(data: dict) -> list[dict]:
             if base == "seed" and "belady_floor_ms" in c:
                 c["seed_over_belady"] = other["ms_per_token"] / c["belady_floor_ms"]
         out.append(c)
-    return sorted(out, key=lambda r: (r["shape"], r["routing"], r["batch"], -r["cache"], r["system"]))
+    return sorted(
+        out, key=lambda r: (r["shape"], r["routing"], r["batch"], -r["cache"], r["system"])
+    )
 
 
 TARGET_SHAPES = ("olmoe-1b-7b", "deepseek-v2-lite")
@@ -97,12 +116,24 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
 
     out = []
     for r in table:
-        if r["shape"] not in TARGET_SHAPES or r["routing"] != "trace" or not r["system"].startswith("asyncmoe"):
+        if (
+            r["shape"] not in TARGET_SHAPES
+            or r["routing"] != "trace"
+            or not r["system"].startswith("asyncmoe")
+        ):
             continue
-        case = f"{r['shape']}, trace, batch {r['batch']}, {r['cache']}/{r['experts']}, {r['system']}"
-        if r["batch"] == 1 and r["cache"] * 4 == r["experts"] and r["system"] == "asyncmoe-graph-prefetch":
+        case = (
+            f"{r['shape']}, trace, batch {r['batch']}, {r['cache']}/{r['experts']}, {r['system']}"
+        )
+        if (
+            r["batch"] == 1
+            and r["cache"] * 4 == r["experts"]
+            and r["system"] == "asyncmoe-graph-prefetch"
+        ):
             parts = (
-                [f"limit ratio {r['limit_ratio']:.2f} against <= 1.25: {ok(r['limit_ratio'] <= 1.25)}"]
+                [
+                    f"limit ratio {r['limit_ratio']:.2f} against <= 1.25: {ok(r['limit_ratio'] <= 1.25)}"
+                ]
                 if "limit_ratio" in r
                 else []
             )
@@ -116,11 +147,15 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
                     else ""
                 )
                 parts.append(f"{r['speedup_vs_seed']:.2f}x the seed{most}")
-            if parts:  # a run without the resident model, accelerate or the seed has nothing to compare
+            if (
+                parts
+            ):  # a run without the resident model, accelerate or the seed has nothing to compare
                 out.append(f"- {case}: " + "; ".join(parts))
         elif r["batch"] == 32 and "speedup_vs_seed" in r:
             ratio = f"; limit ratio {r['limit_ratio']:.2f}" if "limit_ratio" in r else ""
-            out.append(f"- {case}: {r['speedup_vs_seed']:.2f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}")
+            out.append(
+                f"- {case}: {r['speedup_vs_seed']:.2f}x the seed, faster: {ok(r['speedup_vs_seed'] > 1)}{ratio}"
+            )
     for r in prefill:
         if (
             r["shape"] in TARGET_SHAPES
@@ -139,7 +174,11 @@ def targets(table: list[dict], prefill: list[dict]) -> list[str]:
     return ["", "Targets for the cases of this run:", "", *out] if out else []
 
 
-FORMAT_TARGETS = {"fp8": 0.55, "mxfp4": 0.35, "int4": 0.35}  # at most this times bf16's time at equal GPU memory
+FORMAT_TARGETS = {
+    "fp8": 0.55,
+    "mxfp4": 0.35,
+    "int4": 0.35,
+}  # at most this times bf16's time at equal GPU memory
 FORMATS = tuple(FORMAT_TARGETS)
 
 
@@ -155,17 +194,27 @@ def format_targets(table: list[dict], prefill: list[dict]) -> list[str]:
     for r in table:
         if r.get("format") not in FORMAT_TARGETS or r["shape"].startswith("tiny"):
             continue
-        group = [d for d in table if (d["shape"], d["routing"], d["batch"]) == (r["shape"], r["routing"], r["batch"])]
+        group = [
+            d
+            for d in table
+            if (d["shape"], d["routing"], d["batch"]) == (r["shape"], r["routing"], r["batch"])
+        ]
         case = f"{r['shape']}, {r['routing']}, batch {r['batch']}, {r['system']} {r['cache']}/{r['experts']}"
         if r["cache"] >= r["experts"]:
             other = next((d for d in group if d["system"] == "unmodified"), None)
             if other:
                 ratio = r["ms_per_token"] / other["ms_per_token"]
-                out.append(f"- {case}: {ratio:.2f}x the unmodified bf16 model, at most 1.00: {ok(ratio <= 1.0)}")
+                out.append(
+                    f"- {case}: {ratio:.2f}x the unmodified bf16 model, at most 1.00: {ok(ratio <= 1.0)}"
+                )
             continue
         bf16 = r.get("memory_of_bf16_slots")
         other = next(
-            (d for d in group if d["system"] == base(r) and d["cache"] == bf16 and "memory_of_bf16_slots" not in d),
+            (
+                d
+                for d in group
+                if d["system"] == base(r) and d["cache"] == bf16 and "memory_of_bf16_slots" not in d
+            ),
             None,
         )
         if other:
@@ -179,7 +228,12 @@ def format_targets(table: list[dict], prefill: list[dict]) -> list[str]:
             continue
         key = (r["shape"], r["routing"], r["prompt"], base(r), r["cache"])
         other = next(
-            (d for d in prefill if (d["shape"], d["routing"], d["prompt"], d["system"], d["cache"]) == key), None
+            (
+                d
+                for d in prefill
+                if (d["shape"], d["routing"], d["prompt"], d["system"], d["cache"]) == key
+            ),
+            None,
         )
         if other:
             ratio = r["ms_per_prefill"] / other["ms_per_prefill"]
@@ -202,16 +256,26 @@ def split_rows(table: list[dict]) -> list[dict]:
 
     out = []
     for r in table:
-        if r["batch"] != 1 or not r["system"].startswith("asyncmoe") or not r.get("bytes_per_token"):
+        if (
+            r["batch"] != 1
+            or not r["system"].startswith("asyncmoe")
+            or not r.get("bytes_per_token")
+        ):
             continue
         fmt = r.get("format")
         resident = (
-            dict(system=f"asyncmoe-graph-{fmt}", cache=r["experts"]) if fmt in FORMATS else {"system": "unmodified"}
+            dict(system=f"asyncmoe-graph-{fmt}", cache=r["experts"])
+            if fmt in FORMATS
+            else {"system": "unmodified"}
         )
         compute = find(shape=r["shape"], batch=1, **resident)
         if not compute or not r.get("h2d_GB_per_s"):
             continue
-        s = dict(r, copies_ms=r["bytes_per_token"] / (r["h2d_GB_per_s"] * 1e6), compute_ms=compute["ms_per_token"])
+        s = dict(
+            r,
+            copies_ms=r["bytes_per_token"] / (r["h2d_GB_per_s"] * 1e6),
+            compute_ms=compute["ms_per_token"],
+        )
         s["overlap_ms"] = s["compute_ms"] + s["copies_ms"] - r["ms_per_token"]
         if "-prefetch" in r["system"]:
             routing = "trace" if r["routing"].startswith("oracle") else r["routing"]
@@ -233,12 +297,22 @@ def split_targets(split: list[dict]) -> list[str]:
     (`oracle-q*`) or where nothing predicts the routing (`router`), prefetch at most 1.02x no prefetch."""
     out = []
     for s in split:
-        case = f"- {s['shape']}, {s['routing']}, batch 1, {s['cache']}/{s['experts']}, {s['system']}: "
+        case = (
+            f"- {s['shape']}, {s['routing']}, batch 1, {s['cache']}/{s['experts']}, {s['system']}: "
+        )
         if s["routing"] == "oracle":
-            copies, compute = s["ms_per_token"] / s["copies_ms"], s["ms_per_token"] / s["compute_ms"]
+            copies, compute = (
+                s["ms_per_token"] / s["copies_ms"],
+                s["ms_per_token"] / s["compute_ms"],
+            )
             met = copies <= 1.10 or compute <= 1.05
-            out.append(case + f"{copies:.2f}x its copies, {compute:.2f}x its compute, at most 1.10x / 1.05x: {ok(met)}")
-        elif "over_no_prefetch" in s and (s["routing"].startswith("oracle-q") or s["routing"] == "router"):
+            out.append(
+                case
+                + f"{copies:.2f}x its copies, {compute:.2f}x its compute, at most 1.10x / 1.05x: {ok(met)}"
+            )
+        elif "over_no_prefetch" in s and (
+            s["routing"].startswith("oracle-q") or s["routing"] == "router"
+        ):
             x = s["over_no_prefetch"]
             out.append(case + f"{x:.3f}x no prefetch, at most 1.02x: {ok(x <= 1.02)}")
     return out
@@ -253,7 +327,11 @@ def prefill_rows(data: dict) -> list[dict]:
     cases = [b["extra_info"] for b in data["benchmarks"] if "prompt" in b["extra_info"]]
     out = []
     for c in cases:
-        group = [d for d in cases if (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])]
+        group = [
+            d
+            for d in cases
+            if (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])
+        ]
         c = dict(c)
         for base, other in baselines(c, group):
             c[f"speedup_vs_{base}"] = other["ms_per_prefill"] / c["ms_per_prefill"]
@@ -262,7 +340,8 @@ def prefill_rows(data: dict) -> list[dict]:
                 d["ms_per_prefill"]
                 for d in cases
                 if d["system"] == "unmodified"
-                and (d["shape"], d["routing"], d["prompt"]) == (c["shape"], c["routing"], c["prompt"])
+                and (d["shape"], d["routing"], d["prompt"])
+                == (c["shape"], c["routing"], c["prompt"])
             ),
             None,
         )
@@ -270,12 +349,18 @@ def prefill_rows(data: dict) -> list[dict]:
             c["floor_ms"] = max(resident, c["bytes_per_prefill"] / (c["h2d_GB_per_s"] * 1e6))
             c["limit_ratio"] = c["ms_per_prefill"] / c["floor_ms"]
         out.append(c)
-    return sorted(out, key=lambda r: (r["shape"], r["routing"], r["prompt"], -r["cache"], r["system"]))
+    return sorted(
+        out, key=lambda r: (r["shape"], r["routing"], r["prompt"], -r["cache"], r["system"])
+    )
 
 
 def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table's lines."""
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *("| " + " | ".join(r) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
 
 
 def markdown(table: list[dict], data: dict) -> str:
@@ -359,7 +444,8 @@ def markdown(table: list[dict], data: dict) -> str:
                 r["shape"],
                 r["routing"],
                 str(r["prompt"]),
-                r["system"] + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else ""),
+                r["system"]
+                + (f", {r['tokens_per_call']} tokens/call" if "tokens_per_call" in r else ""),
                 f"{r['cache']}/{r['experts']}",
                 f(r, "ms_per_prefill", ".1f"),
                 f(r, "tokens_per_s", ".0f"),
@@ -420,7 +506,8 @@ def plots(table: list[dict], stem: pathlib.Path) -> list[pathlib.Path]:
             pts = sorted(
                 (r["cache"] / r["experts"], r["ms_per_token"])
                 for r in table
-                if (r["shape"], r["routing"], r["batch"], r["system"]) == (shape, routing, batch, system)
+                if (r["shape"], r["routing"], r["batch"], r["system"])
+                == (shape, routing, batch, system)
             )
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=system)
@@ -469,9 +556,15 @@ def main():
         help="the profile: smoke, quick, full-1, -2, -3, full (the default), link, link-fp8, formats-1 or formats-2",
     )
     p.add_argument("--quick", action="store_true", help="--profile quick")
-    p.add_argument("--out", default="docs/results", help="the folder the JSON, table and plots go to")
+    p.add_argument(
+        "--out", default="docs/results", help="the folder the JSON, table and plots go to"
+    )
     p.add_argument("-k", default=None, help="only the profile's cases that pytest -k selects")
-    p.add_argument("--from-json", type=pathlib.Path, help="run nothing: write the table and plots of this run's JSON")
+    p.add_argument(
+        "--from-json",
+        type=pathlib.Path,
+        help="run nothing: write the table and plots of this run's JSON",
+    )
     args = p.parse_args()
     if args.from_json:
         for path in write(args.from_json):
@@ -482,7 +575,9 @@ def main():
     name = "quick" if args.quick else args.profile or "full"
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"bench-{datetime.date.today().isoformat()}-{name}.json"
+    json_path = (
+        out / f"{name}.json"
+    )  # named by kind: the latest result of each kind replaces the last
     cmd = [
         sys.executable,
         "-m",

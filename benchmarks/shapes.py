@@ -130,7 +130,9 @@ SHAPES = {  # (config class, config); random weights, real shapes
 
 def config(shape: str) -> transformers.PretrainedConfig:
     config_cls, kw = SHAPES[shape]
-    return getattr(transformers, config_cls)(**kw, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    return getattr(transformers, config_cls)(
+        **kw, pad_token_id=0, bos_token_id=None, eos_token_id=None
+    )
 
 
 @functools.cache

@@ -28,7 +28,11 @@ import asyncmoe
 from harness import gpu_events, prompt, trace_for
 from shapes import random_model, routing_shape
 
-CASES = {"resident": dict(resident=True, prefetch=False), "cached": dict(prefetch=False), "cached+prefetch": {}}
+CASES = {
+    "resident": dict(resident=True, prefetch=False),
+    "cached": dict(prefetch=False),
+    "cached+prefetch": {},
+}
 
 
 def measure(model, ids: torch.Tensor, steps: int) -> dict:
@@ -56,7 +60,9 @@ def measure(model, ids: torch.Tensor, steps: int) -> dict:
         "ms": statistics.median(times),
         "rounds": times,
         "per_kernel_us": sorted(per_kernel.items(), key=lambda kv: -kv[1]),
-        "events": [e for e in events if e["start"] >= middle][: len(events) // steps],  # about one step
+        "events": [e for e in events if e["start"] >= middle][
+            : len(events) // steps
+        ],  # about one step
     }
 
 
@@ -77,9 +83,13 @@ def compare_layers(base: list[dict], other: list[dict]) -> list[str]:
     """`other`'s layer against `base`'s: the kernels only `other` runs, and the shared kernels that waited or ran
     more than 1 us longer there (the wait: from the previous shared kernel's end to this one's start)."""
     names = [e["name"][:40] for e in base], [e["name"][:40] for e in other]
-    lines = [f"layer: {base[-1]['end'] - base[0]['start']:.1f} -> {other[-1]['end'] - other[0]['start']:.1f} us"]
+    lines = [
+        f"layer: {base[-1]['end'] - base[0]['start']:.1f} -> {other[-1]['end'] - other[0]['start']:.1f} us"
+    ]
     before = None  # the previous shared pair
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=names[0], b=names[1], autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+        a=names[0], b=names[1], autojunk=False
+    ).get_opcodes():
         if tag != "equal":
             start = other[0]["start"]
             lines += [f"  only here  {b['name'][:48]:<48} at {b['start'] - start:6.1f}  {b['end'] - b['start']:5.1f} us"
@@ -90,7 +100,9 @@ def compare_layers(base: list[dict], other: list[dict]) -> list[str]:
                 waited = (b["start"] - before[1]["end"]) - (a["start"] - before[0]["end"])
                 longer = (b["end"] - b["start"]) - (a["end"] - a["start"])
                 if waited > 1.0 or longer > 1.0:
-                    lines.append(f"  shared     {a['name'][:48]:<48} waited {waited:+5.1f}  ran {longer:+5.1f} us")
+                    lines.append(
+                        f"  shared     {a['name'][:48]:<48} waited {waited:+5.1f}  ran {longer:+5.1f} us"
+                    )
             before = (a, b)
     return lines
 
@@ -105,23 +117,45 @@ def main():
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
     ids = prompt(args.shape, 1, seed=0)
-    print(f"{torch.cuda.get_device_name()}: {args.shape}, {args.cache} slots, trace routing, ms/token")
+    print(
+        f"{torch.cuda.get_device_name()}: {args.shape}, {args.cache} slots, trace routing, ms/token"
+    )
     results = {}
     for name, kw in CASES.items():
         cache = routing_shape(args.shape)[0] if kw.get("resident") else args.cache
         model = asyncmoe.compile(
-            copy.deepcopy(base), cache=cache, prefetch=kw.get("prefetch"), replay=trace_for(args.shape, "trace")
+            copy.deepcopy(base),
+            cache=cache,
+            prefetch=kw.get("prefetch"),
+            replay=trace_for(args.shape, "trace"),
         )
         r = results[name] = measure(model, ids, args.steps)
-        print(f"{name:<16} {r['ms']:.3f}  (rounds {', '.join(f'{t:.3f}' for t in r['rounds'])})", flush=True)
+        print(
+            f"{name:<16} {r['ms']:.3f}  (rounds {', '.join(f'{t:.3f}' for t in r['rounds'])})",
+            flush=True,
+        )
         for kernel, us in r["per_kernel_us"][: args.top]:
             print(f"    {us:7.1f} us/token  {kernel}")
         del model
         torch.cuda.empty_cache()
-    print("\n".join(compare_layers(layer(results["cached"]["events"]), layer(results["cached+prefetch"]["events"]))))
+    print(
+        "\n".join(
+            compare_layers(
+                layer(results["cached"]["events"]), layer(results["cached+prefetch"]["events"])
+            )
+        )
+    )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "shape": args.shape, "cache": args.cache, **results}, f)
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "shape": args.shape,
+                    "cache": args.cache,
+                    **results,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,12 @@ from harness import gpu_events, h2d_bandwidth, prompt, trace_for
 from shapes import random_model
 
 COPY_KERNEL = "_gather_copy_kernel"
-SHORT_GAP_US = 20.0  # a hole between two copies shorter than this is a kernel boundary, not compute waited for
-WHOLE_LAYER_US = 200.0  # a hole longer than this spans a layer's whole compute (OLMoE-1B-7B's: ~0.27 ms)
+SHORT_GAP_US = (
+    20.0  # a hole between two copies shorter than this is a kernel boundary, not compute waited for
+)
+WHOLE_LAYER_US = (
+    200.0  # a hole longer than this spans a layer's whole compute (OLMoE-1B-7B's: ~0.27 ms)
+)
 
 
 def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -90,7 +94,9 @@ def timeline(model, steps: int, ids: torch.Tensor) -> dict:
     events = gpu_events(prof)
     ks = [(e["name"], e["start"], e["end"]) for e in events if e["cat"] == "kernel"]
     if not ks:
-        raise RuntimeError("the profiler recorded no kernels of the graph: this CUDA/CUPTI does not trace graph nodes")
+        raise RuntimeError(
+            "the profiler recorded no kernels of the graph: this CUDA/CUPTI does not trace graph nodes"
+        )
     copying = copy_spans(events)
     busy = union([(a, b) for _, a, b in ks])
     copy_us = sum(b - a for a, b in copying)
@@ -117,7 +123,9 @@ def timeline(model, steps: int, ids: torch.Tensor) -> dict:
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
         "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
         "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(12)],
-        "last_events": events[-len(events) // steps * 3 :],  # about the last 3 steps', for reading offline
+        "last_events": events[
+            -len(events) // steps * 3 :
+        ],  # about the last 3 steps', for reading offline
     }
 
 
@@ -128,14 +136,21 @@ def main():
     p.add_argument("--routings", nargs="+", default=["trace", "oracle"])
     p.add_argument("--budgets", type=int, nargs="+", default=[0, 1, 8])
     p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--quantize", choices=["fp8", "mxfp4", "int4"], default=None, help="the experts' format (bf16)")
+    p.add_argument(
+        "--quantize",
+        choices=["fp8", "mxfp4", "int4"],
+        default=None,
+        help="the experts' format (bf16)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
     ids = prompt(args.shape, 1, seed=0)
     engine = h2d_bandwidth()
     fmt = args.quantize or "bf16"
-    print(f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape} {fmt}, cache {args.cache}")
+    print(
+        f"{torch.cuda.get_device_name()}: copy engine {engine:.1f} GB/s; {args.shape} {fmt}, cache {args.cache}"
+    )
     rows = []
     for routing in args.routings:
         for budget in args.budgets:
@@ -148,7 +163,9 @@ def main():
             )
             r = {"routing": routing, "budget": budget, **timeline(model, args.steps, ids)}
             r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
-            r["ratio_to_engine_bytes"] = r["ms_per_token"] / (r["MB_per_token"] / engine)  # MB / (GB/s) = ms
+            r["ratio_to_engine_bytes"] = r["ms_per_token"] / (
+                r["MB_per_token"] / engine
+            )  # MB / (GB/s) = ms
             rows.append(r)
             print(
                 f"{routing:<8} budget {budget}: {r['ms_per_token']:.2f} ms/token, {r['MB_per_token']:.0f} MB, "
@@ -172,7 +189,11 @@ def main():
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": engine, "rows": rows}, f, indent=1)
+            json.dump(
+                {"gpu": torch.cuda.get_device_name(), "engine_GB_per_s": engine, "rows": rows},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,11 @@ import numpy as np
 
 from asyncmoe.trace import Trace
 
-KEEP, SKEW, FOLLOW = 0.115, 0.735, 0.845  # fitted to the embedded model's routing at E=64, k=8 (test_synthetic.py)
+KEEP, SKEW, FOLLOW = (
+    0.115,
+    0.735,
+    0.845,
+)  # fitted to the embedded model's routing at E=64, k=8 (test_synthetic.py)
 
 
 def synthetic(
@@ -44,7 +48,9 @@ def synthetic(
             chosen = [e for e in previous if rng.random() < keep]
             if rank_before is not None:
                 partners = expert_of_rank[rank_before[ids[t, layer - 1]]]
-                chosen += [e for e in partners if rng.random() < follow and e not in chosen][: k - len(chosen)]
+                chosen += [e for e in partners if rng.random() < follow and e not in chosen][
+                    : k - len(chosen)
+                ]
             rest = np.delete(np.arange(num_experts), chosen)
             q = p[rest] / p[rest].sum()
             chosen += rng.choice(rest, size=k - len(chosen), replace=False, p=q).tolist()
@@ -59,27 +65,37 @@ def stats(trace: Trace) -> dict:
     cross-layer lift, averaged over adjacent layers."""
     ids = np.asarray(trace.ids)
     reuse = np.mean(
-        [(ids[1:, layer, :, None] == ids[:-1, layer, None, :]).any(-1).mean() for layer in range(trace.layers)]
+        [
+            (ids[1:, layer, :, None] == ids[:-1, layer, None, :]).any(-1).mean()
+            for layer in range(trace.layers)
+        ]
     )
     share = []
     for layer in range(trace.layers):
         load = np.sort(np.bincount(ids[:, layer].ravel(), minlength=trace.num_experts))[::-1]
         share.append(load[: trace.num_experts // 4].sum() / load.sum())
     lift = np.mean(
-        [cross_layer_lift(ids[:, layer], ids[:, layer + 1], trace.num_experts) for layer in range(trace.layers - 1)]
+        [
+            cross_layer_lift(ids[:, layer], ids[:, layer + 1], trace.num_experts)
+            for layer in range(trace.layers - 1)
+        ]
     )
-    return dict(reuse=float(reuse), top_quarter_share=float(np.mean(share)), cross_layer_lift=float(lift))
+    return dict(
+        reuse=float(reuse), top_quarter_share=float(np.mean(share)), cross_layer_lift=float(lift)
+    )
 
 
 def cross_layer_lift(before: np.ndarray, after: np.ndarray, num_experts: int) -> float:
     """How much more of each token's experts `after` [N, k] its experts `before` [N, k] (the layer before)
     predict than popularity does: the share of them in the top k of the transition table P(after | before)
     summed over the token's experts before, less the share in the k most popular, both fitted on the trace
-    itself. What the transition predictor could find (asyncmoe/predict); 0 for independent layers."""
+    itself. What the transition predictor could find (asyncmoe/prefetch); 0 for independent layers."""
     k = after.shape[1]
     counts = np.zeros((num_experts, num_experts))
     np.add.at(counts, (np.repeat(before, k, axis=1).ravel(), np.tile(after, (1, k)).ravel()), 1)
     transition = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     predicted = np.argpartition(-transition[before].sum(1), k - 1, axis=1)[:, :k]  # [N, k]
     popular = np.argsort(-np.bincount(after.ravel(), minlength=num_experts))[:k]
-    return float((predicted[:, :, None] == after[:, None, :]).any(-1).mean() - np.isin(after, popular).mean())
+    return float(
+        (predicted[:, :, None] == after[:, None, :]).any(-1).mean() - np.isin(after, popular).mean()
+    )

@@ -34,8 +34,12 @@ def test_chunked_prefill_lets_the_seed_take_any_prompt(shape, slots_per_k):
     nearly every token; 3 at 3 x top-k), equal the unmodified model's, and no call overflows its slots (it would
     raise). In bf16 on the GPU its tokens part early on DeepSeek-V2-Lite (bf16 rounding)."""
     cache = slots_per_k * routing_shape(shape)[1]
-    assert seed_chunk(shape, 1, cache) == slots_per_k and seed_chunk(shape, 2, cache) == max(1, slots_per_k // 2)
-    assert seed_chunk(shape, 1, routing_shape(shape)[0]) is None  # every expert in a slot: the prompt at once
+    assert seed_chunk(shape, 1, cache) == slots_per_k and seed_chunk(shape, 2, cache) == max(
+        1, slots_per_k // 2
+    )
+    assert (
+        seed_chunk(shape, 1, routing_shape(shape)[0]) is None
+    )  # every expert in a slot: the prompt at once
     model = build("seed", shape, cache)
     ref = build("unmodified", shape, 16)
     ids = torch.randint(1, 256, (1, 10), generator=torch.Generator().manual_seed(0))
@@ -50,4 +54,6 @@ def test_accelerate_device_map_puts_exactly_the_experts_on_the_cpu():
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     for n in names:  # every tensor covered by exactly one key
         assert sum(n == k or n.startswith(k + ".") or k == "" for k in dm) == 1, n
-    assert {k for k, v in dm.items() if v == "cpu"} == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert {k for k, v in dm.items() if v == "cpu"} == {
+        f"model.layers.{i}.mlp.experts" for i in range(2)
+    }

@@ -5,7 +5,9 @@ from logit_error import PROMPT, measure
 
 def test_asyncmoe_errs_as_the_unmodified_model_does():
     r = measure("tiny", 4, 6, "cpu")
-    assert {name: t.shape for name, t in r["tokens"].items()} == dict.fromkeys(r["tokens"], (1, PROMPT + 6))
+    assert {name: t.shape for name, t in r["tokens"].items()} == dict.fromkeys(
+        r["tokens"], (1, PROMPT + 6)
+    )
     assert r["gap"].shape == (6,) and (r["gap"] >= 0).all()
     base, ours = r["error"]["unmodified"], r["error"]["asyncmoe"]
     assert 0 < base.max() < 0.05  # bf16 rounding against float32: some, and small

@@ -17,14 +17,20 @@ def test_nominations_are_right_with_probability_q(q):
     gate, ids = got.gate_ids[:, 1:], trace.ids[:, 1:]
     right = (gate[..., :, None] == ids[..., None, :]).any(-1)  # [N, L-1, k]
     assert abs(right.mean() - q) < 0.02
-    assert all(len(set(row)) == 4 for row in gate.reshape(-1, 4))  # distinct nominations per token and layer
-    assert np.array_equal(gate[right], ids[right])  # a right nomination is the routed expert in its place
+    assert all(
+        len(set(row)) == 4 for row in gate.reshape(-1, 4)
+    )  # distinct nominations per token and layer
+    assert np.array_equal(
+        gate[right], ids[right]
+    )  # a right nomination is the routed expert in its place
 
 
 def test_the_oracle_gate_prefetches_more_than_a_noisy_one():
     trace = synthetic(32, 4, layers=3, tokens=1500)
     recall = {
-        q: simulate(oracle(trace, q), 8, prefetch=("gate",), budget=4, compiled=False).totals["prefetch_recall"]
+        q: simulate(oracle(trace, q), 8, prefetch=("gate",), budget=4, compiled=False).totals[
+            "prefetch_recall"
+        ]
         for q in (1.0, 0.7)
     }
     assert recall[1.0] > recall[0.7] > 0
@@ -32,6 +38,8 @@ def test_the_oracle_gate_prefetches_more_than_a_noisy_one():
 
 def test_bad_input():
     trace = synthetic(8, 2, layers=2, tokens=10)
-    with pytest.raises(ValueError, match=r"q=1.5: the share of right nominations must be in \[0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"q=1.5: the share of right nominations must be in \[0, 1\]"
+    ):
         oracle(trace, 1.5)
     assert parse("oracle") == 1.0 and parse("oracle-q0.8") == 0.8 and parse("trace") is None

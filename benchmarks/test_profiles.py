@@ -38,7 +38,9 @@ def test_every_case_can_run(name):
     for (shape, routing, system, fraction, size), prefill in cases(PROFILES[name]):
         assert system != "unmodified" or fraction == 1.0
         assert system != "accelerate" or fraction == ACCELERATE_AT
-        assert not (system == "seed" and not prefill and seed_raises(shape, size, slots(shape, fraction)))
+        assert not (
+            system == "seed" and not prefill and seed_raises(shape, size, slots(shape, fraction))
+        )
         assert not (prefill and "graph" in system)
         key = (shape, routing, system, slots(shape, fraction), size, prefill)
         assert key not in seen, key
@@ -90,14 +92,19 @@ def test_the_full_profile_is_its_runs_and_its_caches_differ_on_every_shape():
 def readme_rows(run: str) -> list[tuple[str, int]]:
     """(case id, seconds: measured, or estimated where marked *) of the table under README.md's heading of `run`."""
     section = README.read_text().split(f"### {run}:")[1].split("\n### ")[0]
-    return [(m[1], int(m[2])) for m in re.finditer(r"^\| `([^`]+)` \|.*\| (\d+)\*? \|$", section, re.MULTILINE)]
+    return [
+        (m[1], int(m[2]))
+        for m in re.finditer(r"^\| `([^`]+)` \|.*\| (\d+)\*? \|$", section, re.MULTILINE)
+    ]
 
 
 @pytest.mark.parametrize("run", FULL_RUNS)
 def test_readme_lists_each_run_and_its_seconds_fit_the_run(run):
     """The README's table of a run is that run's cases, and their seconds leave a tenth of a run to spare."""
     rows = readme_rows(run)
-    assert sorted(i for i, _ in rows) == sorted(case_id(c, prefill) for c, prefill in cases(PROFILES[run]))
+    assert sorted(i for i, _ in rows) == sorted(
+        case_id(c, prefill) for c, prefill in cases(PROFILES[run])
+    )
     assert START_S + sum(s for _, s in rows) <= 0.9 * RUN_LIMIT_S
 
 

@@ -1,7 +1,6 @@
 """report.py on a real run of the suite's CPU profile (every case becomes a row, the derived columns add up), and on
 hand-made cases whose floor, limit ratio and speedups are worked out by hand."""
 
-import datetime
 import json
 import os
 import subprocess
@@ -35,7 +34,9 @@ def test_report_rows_and_files(tmp_path):
     assert dict(json.loads(cases_path.read_text()), datetime=None) == dict(data, datetime=None)
     table = report.rows(data)
     assert {r["system"] for r in table} >= {"unmodified", "seed", "asyncmoe-eager"}
-    for b in data["benchmarks"]:  # a case's wall time holds its build and every round, warm-up included
+    for b in data[
+        "benchmarks"
+    ]:  # a case's wall time holds its build and every round, warm-up included
         e, rounds = b["extra_info"], len(b["stats"]["data"])
         assert e["wall_s"] > e["setup_s"] + rounds * b["stats"]["min"]
     for r in table:
@@ -58,13 +59,18 @@ def test_report_runs_a_profile_by_name(tmp_path):
     one = ["--profile", "smoke", "-k", "router and unmodified and b1"]
     done = subprocess.run(run + one, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    stem = tmp_path / f"bench-{datetime.date.today().isoformat()}-smoke"
+    stem = tmp_path / "smoke"
     names = [b["name"] for b in json.loads(stem.with_suffix(".json").read_text())["benchmarks"]]
     assert names == ["test_decode[tiny-router-unmodified-cache1-b1]"]
     assert "| tiny | router | 1 | unmodified | 16/16 |" in stem.with_suffix(".md").read_text()
     assert str(stem.with_suffix(".md")) in done.stdout.splitlines()
-    refused = subprocess.run(run + ["--profile", "full-1"], capture_output=True, text=True, check=False)
-    assert refused.returncode != 0 and "--profile full-1 needs a CUDA GPU" in refused.stdout + refused.stderr
+    refused = subprocess.run(
+        run + ["--profile", "full-1"], capture_output=True, text=True, check=False
+    )
+    assert (
+        refused.returncode != 0
+        and "--profile full-1 needs a CUDA GPU" in refused.stdout + refused.stderr
+    )
     assert not list(tmp_path.glob("*full-1*"))
 
 
@@ -75,7 +81,10 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path):
         "import os\n\n\ndef pytest_runtest_setup(item):\n    if 'seed' in item.name:\n        os._exit(3)\n"
     )
     cases_path = tmp_path / "cases.json"
-    first, second = "test_decode[tiny-router-unmodified-cache1-b1]", "test_decode[tiny-router-seed-cache0.25-b1]"
+    first, second = (
+        "test_decode[tiny-router-unmodified-cache1-b1]",
+        "test_decode[tiny-router-seed-cache0.25-b1]",
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -90,11 +99,18 @@ def test_a_run_cut_short_keeps_the_cases_it_finished(tmp_path):
         "--benchmark-only",
         f"--cases-json={cases_path}",
     ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    assert subprocess.run(cmd, capture_output=True, env=env, check=False).returncode == 3  # died at the second case
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    )
+    assert (
+        subprocess.run(cmd, capture_output=True, env=env, check=False).returncode == 3
+    )  # died at the second case
     finished = json.loads(cases_path.read_text())["benchmarks"]
     assert [b["name"] for b in finished] == [first]
-    assert finished[0]["extra_info"]["system"] == "unmodified" and finished[0]["stats"]["rounds"] == 2
+    assert (
+        finished[0]["extra_info"]["system"] == "unmodified" and finished[0]["stats"]["rounds"] == 2
+    )
 
 
 def test_prefill_floor_and_limit_ratio(tmp_path):
@@ -121,13 +137,19 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
         "benchmarks": [
             case("unmodified", 64, 50.0),
             case("seed", 16, 100_000.0),
-            case("asyncmoe-eager", 16, 300.0, bytes_per_prefill=12e9, h2d_GB_per_s=50.0),  # 240 ms of copies
-            case("asyncmoe-eager", 64, 45.0, h2d_GB_per_s=50.0),  # resident: nothing moved, no floor
+            case(
+                "asyncmoe-eager", 16, 300.0, bytes_per_prefill=12e9, h2d_GB_per_s=50.0
+            ),  # 240 ms of copies
+            case(
+                "asyncmoe-eager", 64, 45.0, h2d_GB_per_s=50.0
+            ),  # resident: nothing moved, no floor
         ]
     }
     rows = {(r["system"], r["cache"]): r for r in report.prefill_rows(data)}
     cached = rows[("asyncmoe-eager", 16)]
-    assert cached["floor_ms"] == pytest.approx(240.0) and cached["limit_ratio"] == pytest.approx(1.25)
+    assert cached["floor_ms"] == pytest.approx(240.0) and cached["limit_ratio"] == pytest.approx(
+        1.25
+    )
     assert cached["speedup_vs_seed"] == pytest.approx(100_000 / 300)
     assert "floor_ms" not in rows[("asyncmoe-eager", 64)]
     path = tmp_path / "prefill.json"
@@ -163,13 +185,17 @@ def test_targets_met_and_missed():
     """The targets for the cases a run has: each says met or missed, with the measured value."""
     case = decode_case
 
-    copies = dict(bytes_per_token=1e9, belady_bytes_per_token=0.5e9, h2d_GB_per_s=50.0)  # Belady floor 10 ms
+    copies = dict(
+        bytes_per_token=1e9, belady_bytes_per_token=0.5e9, h2d_GB_per_s=50.0
+    )  # Belady floor 10 ms
     data = {
         "benchmarks": [
             case("unmodified", 64, 4.0),
             case("accelerate", 16, 2000.0),
             case("seed", 16, 60.0),
-            case("asyncmoe-graph-prefetch", 16, 20.0, **copies),  # 2.0x Belady: missed; 100x accelerate: met
+            case(
+                "asyncmoe-graph-prefetch", 16, 20.0, **copies
+            ),  # 2.0x Belady: missed; 100x accelerate: met
             case("unmodified", 64, 8.0, batch=32),
             case("seed", 64, 40.0, batch=32),
             case("asyncmoe-graph", 64, 8.0, batch=32),
@@ -180,9 +206,14 @@ def test_targets_met_and_missed():
         "- olmoe-1b-7b, trace, batch 1, 16/64, asyncmoe-graph-prefetch: limit ratio 2.00 against <= 1.25: **missed**; "
         "100.0x accelerate against >= 50x: met; 3.00x the seed, of at most 6.0x (the seed's time / Belady floor)"
     ) in lines
-    assert "- olmoe-1b-7b, trace, batch 32, 64/64, asyncmoe-graph: 5.00x the seed, faster: met" in lines
+    assert (
+        "- olmoe-1b-7b, trace, batch 32, 64/64, asyncmoe-graph: 5.00x the seed, faster: met"
+        in lines
+    )
     assert len([line for line in lines if line.startswith("- ")]) == 2
-    alone = {"benchmarks": data["benchmarks"][3:4]}  # no resident model, accelerate or seed in the run
+    alone = {
+        "benchmarks": data["benchmarks"][3:4]
+    }  # no resident model, accelerate or seed in the run
     assert report.targets(report.rows(alone), []) == []
 
 
@@ -204,7 +235,8 @@ def test_every_cache_compares_with_the_one_accelerate_run():
         ]
     }
     got = {
-        (r["system"], r["cache"]): (r.get("speedup_vs_accelerate"), r.get("speedup_vs_seed")) for r in report.rows(data)
+        (r["system"], r["cache"]): (r.get("speedup_vs_accelerate"), r.get("speedup_vs_seed"))
+        for r in report.rows(data)
     }
     assert got == {
         ("unmodified", 64): (None, None),
@@ -242,10 +274,14 @@ def test_where_the_time_goes(tmp_path):
     split = {(s["system"], s["routing"]): s for s in report.split_rows(table)}
     oracle = split[("asyncmoe-graph-prefetch", "oracle")]
     assert (oracle["copies_ms"], oracle["compute_ms"]) == pytest.approx((10.0, 4.0))
-    assert oracle["overlap_ms"] == pytest.approx(2.0) and oracle["over_no_prefetch"] == pytest.approx(0.6)
+    assert oracle["overlap_ms"] == pytest.approx(2.0) and oracle[
+        "over_no_prefetch"
+    ] == pytest.approx(0.6)
     assert split[("asyncmoe-graph", "trace")]["overlap_ms"] == pytest.approx(-6.0)
     fp8 = split[("asyncmoe-graph-prefetch-fp8", "oracle")]
-    assert (fp8["copies_ms"], fp8["compute_ms"]) == pytest.approx((5.0, 3.0)) and "over_no_prefetch" not in fp8
+    assert (fp8["copies_ms"], fp8["compute_ms"]) == pytest.approx(
+        (5.0, 3.0)
+    ) and "over_no_prefetch" not in fp8
     lines = report.targets(table, [])
     prefix = "- olmoe-1b-7b, "
     assert (
@@ -260,8 +296,14 @@ def test_where_the_time_goes(tmp_path):
         f"{prefix}oracle-q0.7, batch 1, 16/64, asyncmoe-graph-prefetch: 1.025x no prefetch, at most 1.02x: "
         "**missed**" in lines
     )
-    assert f"{prefix}router, batch 1, 16/64, asyncmoe-graph-prefetch: 1.010x no prefetch, at most 1.02x: met" in lines
+    assert (
+        f"{prefix}router, batch 1, 16/64, asyncmoe-graph-prefetch: 1.010x no prefetch, at most 1.02x: met"
+        in lines
+    )
     path = tmp_path / "link.json"
     path.write_text(json.dumps(data))
     md = report.write(path)[0].read_text()
-    assert "| olmoe-1b-7b | oracle | asyncmoe-graph-prefetch | 16/64 | 12.000 | 0.600 | 10.000 | 4.000 | 2.000 |" in md
+    assert (
+        "| olmoe-1b-7b | oracle | asyncmoe-graph-prefetch | 16/64 | 12.000 | 0.600 | 10.000 | 4.000 | 2.000 |"
+        in md
+    )

@@ -33,6 +33,10 @@ def test_compare_layers_names_the_added_kernels_and_the_waits():
     )  # fmt: skip
     lines = compare_layers(base, other)
     assert lines[0] == "layer: 23.0 -> 36.0 us"
-    assert [line.split()[:2] for line in lines[1:]] == [["only", "here"], ["shared", "combine"], ["shared", "norm"]]
+    assert [line.split()[:2] for line in lines[1:]] == [
+        ["only", "here"],
+        ["shared", "combine"],
+        ["shared", "norm"],
+    ]
     assert "waited  +9.0" in lines[2] and "ran  +0.0" in lines[2]
     assert "waited  +0.0" in lines[3] and "ran  +4.0" in lines[3]

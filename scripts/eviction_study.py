@@ -65,7 +65,9 @@ class LookaheadKnown(History):
     def __init__(self, ids, num_experts, window: int = 1):
         super().__init__(ids, num_experts)
         self.window = window
-        self.next_use = np.full((len(ids) + 1, num_experts), np.iinfo(np.int64).max)  # [t, e]: first use after t
+        self.next_use = np.full(
+            (len(ids) + 1, num_experts), np.iinfo(np.int64).max
+        )  # [t, e]: first use after t
         for t in range(len(ids) - 1, -1, -1):
             self.next_use[t] = self.next_use[t + 1]
             self.next_use[t, ids[t]] = t
@@ -87,7 +89,9 @@ class Transition(History):
 
     def before(self, t, need):
         rows = self.counts[sorted(need)]
-        self.likely = rows.sum(0) / max(rows.sum(), 1e-9) * len(need)  # expected uses in the next token
+        self.likely = (
+            rows.sum(0) / max(rows.sum(), 1e-9) * len(need)
+        )  # expected uses in the next token
 
     def after(self, t, need):
         self.counts *= self.forget
@@ -145,29 +149,43 @@ SCORES = {
     "transition, forget 0.99": Transition,
     "transition, forget 0.95": lambda ids, E: Transition(ids, E, forget=0.95),
     "next token known (a bound, not a policy)": LookaheadKnown,
-    **{f"next {w} tokens known": lambda ids, E, w=w: LookaheadKnown(ids, E, w) for w in (2, 4, 8, 16, 64)},
+    **{
+        f"next {w} tokens known": lambda ids, E, w=w: LookaheadKnown(ids, E, w)
+        for w in (2, 4, 8, 16, 64)
+    },
 }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default=str(DEMO))
-    p.add_argument("--synthetic", type=int, nargs=2, metavar=("EXPERTS", "TOP_K"), help="6 layers, seed 0")
+    p.add_argument(
+        "--synthetic", type=int, nargs=2, metavar=("EXPERTS", "TOP_K"), help="6 layers, seed 0"
+    )
     p.add_argument("--cache", type=int, nargs="+", default=[16])
     p.add_argument("--tokens", type=int, default=2000)
-    p.add_argument("--scores", nargs="+", default=None, help="names of SCORES to run (default: all)")
-    p.add_argument("--admit", type=float, nargs="+", default=[], help="also run each score with these bypasses")
+    p.add_argument(
+        "--scores", nargs="+", default=None, help="names of SCORES to run (default: all)"
+    )
+    p.add_argument(
+        "--admit", type=float, nargs="+", default=[], help="also run each score with these bypasses"
+    )
     args = p.parse_args()
     if args.synthetic:
         sys.path.insert(0, str(DEMO.parents[1]))
         from synthetic import synthetic
 
-        trace, source = synthetic(*args.synthetic, layers=6, tokens=args.tokens), f"synthetic {args.synthetic}"
+        trace, source = (
+            synthetic(*args.synthetic, layers=6, tokens=args.tokens),
+            f"synthetic {args.synthetic}",
+        )
     else:
         trace, source = Trace.load(args.trace), args.trace
     ids = trace.ids[: args.tokens]
     names = args.scores or list(SCORES)
-    print(f"{source}: {len(ids)} tokens, {trace.layers} layers, {trace.num_experts} experts, top-{trace.top_k}")
+    print(
+        f"{source}: {len(ids)} tokens, {trace.layers} layers, {trace.num_experts} experts, top-{trace.top_k}"
+    )
     print("| score | " + " | ".join(f"{c} slots" for c in args.cache) + " |")
     print("|---" * (len(args.cache) + 1) + "|")
     belady = {c: sum(belady_misses(ids[:, l], c) for l in range(trace.layers)) for c in args.cache}
@@ -175,13 +193,17 @@ def main() -> None:
         ratios = []
         for c in args.cache:
             total = sum(
-                misses(ids[:, l], c, SCORES[name](ids[:, l], trace.num_experts), admit) for l in range(trace.layers)
+                misses(ids[:, l], c, SCORES[name](ids[:, l], trace.num_experts), admit)
+                for l in range(trace.layers)
             )
             ratios.append(f"{total / belady[c]:.3f}")
         label = name if admit is None else f"{name}, bypass below {admit:g}x the victim"
         print(f"| {label} | " + " | ".join(ratios) + " |", flush=True)
     if args.admit:
-        bound = [sum(belady_bypass_misses(ids[:, l], c) for l in range(trace.layers)) / belady[c] for c in args.cache]
+        bound = [
+            sum(belady_bypass_misses(ids[:, l], c) for l in range(trace.layers)) / belady[c]
+            for c in args.cache
+        ]
         print("| Belady with bypass (a bound) | " + " | ".join(f"{r:.3f}" for r in bound) + " |")
 
 

@@ -20,9 +20,9 @@ run_tests() {
   echo "pytest $1 exit: $rc$([ $rc = 5 ] && echo ' (no cuda-marked tests)')" >> "$log"
   if command -v flock > /dev/null; then flock "$OUT/pytest.txt" -c "cat '$log' >> '$OUT/pytest.txt'"; else cat "$log" >> "$OUT/pytest.txt"; fi
 }
-# files with CUDA tests: marked directly, or through a shared `devices()` parametrization (test_cache_step.py)
+# files with CUDA tests: marked directly, or through a shared `devices()` parametrization (tests/cache/test_cache_step.py)
 : > "$OUT/pytest.txt"
-FILES=$(for f in ${TESTS:-tests/test_*.py}; do grep -qE "cuda|devices\(\)" "$f" && echo "$f"; done)
+FILES=$(for f in ${TESTS:-$(find tests -name "test_*.py" | sort)}; do grep -qE "cuda|devices\(\)" "$f" && echo "$f"; done)
 for f in $FILES; do
   if [ "${PARALLEL:-0}" = 1 ]; then run_tests "$f" "$@" & else run_tests "$f" "$@"; fi
 done

@@ -25,7 +25,9 @@ from train_demo_model import corpus_files, encode, split  # noqa: E402
 KEYS = ("hits", "misses", "prefetched", "wasted", "prefetch_hits")
 
 
-def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int, new_tokens: int = 64) -> dict:
+def run(
+    plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int, new_tokens: int = 64
+) -> dict:
     model = asyncmoe.from_pretrained(
         asyncmoe.demo_model_path(), cache=cache, dtype=torch.float32, device="cpu", prefetch=plan
     )
@@ -50,20 +52,30 @@ def run(plan: asyncmoe.Prefetch | None, prompts: list[torch.Tensor], cache: int,
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache", type=int, default=16, help="slots per MoE layer (of 64)")
-    p.add_argument("--budget", type=int, default=1, help="experts prefetched per layer per call, at most")
+    p.add_argument(
+        "--budget", type=int, default=1, help="experts prefetched per layer per call, at most"
+    )
     args = p.parse_args()
     cache, budget = args.cache, args.budget
     tokenizer = transformers.AutoTokenizer.from_pretrained(asyncmoe.demo_model_path())
     data = encode(tokenizer, split(corpus_files())[1])
     prompts = [data[i * 997 : i * 997 + 32][None] for i in range(6)]
-    print("| prefetch | hit rate | demand misses / token | prefetched / token | unused / token | recall |")
+    print(
+        "| prefetch | hit rate | demand misses / token | prefetched / token | unused / token | recall |"
+    )
     print("|---|---|---|---|---|---|")
     for label, plan in [
         ("off", None),
         (f"default ({'+'.join(asyncmoe.Prefetch().sources)})", asyncmoe.Prefetch(budget=budget)),
         ("gate+transition", asyncmoe.Prefetch(sources=("gate", "transition"), budget=budget)),
-        ("gate+temporal+transition", asyncmoe.Prefetch(sources=("gate", "temporal", "transition"), budget=budget)),
-        ("temporal+transition", asyncmoe.Prefetch(sources=("temporal", "transition"), budget=budget)),
+        (
+            "gate+temporal+transition",
+            asyncmoe.Prefetch(sources=("gate", "temporal", "transition"), budget=budget),
+        ),
+        (
+            "temporal+transition",
+            asyncmoe.Prefetch(sources=("temporal", "transition"), budget=budget),
+        ),
     ]:
         r = run(plan, prompts, cache)
         print(

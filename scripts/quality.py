@@ -41,9 +41,13 @@ FORMATS = {
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the table as JSON here")
-    p.add_argument("--tokens", type=int, default=0, help="held-out tokens to score (default: all of them)")
+    p.add_argument(
+        "--tokens", type=int, default=0, help="held-out tokens to score (default: all of them)"
+    )
     p.add_argument("--greedy", type=int, default=256, help="greedy tokens to compare with bf16's")
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    p.add_argument(
+        "--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}"
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     path = asyncmoe.demo_model_path()
@@ -96,7 +100,9 @@ def main() -> None:
     )
     print(f"{'format':<8} {'perplexity':>10} {'vs bf16':>8} {'greedy = bf16':>14}")
     for r in rows:
-        print(f"{r['format']:<8} {r['perplexity']:>10.3f} {r['perplexity_vs_bf16']:>8.4f} {r['greedy_equal']:>14.1%}")
+        print(
+            f"{r['format']:<8} {r['perplexity']:>10.3f} {r['perplexity_vs_bf16']:>8.4f} {r['greedy_equal']:>14.1%}"
+        )
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import asyncmoe
-from asyncmoe.predict.predictors import gate_top
+from asyncmoe.prefetch.predictors import gate_top
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from train_demo_model import corpus_files, encode, split  # noqa: E402
@@ -52,7 +52,8 @@ def main():
     ]  # each MoE layer's input [T, H], to score the gate further ahead than the runtime does
     hooks = [
         m.register_forward_pre_hook(
-            lambda _, a, kw, l=l: inputs[l].append(a[0] if a else kw["hidden_states"]), with_kwargs=True
+            lambda _, a, kw, l=l: inputs[l].append(a[0] if a else kw["hidden_states"]),
+            with_kwargs=True,
         )
         for l, m in enumerate(rec.experts)
     ]
@@ -72,7 +73,9 @@ def main():
     def overlap(a, b):  # [..., k] x [..., k] -> share of a's ids in b
         return (a[..., :, None] == b[..., None, :]).any(-1).float().mean().item()
 
-    print(f"model {path}: {trace.layers} MoE layers, {E} experts, top-{k}; {n} x {args.seq} validation tokens\n")
+    print(
+        f"model {path}: {trace.layers} MoE layers, {E} experts, top-{k}; {n} x {args.seq} validation tokens\n"
+    )
     print(
         f"| layer | reuse (random {k / E:.1%}) | top-25% share (random 25%) | load entropy / log E "
         f"| gate recall l-1 -> l (random {k / E:.1%}) |"
@@ -87,17 +90,27 @@ def main():
         entropy = -(prob[prob > 0] * prob[prob > 0].log()).sum().item() / math.log(E)
         recall = overlap(ids[:, :, l], predicted[:, :, l]) if l > 0 else float("nan")
         rows.append((reuse, top, entropy, recall))
-        print(f"| {l} | {reuse:.1%} | {top:.1%} | {entropy:.3f} | {'-' if l == 0 else f'{recall:.1%}'} |")
-    mean = [sum(r[i] for r in rows if not math.isnan(r[i])) / sum(not math.isnan(r[i]) for r in rows) for i in range(4)]
+        print(
+            f"| {l} | {reuse:.1%} | {top:.1%} | {entropy:.3f} | {'-' if l == 0 else f'{recall:.1%}'} |"
+        )
+    mean = [
+        sum(r[i] for r in rows if not math.isnan(r[i])) / sum(not math.isnan(r[i]) for r in rows)
+        for i in range(4)
+    ]
     print(f"| mean | {mean[0]:.1%} | {mean[1]:.1%} | {mean[2]:.3f} | {mean[3]:.1%} |")
 
     # how far ahead the gate sees: layer l's router on layer l-d's MoE input, against layer l's routing
     x = [torch.cat(i) for i in inputs]
-    print("\n| gate d layers ahead | recall of the k routed experts | its likeliest guess routed |\n|---|---|---|")
+    print(
+        "\n| gate d layers ahead | recall of the k routed experts | its likeliest guess routed |\n|---|---|---|"
+    )
     for d in (1, 2, 3):
         hits = torch.cat(
             [
-                (gate_top(x[l - d], *rec.routers[l], k).indices[:, :, None] == ids.flatten(0, 1)[:, l, None, :])
+                (
+                    gate_top(x[l - d], *rec.routers[l], k).indices[:, :, None]
+                    == ids.flatten(0, 1)[:, l, None, :]
+                )
                 .any(-1)
                 .float()
                 for l in range(d, trace.layers)

@@ -37,14 +37,18 @@ PROMPT = "def fibonacci(n):\n"
 def corpus_files() -> list[pathlib.Path]:
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
     skip = ("test", "tests", "idlelib", "site-packages", "lib2to3")
-    return sorted(p for p in stdlib.rglob("*.py") if not set(p.relative_to(stdlib).parts[:-1]) & set(skip))
+    return sorted(
+        p for p in stdlib.rglob("*.py") if not set(p.relative_to(stdlib).parts[:-1]) & set(skip)
+    )
 
 
 def split(files: list[pathlib.Path]) -> tuple[list[str], list[str]]:
     train, val = [], []
     for f in files:
         text = f.read_text(encoding="utf-8", errors="replace")
-        (val if int(hashlib.sha1(str(f.name).encode()).hexdigest(), 16) % 50 == 0 else train).append(text)
+        (
+            val if int(hashlib.sha1(str(f.name).encode()).hexdigest(), 16) % 50 == 0 else train
+        ).append(text)
     if not val:  # a tiny smoke corpus: still validate on something held out
         val.append(train.pop())
     return train, val
@@ -115,10 +119,17 @@ def write_examples(model_dir: pathlib.Path) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    greedy = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    greedy = model.generate(
+        ids, max_new_tokens=64, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
     torch.manual_seed(0)
     sampled = model.generate(
-        ids, max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=tokenizer.eos_token_id
+        ids,
+        max_new_tokens=64,
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        pad_token_id=tokenizer.eos_token_id,
     )
     examples = {
         "prompt": PROMPT,
@@ -139,8 +150,14 @@ def main():
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-files", type=int, default=None, help="smoke runs: use only the first N files")
-    p.add_argument("--examples-only", action="store_true", help="only remake examples.json of the model in --out")
+    p.add_argument(
+        "--max-files", type=int, default=None, help="smoke runs: use only the first N files"
+    )
+    p.add_argument(
+        "--examples-only",
+        action="store_true",
+        help="only remake examples.json of the model in --out",
+    )
     args = p.parse_args()
     if args.examples_only:
         print(json.dumps(write_examples(pathlib.Path(args.out)), indent=1))
@@ -163,10 +180,14 @@ def main():
     model = transformers.OlmoeForCausalLM(model_config(len(tokenizer))).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 30)
-    schedule = lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))  # noqa: E731
+    schedule = lambda s: (
+        min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    )  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
     )
     g = torch.Generator().manual_seed(args.seed)
     log = []
@@ -187,7 +208,10 @@ def main():
         opt.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == args.steps - 1:
             log.append({"step": step, "loss": loss.item(), "seconds": time.perf_counter() - start})
-            print(f"step {step:5d} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"step {step:5d} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
 
     model.eval()
     val_loss = evaluate(model, val, args.seq, args.batch, device)

@@ -18,14 +18,22 @@ from safetensors.torch import save_file
 
 from asyncmoe.formats import SCALE, dequantize_fp8, quantize_fp8
 
-KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.", "block_sparse_moe.gate.")  # as the releases keep them
+KEEP = (
+    "embed_tokens",
+    "lm_head",
+    "norm",
+    "mlp.gate.",
+    "block_sparse_moe.gate.",
+)  # as the releases keep them
 
 
 def quantized_key(key: str, tensor: torch.Tensor) -> bool:
     return key.endswith(".weight") and tensor.dim() == 2 and not any(k in key for k in KEEP)
 
 
-def write_fp8_checkpoint(model, path: pathlib.Path, block=(128, 128), shards: int = 3) -> pathlib.Path:
+def write_fp8_checkpoint(
+    model, path: pathlib.Path, block=(128, 128), shards: int = 3
+) -> pathlib.Path:
     """Save `model` as a sharded fp8 checkpoint at `path`, in its release layout (per-expert tensors)."""
     tensors = _saved(model, path)
     out = {}
@@ -35,7 +43,12 @@ def write_fp8_checkpoint(model, path: pathlib.Path, block=(128, 128), shards: in
             out[key], out[key[: -len(".weight")] + ".weight" + SCALE] = q, s
         else:
             out[key] = t
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    quant = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
     return _write(path, out, shards, quant)
 
 
@@ -48,7 +61,9 @@ def _saved(model, path: pathlib.Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write(path: pathlib.Path, tensors: dict[str, torch.Tensor], shards: int, quant: dict) -> pathlib.Path:
+def _write(
+    path: pathlib.Path, tensors: dict[str, torch.Tensor], shards: int, quant: dict
+) -> pathlib.Path:
     """`tensors` as `shards` safetensors files with their index, and `quant` as the config's quantization_config."""
     keys = sorted(tensors)
     weight_map = {}
@@ -57,7 +72,9 @@ def _write(path: pathlib.Path, tensors: dict[str, torch.Tensor], shards: int, qu
         part = {k: tensors[k].contiguous() for k in keys[i::shards]}
         save_file(part, path / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, name))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = quant
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -69,7 +86,9 @@ def dequantized(model, block=(128, 128)):
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            if p.dim() == 3 and ".experts." in name + ".":  # fused experts [E, N, K]: quantized per expert
+            if (
+                p.dim() == 3 and ".experts." in name + "."
+            ):  # fused experts [E, N, K]: quantized per expert
                 q, s = quantize_fp8(p, block)
                 p.copy_(dequantize_fp8(q, s, block, p.dtype))
             elif quantized_key(name, p):
@@ -87,7 +106,9 @@ def write_mxfp4_checkpoint(model, path: pathlib.Path, shards: int = 2) -> pathli
     tensors = _saved(model, path)
     out = {}
     for key, t in tensors.items():
-        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # [E, K, N], the module's layout
+        if key.endswith(
+            (".experts.gate_up_proj", ".experts.down_proj")
+        ):  # [E, K, N], the module's layout
             blocks, scales = quantize_mxfp4(t.transpose(1, 2))  # [E, N, K/2], [E, N, K/32]
             out[key + "_blocks"] = blocks.unflatten(-1, (-1, 16))
             out[key + "_scales"] = scales

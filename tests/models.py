@@ -18,12 +18,21 @@ COMMON = dict(
 
 # family -> (config class, model class, overrides); every family: 16 experts, top-2 (cache top_k, E/4, E = 2, 4, 16)
 FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=16, num_experts_per_tok=2)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=16, num_experts_per_tok=2),
+    ),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=16, num_experts_per_tok=2)),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
-        dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64),
+        dict(
+            num_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+        ),
     ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
@@ -61,13 +70,23 @@ FAMILIES = {
             layer_types=["sliding_attention", "full_attention"],
         ),
     ),
-    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=16, num_experts_per_tok=2)),
-    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", dict(num_local_experts=16, num_experts_per_tok=2)),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(num_local_experts=16, num_experts_per_tok=2),
+    ),
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(num_local_experts=16, num_experts_per_tok=2),
+    ),
 }
 TOP_K, NUM_EXPERTS = 2, 16
 
 
-def tiny(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu", **config_overrides):
+def tiny(
+    family: str, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu", **config_overrides
+):
     config_cls, model_cls, overrides = FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **config_overrides})
     torch.manual_seed(seed)

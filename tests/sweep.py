@@ -58,7 +58,11 @@ FILL_IF_NONE = (
 EXTRA = {
     "gemma4": dict(enable_moe_block=True, moe_intermediate_size=32),
     "jamba": dict(
-        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0, use_mamba_kernels=False
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=1,
+        expert_layer_offset=0,
+        use_mamba_kernels=False,
     ),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "zaya": dict(num_experts_per_tok=1),  # the family only supports top-1
@@ -106,14 +110,26 @@ def small_config(cls: type):
             current = getattr(default, key)
         except Exception:  # absent, or a per-layer attribute that refuses a global read
             continue
-        if isinstance(current, int) and not isinstance(current, bool) or (current is None and key in FILL_IF_NONE):
+        if (
+            isinstance(current, int)
+            and not isinstance(current, bool)
+            or (current is None and key in FILL_IF_NONE)
+        ):
             kwargs[key] = value
     if isinstance(kwargs.get("qk_rope_head_dim"), int):
-        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: rotary embeddings are sized by the rope part
+        kwargs["head_dim"] = kwargs[
+            "qk_rope_head_dim"
+        ]  # MLA: rotary embeddings are sized by the rope part
     for key in PER_LAYER_LISTS:
         value = getattr(default, key, None)
-        if isinstance(value, list) and value and not isinstance(getattr(type(default), key, None), property):
-            kinds = list(dict.fromkeys(value))  # keep one layer of each kind (attention, linear, mamba, moe...)
+        if (
+            isinstance(value, list)
+            and value
+            and not isinstance(getattr(type(default), key, None), property)
+        ):
+            kinds = list(
+                dict.fromkeys(value)
+            )  # keep one layer of each kind (attention, linear, mamba, moe...)
             kwargs["num_hidden_layers"] = max(SMALL["num_hidden_layers"], len(kinds))
             kwargs[key] = kinds + kinds[: kwargs["num_hidden_layers"] - len(kinds)]
     kwargs.update(EXTRA.get(family, {}))
@@ -138,6 +154,10 @@ def build(cls: type, seed: int = 0, dtype=torch.float32):
     model = cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and "proj" not in name:
+            if (
+                name.endswith(("gate.weight", "router.weight"))
+                and p.dim() == 2
+                and "proj" not in name
+            ):
                 p.normal_(0, 1.0)  # random init routes almost every token alike; spread the routing
     return model.to(dtype).eval()

@@ -19,7 +19,14 @@ from asyncmoe.trace import Trace
 from models import FAMILIES, NUM_EXPERTS, TOP_K, tiny
 
 CACHES = [TOP_K, NUM_EXPERTS // 4, NUM_EXPERTS]  # heaviest eviction, a quarter, resident
-SHAPES = [(1, 1), (4, 33), (4, 1), (1, 33), (4, 1), (1, 1)]  # (batch, prompt length); cache state carries over
+SHAPES = [
+    (1, 1),
+    (4, 33),
+    (4, 1),
+    (1, 33),
+    (4, 1),
+    (1, 1),
+]  # (batch, prompt length); cache state carries over
 
 
 @functools.cache
@@ -37,7 +44,9 @@ def exact(family):
 def cases():
     for family in FAMILIES:
         for cache in CACHES:
-            for policy in sorted(POLICIES) if cache < NUM_EXPERTS else ["lfru"]:  # resident: no policy
+            for policy in (
+                sorted(POLICIES) if cache < NUM_EXPERTS else ["lfru"]
+            ):  # resident: no policy
                 yield family, cache, policy
 
 
@@ -50,7 +59,9 @@ def test_logits_equal_unmodified(family, cache, policy):
     for batch, length in SHAPES:
         ids = torch.randint(0, ref.config.vocab_size, (batch, length), generator=g)
         diff = (model(ids).logits - ref(ids).logits).abs().max().item()
-        assert diff <= 1e-5, f"{family} cache={cache} {policy} batch={batch} len={length}: max |diff| {diff:.2e}"
+        assert diff <= 1e-5, (
+            f"{family} cache={cache} {policy} batch={batch} len={length}: max |diff| {diff:.2e}"
+        )
     if cache < NUM_EXPERTS:  # the cache really worked: experts were copied and evicted
         s = asyncmoe.stats(model)
         assert s.totals["misses"] > 0 and s.totals["evictions"] > 0
@@ -85,14 +96,18 @@ def test_greedy_generate_identical(family, cache):
             t = parted[0].item()
             logits = want.logits[t][b]  # [vocab]: the reference's at the step where the two part
             gap = (logits[w[t]] - logits[o[t]]).item()
-            assert gap <= 1e-5, f"{family} cache={cache}: sequence {b} parts at new token {t}, {gap:.2e} below the best"
+            assert gap <= 1e-5, (
+                f"{family} cache={cache}: sequence {b} parts at new token {t}, {gap:.2e} below the best"
+            )
 
 
 def gpu_cases():
     for family in FAMILIES:
         for dtype in (torch.float32, torch.bfloat16):
             for cache in CACHES:
-                for policy in sorted(POLICIES) if cache < NUM_EXPERTS and dtype == torch.float32 else ["lfru"]:
+                for policy in (
+                    sorted(POLICIES) if cache < NUM_EXPERTS and dtype == torch.float32 else ["lfru"]
+                ):
                     yield family, dtype, cache, policy
 
 
@@ -112,7 +127,9 @@ def test_logits_match_unmodified_on_gpu(family, dtype, cache, policy):
             truth = exact(family)(ids).logits
             ours_err = (ours.double() - truth).abs().max().item()
             their_err = (theirs.double() - truth).abs().max().item()
-            assert ours_err <= 1.5 * their_err + 1e-3, f"asyncmoe {ours_err:.3e} vs unmodified {their_err:.3e}"
+            assert ours_err <= 1.5 * their_err + 1e-3, (
+                f"asyncmoe {ours_err:.3e} vs unmodified {their_err:.3e}"
+            )
 
 
 @pytest.mark.cuda
@@ -123,13 +140,19 @@ def test_greedy_generate_identical_on_gpu_fp32(family):
     model = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(7)).cuda()
     kw = dict(
-        max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids)
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
     )
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, dtype, tol", [("olmoe", torch.float32, 1e-5), ("gpt_oss", torch.bfloat16, None)])
+@pytest.mark.parametrize(
+    "family, dtype, tol", [("olmoe", torch.float32, 1e-5), ("gpt_oss", torch.bfloat16, None)]
+)
 @torch.no_grad()
 def test_fullgraph_compile_matches_without_recompiling(family, dtype, tol):
     """torch.compile(fullgraph=True): no graph break, equal to eager, no recompiles as routing changes."""
@@ -152,7 +175,9 @@ def test_fullgraph_compile_matches_without_recompiling(family, dtype, tol):
         ids = torch.randint(0, 128, (2, 6), generator=g)
         out = compiled(ids, use_cache=False).logits
         want = eager(ids, use_cache=False).logits
-        if tol is None:  # bf16: the compiled graph may fuse differently; hold it to eager's own error vs fp32
+        if (
+            tol is None
+        ):  # bf16: the compiled graph may fuse differently; hold it to eager's own error vs fp32
             exact = ref.float()(ids, use_cache=False).logits
             ref.to(dtype)
             tol = 2 * (want.float() - exact).abs().max().item() + 1e-2
@@ -160,7 +185,9 @@ def test_fullgraph_compile_matches_without_recompiling(family, dtype, tol):
         contents.add(tuple(cache.slot_to_expert.tolist()))
     assert compiles == 1, f"recompiled: {compiles} graphs for one input shape"
     assert len(contents) > 1, "routing never changed the cache contents: the test proves nothing"
-    if dtype == torch.float32:  # same routing, same cache decisions (bf16 rounding may flip a near-tie)
+    if (
+        dtype == torch.float32
+    ):  # same routing, same cache decisions (bf16 rounding may flip a near-tie)
         assert asyncmoe.stats(model).totals["misses"] == asyncmoe.stats(eager).totals["misses"]
 
 
@@ -200,7 +227,10 @@ def test_the_default_prefetch_is_off_on_the_cpu_and_true_turns_it_on():
 
 def small_trace(num_experts=NUM_EXPERTS) -> Trace:
     rng = np.random.default_rng(0)
-    return Trace(np.stack([rng.choice(num_experts, (2, TOP_K), replace=False) for _ in range(30)]), num_experts)
+    return Trace(
+        np.stack([rng.choice(num_experts, (2, TOP_K), replace=False) for _ in range(30)]),
+        num_experts,
+    )
 
 
 @pytest.mark.parametrize("as_path", [str, pathlib.Path])
@@ -232,7 +262,8 @@ def test_replay_of_a_file_that_is_not_a_trace(tmp_path, content):
 
 def test_replay_of_the_wrong_type():
     with pytest.raises(
-        TypeError, match="replay must be an asyncmoe.trace.Trace or the path of its .npz file, got dict"
+        TypeError,
+        match="replay must be an asyncmoe.trace.Trace or the path of its .npz file, got dict",
     ):
         asyncmoe.compile(tiny("olmoe"), cache=4, replay={"ids": 1})
 
@@ -252,12 +283,18 @@ def test_compile_returns_the_same_model():
     ],
     ids=["compile", "stats", "record", "Decoder"],
 )
-@pytest.mark.parametrize("given", ["model", None, pathlib.Path("model")], ids=["str", "None", "path"])
+@pytest.mark.parametrize(
+    "given", ["model", None, pathlib.Path("model")], ids=["str", "None", "path"]
+)
 def test_not_a_model(call, given):
-    with pytest.raises(TypeError, match=rf"model must be a torch.nn.Module \(a transformers model\), got"):
+    with pytest.raises(
+        TypeError, match=r"model must be a torch.nn.Module \(a transformers model\), got"
+    ):
         call(given)
 
 
 def test_a_path_where_a_model_is_expected_names_from_pretrained():
-    with pytest.raises(TypeError, match=r"got str; to load a checkpoint from a path use asyncmoe.from_pretrained"):
+    with pytest.raises(
+        TypeError, match=r"got str; to load a checkpoint from a path use asyncmoe.from_pretrained"
+    ):
         asyncmoe.compile("some/checkpoint", cache=16)

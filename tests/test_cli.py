@@ -12,7 +12,10 @@ from asyncmoe import cli
 from asyncmoe.cli import main
 
 ROOT = pathlib.Path(__file__).parent.parent
-BARS = ("Loading weights", "experts to host memory")  # transformers' loading bar, asyncmoe's install bar
+BARS = (
+    "Loading weights",
+    "experts to host memory",
+)  # transformers' loading bar, asyncmoe's install bar
 
 
 def asyncmoe_rows(out: str) -> dict[str, list[str]]:
@@ -32,21 +35,29 @@ def test_demo_runs_and_matches_the_resident_model(capsys):
     # the CPU default: prefetch off, said why; no comparison without prefetch, no column or mode of the GPU
     assert "prefetch: off (on the CPU" in out
     rows = asyncmoe_rows(out)
-    assert list(rows) == ["asyncmoe 8/64, no prefetch"] and len(rows["asyncmoe 8/64, no prefetch"]) == 4
+    assert (
+        list(rows) == ["asyncmoe 8/64, no prefetch"]
+        and len(rows["asyncmoe 8/64, no prefetch"]) == 4
+    )
     assert "prefetch recall" not in out and "pf-recall%" not in out and "nothing prefetched" in out
     assert "CUDA graph" not in out and "eager" not in out and "nan" not in out
     assert sum(err.count(bar) for bar in BARS) <= 1 and sum(out.count(bar) for bar in BARS) == 0
 
 
 def test_demo_with_prefetch_on_the_cpu_compares_without_it(capsys):
-    assert main(["demo", "--tokens", "2", "--cache", "8", "--device", "cpu", "--prefetch", "on"]) == 0
+    assert (
+        main(["demo", "--tokens", "2", "--cache", "8", "--device", "cpu", "--prefetch", "on"]) == 0
+    )
     out = capsys.readouterr().out
     assert "prefetch: on (--prefetch on" in out
     rows = asyncmoe_rows(out)
     assert list(rows) == ["asyncmoe 8/64, prefetch", "asyncmoe 8/64, no prefetch"]
     on, off = rows.values()  # tokens/s, ms/token, hit rate, prefetch recall, MB moved/token
     assert on[3].endswith("%") and off[3] == "-" and off[2].endswith("%")
-    assert "prefetch recall: the share of routed experts found resident because a prefetch put them there" in out
+    assert (
+        "prefetch recall: the share of routed experts found resident because a prefetch put them there"
+        in out
+    )
     assert "pf-recall%: routed experts found resident because a prefetch put them there" in out
     assert "pf-hit" not in out and "nan" not in out and out.count("asyncmoe: experts of") == 1
 
@@ -69,7 +80,9 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
     words = ["[UNK]", "<eos>"] + [f"w{i}" for i in range(126)]  # every id the model can emit
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>").save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", eos_token="<eos>"
+    ).save_pretrained(tmp_path)
     original = tiny("qwen3_moe")
     original.save_pretrained(tmp_path, max_shard_size="100KB")
 
@@ -94,15 +107,23 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
     from asyncmoe.trace import Trace
 
     assert not (tmp_path / "run.trace.npz").exists()
-    trace = Trace.load(tmp_path / "run.trace")  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
+    trace = Trace.load(
+        tmp_path / "run.trace"
+    )  # prompt (3 tokens) + 7 decode steps, 2 MoE layers, top-2
     assert trace.ids.shape == (10, 2, 2) and trace.starts.tolist() == [0]
     assert trace.gate_ids.shape == (10, 2, 2)
     assert (trace.gate_ids[:, 0] == -1).all() and (trace.gate_ids[:, 1] >= 0).all()
     loaded, text, *rest = capsys.readouterr().out.split("\n")
-    assert f"routing trace of 10 tokens x 2 MoE layers -> {tmp_path / 'run.trace'}\n" in "\n".join(rest)
-    assert loaded.startswith("asyncmoe: experts of 2 of 2 MoE layers") and "8 tokens, greedy," in "\n".join(rest)
+    assert f"routing trace of 10 tokens x 2 MoE layers -> {tmp_path / 'run.trace'}\n" in "\n".join(
+        rest
+    )
+    assert loaded.startswith(
+        "asyncmoe: experts of 2 of 2 MoE layers"
+    ) and "8 tokens, greedy," in "\n".join(rest)
     ids = torch.tensor([[3, 4, 5]])  # w1 w2 w3
-    want = original.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=1)[0, 3:].tolist()
+    want = original.generate(
+        ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=1
+    )[0, 3:].tolist()
     if 1 in want:  # generation stops at <eos>
         want = want[: want.index(1) + 1]
     assert text.split() == ["w1", "w2", "w3"] + [words[t] for t in want if t != 1]
@@ -110,7 +131,11 @@ def test_generate_from_a_local_checkpoint(tmp_path, capsys):
 
 def test_python_m_asyncmoe_prints_the_version():
     run = subprocess.run(
-        [sys.executable, "-m", "asyncmoe", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "asyncmoe", "--version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert (run.returncode, run.stdout) == (0, f"asyncmoe {asyncmoe.__version__}\n")
 
@@ -167,13 +192,19 @@ def user_error(argv: list[str], capsys) -> str:
         (["demo", "--prompt", ""], "argument --prompt: must not be empty"),
         (["demo", "--device", "gpu0"], "argument --device: 'gpu0' is not a device"),
         (["demo", "--prefetch", "yes"], "argument --prefetch: invalid choice: 'yes'"),
-        (["generate", "--model", "{tmp}/ck", "--prompt", ""], "argument --prompt: must not be empty"),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", ""],
+            "argument --prompt: must not be empty",
+        ),
         (
             ["generate", "--model", "{tmp}/typo", "--prompt", "hi"],
             "argument --model: no checkpoint directory at {tmp}/typo",
         ),
         (["generate", "--model", "{tmp}", "--prompt", "hi"], "it has no config.json"),
-        (["generate", "--model", "{tmp}/no-tokenizer", "--prompt", "hi"], "no-tokenizer has no tokenizer"),
+        (
+            ["generate", "--model", "{tmp}/no-tokenizer", "--prompt", "hi"],
+            "no-tokenizer has no tokenizer",
+        ),
         (
             ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--temperature", "-1"],
             "argument --temperature: must be a finite number > 0, got '-1'; leave every sampling option out for greedy",
@@ -191,24 +222,54 @@ def user_error(argv: list[str], capsys) -> str:
             "argument --temperature: must be a finite number > 0, got '0'",
         ),
         (
-            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--record-trace", "{tmp}/no/such/run.npz"],
+            [
+                "generate",
+                "--model",
+                "{tmp}/ck",
+                "--prompt",
+                "hi",
+                "--record-trace",
+                "{tmp}/no/such/run.npz",
+            ],
             "argument --record-trace: no folder {tmp}/no/such to write run.npz into: create it first",
         ),
         (
             ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--record-trace", "{tmp}/ck"],
             "argument --record-trace: {tmp}/ck is a folder; give the path of a file in it, such as {tmp}/ck/run.npz",
         ),
-        (["demo", "--policy", "bogus"], "argument --policy: unknown policy 'bogus'; choose one of lru, fifo"),
-        (["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--policy", "bogus"], "unknown policy 'bogus'"),
-        (["simulate", "{tmp}/garbage.npz", "--policy", "LRU"], "argument --policy: unknown policy 'LRU'"),
-        (["demo", "--cache", "0GiB"], "argument --cache: a budget must be more than 0 bytes, got '0GiB'"),
+        (
+            ["demo", "--policy", "bogus"],
+            "argument --policy: unknown policy 'bogus'; choose one of lru, fifo",
+        ),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--policy", "bogus"],
+            "unknown policy 'bogus'",
+        ),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--policy", "LRU"],
+            "argument --policy: unknown policy 'LRU'",
+        ),
+        (
+            ["demo", "--cache", "0GiB"],
+            "argument --cache: a budget must be more than 0 bytes, got '0GiB'",
+        ),
         (
             ["demo", "--cache", "auto", "--device", "cpu"],
             "--cache auto sizes the slots from the free memory of the GPU the model runs on, and it runs on cpu: "
             "give slots per MoE layer (--cache 16) or a budget (--cache 6GiB); see `asyncmoe demo --help`",
         ),
         (
-            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--cache", "auto", "--device", "cpu"],
+            [
+                "generate",
+                "--model",
+                "{tmp}/ck",
+                "--prompt",
+                "hi",
+                "--cache",
+                "auto",
+                "--device",
+                "cpu",
+            ],
             "--cache auto sizes the slots from the free memory of the GPU the model runs on, and it runs on cpu",
         ),
         (
@@ -216,15 +277,24 @@ def user_error(argv: list[str], capsys) -> str:
             "argument --cache: expected slots per MoE layer (an int) or a GPU-memory budget such as 6GiB, 6GB or "
             "512MiB, or auto; got 'lots'",
         ),
-        (["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+        (
+            ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--top-p", "0"],
+            "argument --top-p: must be in (0, 1]",
+        ),
         (
             ["generate", "--model", "{tmp}/ck", "--prompt", "hi", "--tokens", "0"],
             "argument --tokens: must be >= 1, got 0",
         ),
         (["simulate", "{tmp}/missing.npz"], "argument trace: no trace file at {tmp}/missing.npz"),
         (["simulate", "{tmp}/garbage.npz"], "{tmp}/garbage.npz"),
-        (["simulate", "{tmp}/garbage.npz", "--cache", "0"], "argument --cache: must be >= 1, got 0"),
-        (["simulate", "{tmp}/garbage.npz", "--pace", "0", "210"], "argument --pace: must be >= 1.0, got 0"),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--cache", "0"],
+            "argument --cache: must be >= 1, got 0",
+        ),
+        (
+            ["simulate", "{tmp}/garbage.npz", "--pace", "0", "210"],
+            "argument --pace: must be >= 1.0, got 0",
+        ),
         (
             ["simulate", "{tmp}/garbage.npz", "--cache", "auto"],
             "argument --cache: auto sizes the cache from the free memory of the GPU a model runs on, and simulate "
@@ -236,7 +306,17 @@ def user_error(argv: list[str], capsys) -> str:
             "temporal or transition, joined by +) or leave --pace out; see `asyncmoe simulate --help`",
         ),
         (
-            ["simulate", "{tmp}/garbage.npz", "--prefetch", "off", "--budget", "2", "--pace", "254", "210"],
+            [
+                "simulate",
+                "{tmp}/garbage.npz",
+                "--prefetch",
+                "off",
+                "--budget",
+                "2",
+                "--pace",
+                "254",
+                "210",
+            ],
             "--pace and --budget set how the prefetch copies, and --prefetch is off",
         ),
         (
@@ -252,11 +332,17 @@ def user_error(argv: list[str], capsys) -> str:
 )
 def test_user_errors_are_one_line_with_status_2(argv, says, tmp_path, capsys, monkeypatch):
     (tmp_path / "garbage.npz").write_text("not a trace\n")
-    for checkpoint, files in [("ck", ("config.json", "tokenizer.json")), ("no-tokenizer", ("config.json",))]:
+    for checkpoint, files in [
+        ("ck", ("config.json", "tokenizer.json")),
+        ("no-tokenizer", ("config.json",)),
+    ]:
         (tmp_path / checkpoint).mkdir()
         for name in files:  # what the parse-time check looks for; nothing loads them
             (tmp_path / checkpoint / name).write_text("{}")
-    if argv != ["simulate", "{tmp}/garbage.npz"]:  # Trace.load finds a garbage trace out; the rest fail at parse time
+    if argv != [
+        "simulate",
+        "{tmp}/garbage.npz",
+    ]:  # Trace.load finds a garbage trace out; the rest fail at parse time
         for command in ("demo", "generate", "simulate"):
             monkeypatch.setattr(cli, command, lambda args: pytest.fail("ran past a user error"))
     argv = [a.format(tmp=tmp_path) for a in argv]
@@ -286,14 +372,23 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 @pytest.mark.parametrize("quantize", ["int4", "mxfp4"])
 def test_demo_with_4_bit_experts(quantize, capsys):
-    assert main(["demo", "--tokens", "3", "--cache", "16", "--quantize", quantize, "--device", "cpu"]) == 0
+    assert (
+        main(["demo", "--tokens", "3", "--cache", "16", "--quantize", quantize, "--device", "cpu"])
+        == 0
+    )
     assert f"16/64 experts cached, {quantize} experts" in capsys.readouterr().out
 
 
 def test_demo_with_fp8_experts_and_a_budget(capsys):
-    assert main(["demo", "--tokens", "4", "--cache", "3MiB", "--quantize", "fp8", "--device", "cpu"]) == 0
+    assert (
+        main(["demo", "--tokens", "4", "--cache", "3MiB", "--quantize", "fp8", "--device", "cpu"])
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "cache='3MiB' gives 14 slots per MoE layer" in out and "14/64 experts cached, fp8 experts" in out
+    assert (
+        "cache='3MiB' gives 14 slots per MoE layer" in out
+        and "14/64 experts cached, fp8 experts" in out
+    )
     assert "tokens equal to the resident model's" in out
 
 
@@ -302,7 +397,10 @@ def test_a_bad_budget_is_one_line(capsys):
         main(["demo", "--cache", "6 gigs"])
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "expected slots per MoE layer (an int) or a GPU-memory budget" in err
+    assert (
+        err.count("\n") == 1
+        and "expected slots per MoE layer (an int) or a GPU-memory budget" in err
+    )
 
 
 def parsed(argv: list[str]):
@@ -310,7 +408,9 @@ def parsed(argv: list[str]):
 
 
 @pytest.mark.parametrize("command", ["demo", "generate", "simulate"])
-@pytest.mark.parametrize("text, value", [("12", 12), ("6GiB", "6GiB"), ("512MiB", "512MiB"), ("auto", "auto")])
+@pytest.mark.parametrize(
+    "text, value", [("12", 12), ("6GiB", "6GiB"), ("512MiB", "512MiB"), ("auto", "auto")]
+)
 def test_cache_takes_slots_a_budget_or_auto(command, text, value, tmp_path, capsys):
     """demo and generate pass auto on to from_pretrained; simulate, on the CPU, has no GPU memory to size it from."""
     (tmp_path / "t.npz").write_text("")  # parsing looks for the file only
@@ -320,7 +420,9 @@ def test_cache_takes_slots_a_budget_or_auto(command, text, value, tmp_path, caps
         "simulate": ["simulate", str(tmp_path / "t.npz")],
     }[command]
     if command == "simulate" and value == "auto":
-        assert "argument --cache: auto sizes the cache" in user_error([*argv, "--cache", text], capsys)
+        assert "argument --cache: auto sizes the cache" in user_error(
+            [*argv, "--cache", text], capsys
+        )
     else:
         assert parsed([*argv, "--cache", text]).cache == value
 
@@ -403,6 +505,9 @@ def test_the_decoders_own_warning_on_positions_is_not_said_twice():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         with cli._said_once():
-            warnings.warn("max_length=2001 is past the model's max_position_embeddings=1024: ...", stacklevel=1)
+            warnings.warn(
+                "max_length=2001 is past the model's max_position_embeddings=1024: ...",
+                stacklevel=1,
+            )
             warnings.warn("something else", stacklevel=1)
     assert [str(w.message) for w in seen] == ["something else"]

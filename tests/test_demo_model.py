@@ -33,8 +33,12 @@ def test_demo_model_generates_its_committed_greedy_example():
     different greedy string may come from another torch's CPU kernels, so the message names both."""
     path, example, tokenizer, ids = load_example()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    saved_by = json.loads((path / "config.json").read_text()).get("transformers_version", "an unrecorded version")
+    out = model.generate(
+        ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
+    saved_by = json.loads((path / "config.json").read_text()).get(
+        "transformers_version", "an unrecorded version"
+    )
     assert tokenizer.decode(out[0]) == example["greedy"], (
         f"the committed example was made in fp32 on the CPU by transformers {saved_by} (torch's version is not "
         f"recorded); this is transformers {transformers.__version__}, torch {torch.__version__}"
@@ -57,7 +61,9 @@ def test_compiled_demo_model_generates_what_transformers_generates():
         output_logits=True,
         return_dict_in_generate=True,
     )
-    model = asyncmoe.from_pretrained(path, cache=8, dtype=torch.float32, device="cpu", prefetch=True)
+    model = asyncmoe.from_pretrained(
+        path, cache=8, dtype=torch.float32, device="cpu", prefetch=True
+    )
     got = asyncmoe.Decoder(model, 1, ids.shape[1] + NEW_TOKENS).generate(ids, NEW_TOKENS).tokens[0]
     w, o = want.sequences[0, ids.shape[1] :], got[ids.shape[1] :]
     assert o.shape == w.shape == (NEW_TOKENS,)
@@ -66,5 +72,7 @@ def test_compiled_demo_model_generates_what_transformers_generates():
         t = parted[0].item()
         logits = want.logits[t][0]
         gap = (logits[w[t]] - logits[o[t]]).item()
-        assert gap <= 1e-5, f"parts from transformers at new token {t} of {NEW_TOKENS}, {gap:.2e} below its best"
+        assert gap <= 1e-5, (
+            f"parts from transformers at new token {t} of {NEW_TOKENS}, {gap:.2e} below its best"
+        )
     assert asyncmoe.stats(model).totals["misses"] > 0  # the cache was in play

@@ -21,7 +21,9 @@ from asyncmoe.formats import (
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 32), (32, 16), (1, 128)])
-@pytest.mark.parametrize("shape", [(3, 64, 96), (2, 40, 24), (1, 7, 300)])  # partial blocks at the edges too
+@pytest.mark.parametrize(
+    "shape", [(3, 64, 96), (2, 40, 24), (1, 7, 300)]
+)  # partial blocks at the edges too
 def test_quantize_then_dequantize_is_within_fp8_rounding(shape, block):
     w = torch.randn(shape) * torch.logspace(-3, 1, shape[-1])  # columns of very different sizes
     q, s = quantize_fp8(w, block)
@@ -41,8 +43,12 @@ def test_each_block_has_its_own_scale_and_zeros_stay_zero():
     w[0, 16:, 16:] = torch.full((16, 16), 0.001)
     q, s = quantize_fp8(w, (16, 16))
     assert s.shape == (1, 2, 2)
-    assert s[0, 0, 0] == pytest.approx(1000.0 / FP8_MAX) and s[0, 1, 1] == pytest.approx(0.001 / FP8_MAX)
-    assert s[0, 0, 1] == 1.0 and (q[0, :16, 16:].float() == 0).all()  # an all-zero block: scale 1, zeros
+    assert s[0, 0, 0] == pytest.approx(1000.0 / FP8_MAX) and s[0, 1, 1] == pytest.approx(
+        0.001 / FP8_MAX
+    )
+    assert (
+        s[0, 0, 1] == 1.0 and (q[0, :16, 16:].float() == 0).all()
+    )  # an all-zero block: scale 1, zeros
     torch.testing.assert_close(dequantize_fp8(q, s, (16, 16), torch.float32), w, rtol=0, atol=0)
 
 
@@ -55,7 +61,9 @@ def test_mxfp4_dequantizes_bit_for_bit_as_transformers():
     blocks = torch.randint(0, 256, (E, N, K // 32, 16), dtype=torch.uint8, generator=g)
     scales = torch.randint(90, 160, (E, N, K // 32), dtype=torch.uint8, generator=g)
     for dtype in (torch.bfloat16, torch.float32):
-        theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, K, N]: GPT-OSS's module layout
+        theirs = convert_moe_packed_tensors(
+            blocks, scales, dtype=dtype
+        )  # [E, K, N]: GPT-OSS's module layout
         ours = dequantize_mxfp4(blocks.flatten(2), scales, dtype)  # [E, N, K]
         assert torch.equal(ours.transpose(1, 2), theirs)
 
@@ -70,10 +78,14 @@ def test_mxfp4_dequantizes_bit_for_bit_as_transformers():
 def test_4_bit_round_trip(quantize, dequantize, bound):
     w = torch.randn(4, 16, 256)
     packed, scales = quantize(w)
-    assert packed.dtype == torch.uint8 and packed.shape == (4, 16, 128) and scales.shape == (4, 16, 8)
+    assert (
+        packed.dtype == torch.uint8 and packed.shape == (4, 16, 128) and scales.shape == (4, 16, 8)
+    )
     back = dequantize(packed, scales, torch.float32)
     assert (back - w).norm() / w.norm() < bound  # 4 bits: about a tenth of the signal
-    assert torch.equal(dequantize(*quantize(back), torch.float32), back)  # representable values stay as they are
+    assert torch.equal(
+        dequantize(*quantize(back), torch.float32), back
+    )  # representable values stay as they are
 
 
 def test_parse_quantize():
@@ -103,7 +115,11 @@ def quantized_reference(model, fmt):
             for name in ("gate_up_proj" if m.has_gate else "up_proj", "down_proj"):
                 w = getattr(m, name)
                 for e in range(w.shape[0]):
-                    w[e].copy_(fmt.dequantize(fmt.quantize(w[e], m.is_transposed), w.dtype, m.is_transposed))
+                    w[e].copy_(
+                        fmt.dequantize(
+                            fmt.quantize(w[e], m.is_transposed), w.dtype, m.is_transposed
+                        )
+                    )
     return ref
 
 
@@ -112,12 +128,21 @@ def fp8_reference(model):
 
 
 @pytest.mark.parametrize("quantize", ["fp8", "mxfp4", "int4"])
-@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "qwen2_moe"])  # gpt_oss: transposed, biases, clamped SwiGLU
-@pytest.mark.parametrize("cache", [4, 16])  # cached, and every expert resident (kept quantized on the device)
+@pytest.mark.parametrize(
+    "family", ["olmoe", "gpt_oss", "qwen2_moe"]
+)  # gpt_oss: transposed, biases, clamped SwiGLU
+@pytest.mark.parametrize(
+    "cache", [4, 16]
+)  # cached, and every expert resident (kept quantized on the device)
 def test_quantized_experts_compute_the_dequantized_model(quantize, family, cache):
-    model = tiny(family, **({"moe_intermediate_size": 64} if family == "qwen2_moe" else {}))  # 4-bit: groups of 32
+    model = tiny(
+        family, **({"moe_intermediate_size": 64} if family == "qwen2_moe" else {})
+    )  # 4-bit: groups of 32
     ours = asyncmoe.compile(copy.deepcopy(model), cache=cache, quantize=quantize, device="cpu")
-    decode, prompt = torch.randint(3, 128, (3, 1)), torch.randint(3, 128, (2, 40))  # the GEMV path, the dense path
+    decode, prompt = (
+        torch.randint(3, 128, (3, 1)),
+        torch.randint(3, 128, (2, 40)),
+    )  # the GEMV path, the dense path
     ref = quantized_reference(model, parse_quantize(quantize))
     for ids in (decode, prompt):
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
@@ -149,22 +174,31 @@ def test_a_gpu_memory_budget_chooses_the_slots(capsys):
     ours = asyncmoe.compile(copy.deepcopy(model), cache=budget, quantize="fp8", device="cpu")
     assert all(layer.slots == 12 for layer in asyncmoe.stats(ours).layers)
     assert f"cache='{budget}' gives 12 slots per MoE layer" in capsys.readouterr().out
-    dense = asyncmoe.compile(copy.deepcopy(model), cache=budget, device="cpu")  # the same budget: fewer fp32 experts
+    dense = asyncmoe.compile(
+        copy.deepcopy(model), cache=budget, device="cpu"
+    )  # the same budget: fewer fp32 experts
     assert all(2 <= layer.slots <= 12 // 3 for layer in asyncmoe.stats(dense).layers)
-    with pytest.raises(ValueError, match=r"below top_k=2: .* the smallest budget that works is cache='.*KiB'"):
+    with pytest.raises(
+        ValueError, match=r"below top_k=2: .* the smallest budget that works is cache='.*KiB'"
+    ):
         asyncmoe.compile(copy.deepcopy(model), cache=f"{expert}B", quantize="fp8", device="cpu")
     with pytest.raises(ValueError, match=r"cache='6 gigs': give slots per MoE layer as an int"):
         asyncmoe.compile(copy.deepcopy(model), cache="6 gigs", device="cpu")
 
 
 def test_4_bit_needs_whole_groups_of_inputs():
-    with pytest.raises(ValueError, match="mxfp4 packs the inputs in groups of 32; down_proj has 48 inputs per output"):
+    with pytest.raises(
+        ValueError,
+        match="mxfp4 packs the inputs in groups of 32; down_proj has 48 inputs per output",
+    ):
         asyncmoe.compile(tiny("qwen2_moe"), cache=4, quantize="mxfp4", device="cpu")
 
 
 def test_quantize_none_keeps_the_models_dtype():
     ours = asyncmoe.compile(tiny("olmoe"), cache=4, device="cpu")
-    assert all(t.dtype == torch.float32 for _, m in find_experts(ours) for t in m.asyncmoe.cache.slots)
+    assert all(
+        t.dtype == torch.float32 for _, m in find_experts(ours) for t in m.asyncmoe.cache.slots
+    )
 
 
 @pytest.mark.parametrize("quantize", ["fp8", "int4"])
@@ -200,7 +234,10 @@ def test_quantized_on_the_gpu_graph_eager_and_generate_agree(quantize, family, c
     got, want = mine(x, idx, w).float(), theirs(x, idx, w).float()
     assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 1e-2
     # a prompt's many pairs a slot: the fused grouped kernel (4-bit) or the dequantized dense path (fp8)
-    x, idx = torch.randn(96, 32, device="cuda", dtype=torch.bfloat16), torch.randint(0, 16, (96, 2), device="cuda")
+    x, idx = (
+        torch.randn(96, 32, device="cuda", dtype=torch.bfloat16),
+        torch.randint(0, 16, (96, 2), device="cuda"),
+    )
     w = torch.rand(96, 2, device="cuda", dtype=torch.bfloat16)
     got, want = mine(x, idx, w).float(), theirs(x, idx, w).float()
     assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 1e-2
@@ -225,10 +262,16 @@ def test_fp8_checkpoint_on_the_gpu(tmp_path):
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         got, want = ours(ids).logits.float(), ref(ids).logits.float()
-    assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 5e-2  # bf16 through the whole model
+    assert (got - want).abs().max() / want.pow(
+        2
+    ).mean().sqrt() < 5e-2  # bf16 through the whole model
     dec = asyncmoe.Decoder(ours, 1, 72)
     assert torch.equal(
-        dec.generate(ids, 64).tokens, asyncmoe.Decoder(ours, 1, 72, graph=False).generate(ids, 64).tokens
+        dec.generate(ids, 64).tokens,
+        asyncmoe.Decoder(ours, 1, 72, graph=False).generate(ids, 64).tokens,
     )
     s = asyncmoe.stats(ours)
-    assert s.totals["bytes_h2d"] == (s.totals["misses"] + s.totals["prefetched"]) * s.layers[0].expert_bytes
+    assert (
+        s.totals["bytes_h2d"]
+        == (s.totals["misses"] + s.totals["prefetched"]) * s.layers[0].expert_bytes
+    )

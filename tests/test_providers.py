@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import asyncmoe
 import asyncmoe.providers
 from asyncmoe.integrations.transformers import find_experts
-from asyncmoe.predict.predictors import TRANSITION_DECAY
+from asyncmoe.prefetch.predictors import TRANSITION_DECAY
 from asyncmoe.providers import CachedProvider, Links, ResidentProvider
 from asyncmoe.trace import Trace
 
@@ -60,7 +60,9 @@ def test_waves_equal_single_path(monkeypatch_seed, tokens, family):
     ],
 )
 @torch.no_grad()
-def test_an_eager_call_stops_after_the_waves_its_experts_fill(monkeypatch, fixed, reached, planned, computed, device):
+def test_an_eager_call_stops_after_the_waves_its_experts_fill(
+    monkeypatch, fixed, reached, planned, computed, device
+):
     """16 tokens x top-2 over 4 slots: shapes alone give 4 waves (16 experts). Routed to 6 experts the call
     fills 2, and eager it computes those 2; routed to 4 it plans wave 1 (where it reads the count) but computes
     only wave 0. A capture or a compile trace (`_fixed_shapes`) runs all 4. All give the model's own output.
@@ -70,18 +72,26 @@ def test_an_eager_call_stops_after_the_waves_its_experts_fill(monkeypatch, fixed
     experts, original = experts_of(model), experts_of(ref)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, ref.config.hidden_size, generator=g)
-    ids = torch.stack([torch.randperm(reached, generator=g)[:2] for _ in range(16)])  # experts 0 to reached-1
+    ids = torch.stack(
+        [torch.randperm(reached, generator=g)[:2] for _ in range(16)]
+    )  # experts 0 to reached-1
     w = torch.rand(16, 2, generator=g)
-    waves, ensure = [], asyncmoe.ops.ensure
+    waves, ensure = [], asyncmoe.cache.ops.ensure
     monkeypatch.setattr(
-        asyncmoe.ops, "ensure", lambda cache, ids, wave, **kw: waves.append(wave) or ensure(cache, ids, wave, **kw)
+        asyncmoe.cache.ops,
+        "ensure",
+        lambda cache, ids, wave, **kw: waves.append(wave) or ensure(cache, ids, wave, **kw),
     )
     computes, routed = [], asyncmoe.providers.routed_outputs
-    monkeypatch.setattr(asyncmoe.providers, "routed_outputs", lambda *a: computes.append(1) or routed(*a))
+    monkeypatch.setattr(
+        asyncmoe.providers, "routed_outputs", lambda *a: computes.append(1) or routed(*a)
+    )
     monkeypatch.setattr(asyncmoe.providers, "_fixed_shapes", lambda x: fixed)
     out = experts(x.to(device), ids.to(device), w.to(device))
     assert (waves, len(computes)) == (planned, computed)
-    torch.testing.assert_close(out.cpu(), original(x, ids, w), rtol=0, atol=1e-5 if device == "cpu" else 1e-3)
+    torch.testing.assert_close(
+        out.cpu(), original(x, ids, w), rtol=0, atol=1e-5 if device == "cpu" else 1e-3
+    )
 
 
 @torch.no_grad()
@@ -136,7 +146,9 @@ def test_post_expert_norm_is_applied():
 def test_prefetch_on_off_identical(family, cache):
     ref = tiny(family)
     on = asyncmoe.compile(
-        copy.deepcopy(ref), cache=cache, prefetch=asyncmoe.Prefetch(sources=("gate", "transition"), depth=2)
+        copy.deepcopy(ref),
+        cache=cache,
+        prefetch=asyncmoe.Prefetch(sources=("gate", "transition"), depth=2),
     )
     off = asyncmoe.compile(copy.deepcopy(ref), cache=cache, prefetch=False)
     g = torch.Generator().manual_seed(5)
@@ -153,15 +165,22 @@ def test_budget_caps_what_a_layer_admits_per_call():
     token: it admits exactly `budget` experts per call (default two; on the GPU only as many as start copying
     within one layer's compute: docs/decisions.md#runners-up-within-the-window), and each one saves a miss."""
     calls = 20
-    ids = np.array([[[(TOP_K * t + j) % NUM_EXPERTS for j in range(TOP_K)]] * 2 for t in range(calls)])  # [N, L, k]
-    gate_ids = np.where(np.arange(2)[None, :, None] == 0, -1, ids)  # no gate predicts the first layer
+    ids = np.array(
+        [[[(TOP_K * t + j) % NUM_EXPERTS for j in range(TOP_K)]] * 2 for t in range(calls)]
+    )  # [N, L, k]
+    gate_ids = np.where(
+        np.arange(2)[None, :, None] == 0, -1, ids
+    )  # no gate predicts the first layer
     gate_probs = np.tile(np.linspace(0.6, 0.4, TOP_K, dtype=np.float32), (calls, 2, 1))
     trace = Trace(ids, NUM_EXPERTS, gate_ids=gate_ids, gate_probs=gate_probs)
     ref = tiny("olmoe")
     assert asyncmoe.Prefetch().budget == 2
     for budget in (1, TOP_K):
         model = asyncmoe.compile(
-            copy.deepcopy(ref), cache=4, replay=trace, prefetch=asyncmoe.Prefetch(sources=("gate",), budget=budget)
+            copy.deepcopy(ref),
+            cache=4,
+            replay=trace,
+            prefetch=asyncmoe.Prefetch(sources=("gate",), budget=budget),
         )
         assert [p.budget for p in (m.asyncmoe for _, m in find_experts(model))] == [budget, budget]
         for t in range(calls):
@@ -181,17 +200,22 @@ def test_every_layer_learns_its_transitions(device, depth):
         cache=4,
         prefetch=asyncmoe.Prefetch(sources=("gate", "transition"), depth=depth),
     )
-    caches = [m.asyncmoe.cache for _, m in find_experts(model)]
-    assert caches[0].transitions.shape == (0, NUM_EXPERTS)  # no layer before the first
+    providers = [m.asyncmoe for _, m in find_experts(model)]
+    caches = [p.cache for p in providers]
+    assert providers[0].prefetch is None  # no layer before the first: no prefetch into it
     g = torch.Generator().manual_seed(1)
     want = [torch.zeros(NUM_EXPERTS, NUM_EXPERTS, device=device) for _ in caches[1:]]
     for _ in range(3):
         model(torch.randint(0, 128, (1, 1), generator=g).to(device))
         for w, before, here in zip(want, caches[:-1], caches[1:], strict=True):
-            w.mul_(TRANSITION_DECAY).add_(before.routed[:, None].float() * here.routed[None, :].float())
-    for w, here in zip(want, caches[1:], strict=True):
-        torch.testing.assert_close(here.transitions, w, atol=0, rtol=1e-6)  # the kernel may fuse its multiply-add
-    assert all(c.transitions.sum() > 0 for c in caches[1:])
+            w.mul_(TRANSITION_DECAY).add_(
+                before.routed[:, None].float() * here.routed[None, :].float()
+            )
+    for w, here in zip(want, providers[1:], strict=True):
+        torch.testing.assert_close(
+            here.prefetch.transitions, w, atol=0, rtol=1e-6
+        )  # a fused multiply-add
+    assert all(p.prefetch.transitions.sum() > 0 for p in providers[1:])
 
 
 @torch.no_grad()
@@ -217,7 +241,9 @@ def test_linked_layers_share_one_unmeasured_pace_on_the_cpu():
     providers = [m.asyncmoe for _, m in find_experts(model)]
     caches = [p.cache for p in providers]
     assert len({c.pace.data_ptr() for c in caches}) == 1
-    assert not any(p.stamps or p.laps for p in providers)  # the window is measured on the GPU clock only
+    assert not any(
+        p.stamps or p.laps for p in providers
+    )  # the window is measured on the GPU clock only
     model(torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0)))
     s = asyncmoe.stats(model)
     assert caches[0].pace.tolist() == [0, 0, 0] and s.min_precision == 0.5
@@ -234,6 +260,10 @@ def test_links_name_the_previous_layer_and_the_targets(depth):
         assert provider.links.previous is (p[i - 1] if i else None)
         assert provider.links.targets == tuple(p[i + 1 : i + 1 + depth])
         assert provider.wait == (i > 0) and provider.per_token == TOP_K
-    assert not any(isinstance(m, CachedProvider) for q in p for m in q.children())  # links are not submodules
+    assert not any(
+        isinstance(m, CachedProvider) for q in p for m in q.children()
+    )  # links are not submodules
     off = asyncmoe.compile(tiny("qwen3_moe", num_hidden_layers=4), cache=4, prefetch=False)
-    assert all(m.asyncmoe.links.targets == () and m.asyncmoe.plan is None for _, m in find_experts(off))
+    assert all(
+        m.asyncmoe.links.targets == () and m.asyncmoe.plan is None for _, m in find_experts(off)
+    )

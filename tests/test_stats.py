@@ -20,14 +20,22 @@ def columns(table: str, row: str) -> dict[str, str]:
 
 @torch.no_grad()
 def test_stats_rows_totals_and_table():
-    model = asyncmoe.compile(tiny("qwen3_moe"), cache=4, prefetch=True)  # on: the CPU's default is off
+    model = asyncmoe.compile(
+        tiny("qwen3_moe"), cache=4, prefetch=True
+    )  # on: the CPU's default is off
     model(torch.randint(0, 128, (2, 7)))
     model(torch.randint(0, 128, (2, 1)))
     s = asyncmoe.stats(model)
     assert [r.layer for r in s.layers] == [0, 1]
-    assert all(r.name.endswith("mlp.experts") and r.slots == 4 and r.experts == 16 for r in s.layers)
+    assert all(
+        r.name.endswith("mlp.experts") and r.slots == 4 and r.experts == 16 for r in s.layers
+    )
     for r in s.layers:
-        assert r.calls >= 1 and r.misses >= 2 and r.bytes_h2d == (r.misses + r.prefetched) * r.expert_bytes
+        assert (
+            r.calls >= 1
+            and r.misses >= 2
+            and r.bytes_h2d == (r.misses + r.prefetched) * r.expert_bytes
+        )
         assert r.expert_bytes * r.experts == r.host_bytes
     assert s.totals["misses"] == sum(r.misses for r in s.layers)
     assert 0 <= s.totals["hit_rate"] <= 1
@@ -38,18 +46,25 @@ def test_stats_rows_totals_and_table():
     total = columns(table, "all")
     assert float(total["pf-recall%"]) == pytest.approx(100 * s.totals["prefetch_recall"], abs=0.05)
     assert float(total["hit%"]) == pytest.approx(100 * s.totals["hit_rate"], abs=0.05)
-    assert int(total["prefetch"]) == s.totals["prefetched"] and int(columns(table, "1")["calls"]) == s.layers[1].calls
+    assert (
+        int(total["prefetch"]) == s.totals["prefetched"]
+        and int(columns(table, "1")["calls"]) == s.layers[1].calls
+    )
 
     asyncmoe.stats(model, reset=True)
     assert asyncmoe.stats(model).totals["misses"] == 0
-    assert s.totals["stall_ns"] is None and s.layers[0].stall_ns is None and "wait us" not in table  # not timed
+    assert (
+        s.totals["stall_ns"] is None and s.layers[0].stall_ns is None and "wait us" not in table
+    )  # not timed
 
 
 def test_stall_timing_needs_cuda():
     model = tiny("qwen3_moe")
     with pytest.raises(ValueError, match="time_stalls reads the GPU's clock.*device='cuda'"):
         asyncmoe.compile(model, cache=4, time_stalls=True)
-    assert asyncmoe.stats(asyncmoe.compile(model, cache=4)).totals["calls"] == 0  # the refusal left the model as it was
+    assert (
+        asyncmoe.stats(asyncmoe.compile(model, cache=4)).totals["calls"] == 0
+    )  # the refusal left the model as it was
 
 
 def test_resident_model_says_so():
@@ -65,5 +80,9 @@ def test_table_without_prefetch_or_lookups_has_no_empty_columns():
     assert columns(untouched, "all")["hit%"] == "-"
     model(torch.randint(0, 128, (2, 7)))
     table = str(asyncmoe.stats(model))
-    assert "prefetch" not in table.splitlines()[0] and "pf-recall%" not in table and "nothing prefetched" in table
+    assert (
+        "prefetch" not in table.splitlines()[0]
+        and "pf-recall%" not in table
+        and "nothing prefetched" in table
+    )
     assert "no expert looked up" not in table and float(columns(table, "all")["hit%"]) >= 0

@@ -31,7 +31,11 @@ def test_training_script_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path("scripts/train_demo_model.py", run_name="__main__")
     report = json.loads((tmp_path / "training.json").read_text())
-    assert report["steps"] == 3 and report["validation_perplexity"] > 1 and report["unigram_perplexity"] > 1
+    assert (
+        report["steps"] == 3
+        and report["validation_perplexity"] > 1
+        and report["unigram_perplexity"] > 1
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config.num_experts == 64 and model.config.num_experts_per_tok == 8
     assert model.dtype == torch.bfloat16

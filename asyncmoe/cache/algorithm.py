@@ -3,37 +3,38 @@
 Dims: E experts, C slots, T tokens, k top-k, M = min(C, E, T*k) (the most experts one call admits).
 
 No `.item()`, `.tolist()`, `nonzero`, `unique`, boolean-mask indexing or Python branches on tensor
-values: the same code runs on the CPU in CI, on the GPU in eager mode and inside a captured CUDA graph,
-where every call replays with new routing and the host never learns which experts moved. On CUDA one
-Triton program makes each decision (`kernels/cache_step.py`); `ensure_reference` and
+values: the same code runs on the CPU in CI, on the GPU in eager mode and inside a captured CUDA
+graph, where every call replays with new routing and the host never learns which experts moved. On
+CUDA one Triton program makes each decision (`cache/cache_step.py`); `ensure_reference` and
 `prefetch_reference` here are its reference, and what the CPU and the simulator run. Either way the
 decision returns the copies to make, (src [M] experts, dst [M] slots, count [1] real pairs), and the
 gather-copy kernel makes them.
 
 Waves: a call whose distinct experts exceed C (prefill, big batches) is served in waves of at most C
-experts: first the ones already resident, then the missing ones, each in expert-id order. Resident first,
-because a later wave would otherwise copy back what an earlier one evicted. Wave 0 decides every
-expert's wave and keeps it in `wave_of`, so that later waves, which see a changed cache, agree; wave w
-evicts only experts no later wave of the call needs while others are available, and returns slot -1 for
-pairs of other waves (docs/decisions.md#resident-first-waves).
+experts: first the ones already resident, then the missing ones, each in expert-id order. Resident
+first, because a later wave would otherwise copy back what an earlier one evicted. Wave 0 decides
+every expert's wave and keeps it in `wave_of`, so that later waves, which see a changed cache,
+agree; wave w evicts only experts no later wave of the call needs while others are available, and
+returns slot -1 for pairs of other waves (docs/decisions.md#resident-first-waves).
 
-An expert id equal to E names no expert of this cache: expert parallelism routes that pair to another rank's
-experts (transformers' sentinel, weight 0). It needs nothing here and gets slot -1, as another wave's pair does.
+An expert id equal to E names no expert of this cache: expert parallelism routes that pair to
+another rank's experts (transformers' sentinel, weight 0). It needs nothing here and gets slot -1,
+as another wave's pair does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import kernels
-from ..kernels import cache_step
-from ..kernels.gather_copy import gather_copy
+from .. import gpu
+from . import cache_step
 from .expert_cache import expert_bytes
-from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, POLICY_CONSTANTS, Policy, get_policy
-from .state import COUNTER_CONSTANTS, SOURCES, CacheState, Counter
+from .gather_copy import gather_copy
+from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, Policy, get_policy
+from .state import SOURCES, CacheState, Counter
 
-KERNEL_CONSTANTS = {**POLICY_CONSTANTS, **COUNTER_CONSTANTS}  # what kernels/cache_step.py shares with this code
-Copies = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (src [M] expert ids, dst [M] distinct slots, count [1])
+# (src [M] expert ids, dst [M] distinct slots, count [1])
+Copies = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def ensure(
@@ -45,30 +46,43 @@ def ensure(
     slots: list[torch.Tensor],  # [C, ...] each
     use_kernel: bool | None = None,
 ) -> torch.Tensor:
-    """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's pair)."""
+    """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's
+    pair)."""
     out, copies = ensure_plan(top_k_index, wave, policy, s, slots, use_kernel)
     copy_in(hosts, slots, copies)
     return out
 
 
 def ensure_plan(
-    top_k_index: torch.Tensor, wave: int, policy: str, s: CacheState, slots: list[torch.Tensor], use_kernel=None
+    top_k_index: torch.Tensor,
+    wave: int,
+    policy: str,
+    s: CacheState,
+    slots: list[torch.Tensor],
+    use_kernel=None,
 ) -> tuple[torch.Tensor, Copies]:
     """`ensure`'s decision, tables updated: slot ids [T, k] and the copies still to make."""
     ids, policy, nbytes = top_k_index.long().reshape(-1), get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes, KERNEL_CONSTANTS)
+        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes)
     else:
         out, copies = ensure_reference(ids, wave, policy, s, nbytes)
     return out.view(top_k_index.shape), copies
 
 
-def copy_in(hosts: list[torch.Tensor], slots: list[torch.Tensor], copies: Copies, programs: int | None = None):
+def copy_in(
+    hosts: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    copies: Copies,
+    programs: int | None = None,
+):
     """Make a decision's copies, host -> slot, every tensor of the experts."""
     gather_copy(hosts, slots, *copies, programs)
 
 
 def prefetch(
+    predicted: torch.Tensor,  # [E] float32
+    nominated: torch.Tensor,  # [E] int8
     budget: int,
     policy: str,
     s: CacheState,
@@ -77,27 +91,32 @@ def prefetch(
     copy_programs: int | None = None,
     use_kernel: bool | None = None,
 ) -> None:
-    """Admit the `budget` likeliest experts by `s.predicted` (score > 0) that are not resident, as
-    prefetched-unused slots tagged with their `s.nominated` sources. `copy_programs` caps the copy's grid."""
-    copy_in(hosts, slots, prefetch_plan(budget, policy, s, slots, use_kernel), copy_programs)
+    """Admit the `budget` likeliest experts by `predicted` (score > 0) that are not resident, as
+    prefetched-unused slots tagged with their `nominated` sources. `copy_programs` caps the copy's
+    grid."""
+    plan = prefetch_plan(predicted, nominated, budget, policy, s, slots, use_kernel)
+    copy_in(hosts, slots, plan, copy_programs)
 
 
-def prefetch_plan(budget: int, policy: str, s: CacheState, slots: list[torch.Tensor], use_kernel=None) -> Copies:
+def prefetch_plan(
+    predicted, nominated, budget: int, policy: str, s: CacheState, slots, use_kernel=None
+) -> Copies:
     """`prefetch`'s decision, tables updated: the copies still to make."""
     policy, nbytes = get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        return cache_step.prefetch_triton(budget, policy.id, s, nbytes, KERNEL_CONSTANTS)
-    return prefetch_reference(budget, policy, s, nbytes)
+        return cache_step.prefetch_triton(predicted, nominated, budget, policy.id, s, nbytes)
+    return prefetch_reference(predicted, nominated, budget, policy, s, nbytes)
 
 
 def _use_kernel(s: CacheState, use_kernel: bool | None) -> bool:
-    return kernels.available(s.expert_to_slot) if use_kernel is None else use_kernel
+    return gpu.available(s.expert_to_slot) if use_kernel is None else use_kernel
 
 
 def ensure_reference(
     ids: torch.Tensor, wave: int, policy: Policy, s: CacheState, nbytes: int
 ) -> tuple[torch.Tensor, Copies]:
-    """`ensure`'s decision for the routed experts `ids` [P]: slot of each pair [P] and the copies to make."""
+    """`ensure`'s decision for the routed experts `ids` [P]: slot of each pair [P] and the copies to
+    make."""
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     s.clock.add_(1)
     resident = s.expert_to_slot[:E] >= 0
@@ -105,7 +124,8 @@ def ensure_reference(
     if wave == 0:
         policy.observe(s, need)
     s.routed.copy_(need)
-    # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at wave 0
+    # a prefetch since the last call evicted an expert this call needs (any wave): counted once, at
+    # wave 0
     victims = (need & ~resident & (s.evicted_at[:E] == s.clock - 1)).sum() * (wave == 0)
     nominations = nomination_outcomes(need, resident, s)
     src, dst, _, count, gone, wasted = admit(now, later, min(C, E, ids.numel()), policy, s)
@@ -115,15 +135,16 @@ def ensure_reference(
     zero = torch.zeros_like(count)
     add = [calls, now.sum() - count, count, (gone < E).sum(), count * nbytes, zero, wasted]
     s.counters.add_(torch.cat([torch.stack(add), prefetch_hits, victims.view(1), nominations]))
-    here = torch.cat([now, now.new_zeros(1)])  # [E + 1]: id E, another rank's expert, is in no wave here
+    # [E + 1]: id E, another rank's expert, is in no wave here
+    here = torch.cat([now, now.new_zeros(1)])
     return torch.where(here[ids], s.expert_to_slot[ids], -1), (src, dst, count.view(1))
 
 
 def nomination_outcomes(need: torch.Tensor, resident: torch.Tensor, s: CacheState) -> torch.Tensor:
-    """The last prefetch's nominations scored against this call, then cleared (so a call's later waves find
-    none): a closed gate's exploring one (`s.explored`, -1: none), and would a copy of it have saved a miss;
-    the runners-up (`s.runners_up`, not resident when nominated), and how many this call routed to. The counters
-    EXPLORED, EXPLORED_PAID, RUNNERS_UP and RUNNERS_UP_PAID."""
+    """The last prefetch's nominations scored against this call, then cleared (so a call's later
+    waves find none): a closed gate's exploring one (`s.explored`, -1: none), and would a copy of it
+    have saved a miss; the runners-up (`s.runners_up`, not resident when nominated), and how many
+    this call routed to. The counters EXPLORED, EXPLORED_PAID, RUNNERS_UP and RUNNERS_UP_PAID."""
     nominated = s.explored[0]
     paid = (need & ~resident & (torch.arange(need.numel(), device=need.device) == nominated)).any()
     outcome = torch.stack([nominated >= 0, paid, s.runners_up.sum(), (s.runners_up & need).sum()])
@@ -132,17 +153,23 @@ def nomination_outcomes(need: torch.Tensor, resident: torch.Tensor, s: CacheStat
     return outcome.to(s.counters.dtype)
 
 
-def prefetch_reference(budget: int, policy: Policy, s: CacheState, nbytes: int) -> Copies:
-    """`prefetch`'s decision: the copies that admit the `budget` likeliest non-resident experts."""
+def prefetch_reference(
+    predicted, nominated, budget: int, policy: Policy, s: CacheState, nbytes: int
+) -> Copies:
+    """`prefetch`'s decision: the copies that admit the `budget` likeliest non-resident experts by
+    `predicted`."""
     E = s.expert_to_slot.numel() - 1
     resident = s.expert_to_slot[:E] >= 0
-    fresh = s.predicted.masked_fill(resident, 0)  # a resident expert needs no copy: spend the budget elsewhere
-    top = torch.argsort(-fresh, stable=True)[:budget]  # ties: lower expert id first, as the kernel does
+    # a resident expert needs no copy: spend the budget elsewhere
+    fresh = predicted.masked_fill(resident, 0)
+    # ties: lower expert id first, as the kernel does
+    top = torch.argsort(-fresh, stable=True)[:budget]
     want = torch.zeros_like(s.routed).index_fill_(0, top, True) & (fresh > 0)
-    keep = resident & (s.predicted > 0)  # ... but do not evict it for a likelier one's sake
+    keep = resident & (predicted > 0)  # ... but do not evict it for a likelier one's sake
     src, dst, valid, count, gone, wasted = admit(want, keep, budget, policy, s)
-    _put(s.source, dst, valid, s.nominated[src])
-    s.evicted_at.index_put_((gone,), s.clock.expand_as(gone))  # gone: distinct experts, or E (the trash row)
+    _put(s.source, dst, valid, nominated[src])
+    # gone: distinct experts, or E (the trash row)
+    s.evicted_at.index_put_((gone,), s.clock.expand_as(gone))
     add = torch.zeros_like(s.counters)
     add[Counter.EVICTIONS], add[Counter.BYTES_H2D] = (gone < E).sum(), count * nbytes
     add[Counter.PREFETCHED], add[Counter.WASTED] = count, wasted
@@ -150,11 +177,14 @@ def prefetch_reference(budget: int, policy: Policy, s: CacheState, nbytes: int) 
     return src, dst, count.view(1)
 
 
-def wave_plan(ids: torch.Tensor, wave: int, num_slots: int, resident: torch.Tensor, wave_of: torch.Tensor):
+def wave_plan(
+    ids: torch.Tensor, wave: int, num_slots: int, resident: torch.Tensor, wave_of: torch.Tensor
+):
     """Experts needed by this call [E], those in wave `wave` [E], those of later waves [E].
 
     Wave 0 ranks the needed experts, resident ones first, and writes each one's wave to `wave_of`
-    (-1: not needed); later waves of the call read it. An id E (another rank's expert) needs nothing."""
+    (-1: not needed); later waves of the call read it. An id E (another rank's expert) needs
+    nothing."""
     E = resident.numel()
     need = resident.new_zeros(E + 1).index_fill_(0, ids.reshape(-1), True)[:E]
     if wave == 0:
@@ -176,13 +206,14 @@ def admit(
     policy: Policy,
     s: CacheState,
 ):
-    """Plan and book the admission of the wanted experts not yet resident; the caller copies the data.
+    """Plan and book the admission of the wanted experts not yet resident; the caller copies the
+    data.
 
-    Returns src [M] expert ids, dst [M] slots, valid [M], count [] (pairs i < count are real),
-    gone [M] (the expert each pair evicted, E: none) and wasted [] (evicted prefetches that were never used).
-    Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted), then by the
-    policy's score, so a wanted expert is never evicted: at most C are wanted, and every missing
-    wanted expert leaves a slot not holding a wanted one.
+    Returns src [M] expert ids, dst [M] slots, valid [M], count [] (pairs i < count are real), gone
+    [M] (the expert each pair evicted, E: none) and wasted [] (evicted prefetches that were never
+    used). Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted), then
+    by the policy's score, so a wanted expert is never evicted: at most C are wanted, and every
+    missing wanted expert leaves a slot not holding a wanted one.
     """
     E = want.numel()
     missing = want & (s.expert_to_slot[:E] < 0)
@@ -191,9 +222,14 @@ def admit(
 
     held = s.slot_to_expert.clamp(min=0)
     used_tier = torch.where(s.used, 2, 1)
-    tier = torch.where(s.slot_to_expert < 0, 0, torch.where(want[held], 4, torch.where(protect[held], 3, used_tier)))
+    tier = torch.where(
+        s.slot_to_expert < 0,
+        0,
+        torch.where(want[held], 4, torch.where(protect[held], 3, used_tier)),
+    )
     by_score = torch.argsort(policy.score(s), stable=True)
-    dst = by_score[torch.argsort(tier[by_score], stable=True)][:max_new]  # victims, most evictable first
+    # victims, most evictable first
+    dst = by_score[torch.argsort(tier[by_score], stable=True)][:max_new]
 
     valid = torch.arange(max_new, device=want.device) < count
     old = s.slot_to_expert[dst]
@@ -220,7 +256,8 @@ def touch(want: torch.Tensor, s: CacheState) -> torch.Tensor:
     hit = (s.slot_to_expert >= 0) & want[s.slot_to_expert.clamp(min=0)]
     first_use = hit & ~s.used & (s.source != 0)
     timely = first_use & (s.born == s.clock - 1)
-    bits = (2 ** torch.arange(len(SOURCES), device=hit.device)).to(s.source.dtype)  # built on the device: capturable
+    # built on the device: capturable
+    bits = (2 ** torch.arange(len(SOURCES), device=hit.device)).to(s.source.dtype)
     by_source = (first_use[:, None] & ((s.source[:, None] & bits) != 0)).sum(0)
     s.used.logical_or_(hit)
     s.last_use.copy_(torch.where(hit, s.clock, s.last_use))

@@ -11,7 +11,6 @@ import math
 import torch
 from torch import nn
 
-from .host import host_flag
 from .policies import get_policy
 from .state import COUNTERS, TIMER_SIZE, CacheState
 
@@ -19,12 +18,10 @@ from .state import COUNTERS, TIMER_SIZE, CacheState
 class ExpertCache(nn.Module):
     """Buffers of one layer's cache.
 
-    `hosts` maps each per-expert tensor name of the experts module (`gate_up_proj`, `down_proj`, biases, ...)
-    to its host store `[E, ...]` as the device sees it: a UVA view of pinned memory for a CUDA cache, the
-    host tensor itself for a CPU one. `pace` is the tensor the linked layers share (a new one if None);
-    `transitions_from` is E' when a transition predictor feeds this layer (0: none).
-    `gate_open` is in pinned host memory, and `gate_open_host` is the host's tensor over it: the host reads
-    what the last prefetch into this layer decided without a sync (runtime/decoder.py's `Gates`).
+    `hosts` maps each per-expert tensor name of the experts module (`gate_up_proj`, `down_proj`,
+    biases, ...) to its host store `[E, ...]` as the device sees it: a UVA view of pinned memory for
+    a CUDA cache, the host tensor itself for a CPU one. `pace` is the tensor the linked layers share
+    (a new one if None).
     """
 
     def __init__(
@@ -34,21 +31,21 @@ class ExpertCache(nn.Module):
         policy: str,
         time_stalls: bool = False,
         pace: torch.Tensor | None = None,
-        transitions_from: int = 0,
     ):
         super().__init__()
         learns = get_policy(policy).learns  # and fail on a bad name now, not at the first forward
         first = next(iter(hosts.values()))
-        device, self.num_experts, self.num_slots, self.policy = first.device, first.shape[0], num_slots, policy
+        device, self.num_experts = first.device, first.shape[0]
+        self.num_slots, self.policy = num_slots, policy
         self.names = list(hosts)
-        self.pinned_block = None  # the pinned host memory behind `hosts`, kept alive as long as the cache
+        # the pinned host memory behind `hosts`, kept alive as long as the cache
+        self.pinned_block = None
         for name, host in hosts.items():
             self.register_buffer(f"host_{name}", host, persistent=False)
             slot = torch.zeros((num_slots,) + host.shape[1:], dtype=host.dtype, device=device)
             self.register_buffer(f"slot_{name}", slot, persistent=False)
         C, E = num_slots, self.num_experts
-        self.gate_open_host, gate_open = host_flag(1, device)  # open until evidence closes it
-        i64, f32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
         buffers = dict(
             expert_to_slot=torch.full((E + 1,), -1, **i64),
             slot_to_expert=torch.full((C,), -1, **i64),
@@ -63,19 +60,11 @@ class ExpertCache(nn.Module):
             evicted_at=torch.full((E + 1,), -1, **i64),
             wave_of=torch.full((E,), -1, **i64),
             scratch=torch.zeros(E, dtype=torch.int32, device=device),
-            # a buffer, not a temporary: the side stream reads it, and a temporary could be reused under it; and
-            # not `predicted`, which the side stream writes while a deeper layer's prefetch may still run
-            gate=torch.zeros(E, **f32),
-            predicted=torch.zeros(E, **f32),
-            nominated=torch.zeros(E, dtype=torch.int8, device=device),
-            outcomes=torch.zeros(2, 4, **f32),
-            visited=torch.zeros(1, **i64),
             explored=torch.full((1,), -1, **i64),
             runners_up=torch.zeros(E, dtype=torch.bool, device=device),
-            gate_open=gate_open,
-            transitions=torch.zeros(transitions_from, E, **f32),
             follows=torch.zeros((E, E) if learns else (0, 0), dtype=torch.int32, device=device),
-            # empty when not timed: a custom op cannot take an optional tensor it mutates under Inductor
+            # empty when not timed: a custom op cannot take an optional tensor it mutates under
+            # Inductor
             timer=torch.zeros(TIMER_SIZE if time_stalls else 0, **i64),
             pace=torch.zeros(3, **i64) if pace is None else pace,
         )
@@ -103,27 +92,33 @@ class ExpertCache(nn.Module):
         return expert_bytes(self.slots)
 
     def clear(self) -> None:
-        """Back to the cache as built: no expert resident, no policy, predictor or counter history. In place,
-        so a captured graph's addresses stay valid. Slot weights are left as they are: no table points at them.
-        A benchmark that reuses one model for several cases clears it so each starts as a fresh build would."""
+        """Back to the cache as built: no expert resident, no policy, predictor or counter history.
+        In place, so a captured graph's addresses stay valid. Slot weights are left as they are: no
+        table points at them. A benchmark that reuses one model for several cases clears it so each
+        starts as a fresh build would."""
         for name in CacheState._fields:
             if name != "pace":  # the pace measures the GPU, not this history
                 buf = getattr(self, name)
                 buf.fill_(
-                    -1 if name in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of", "explored") else 0
+                    -1
+                    if name
+                    in ("expert_to_slot", "slot_to_expert", "evicted_at", "wave_of", "explored")
+                    else 0
                 )
-        self.gate_open.fill_(1)
 
     def _apply(self, fn, recurse=True):
-        # `model.to()`, `.half()`, `.cpu()` reach here. Moving or casting would reallocate the slots and
-        # (for a UVA host view) copy the whole host store onto the GPU; refuse instead of doing that.
+        # `model.to()`, `.half()`, `.cpu()` reach here. Moving or casting would reallocate the slots
+        # and (for a UVA host view) copy the whole host store onto the GPU; refuse instead of doing
+        # that.
         for buf in self._buffers.values():
             probe = torch.empty(0, dtype=buf.dtype, device=buf.device)
             out = fn(probe)
             if out.device != probe.device or out.dtype != probe.dtype:
                 raise RuntimeError(
-                    f"an asyncmoe expert cache lives on {probe.device} in {probe.dtype} and cannot be moved or cast "
-                    f"(asked for {out.device}, {out.dtype}). Move/cast the model before asyncmoe.compile, "
+                    f"an asyncmoe expert cache lives on {probe.device} in {probe.dtype} and cannot "
+                    "be moved or cast "
+                    f"(asked for {out.device}, {out.dtype}). Move/cast the model before "
+                    "asyncmoe.compile, "
                     "or pass device= to asyncmoe.compile."
                 )
         return self

@@ -1,4 +1,5 @@
-"""Host store: every expert tensor of a layer in pinned host memory, and the CUDA view ops read it through.
+"""Host store: every expert tensor of a layer in pinned host memory, and the CUDA view ops read it
+through.
 
 Why not `Tensor.pin_memory()`: torch's caching host allocator rounds every block up to a power of
 two (a 604 MB request takes 1 GB), which on a 100 GB expert set wastes tens of GB. We allocate
@@ -41,12 +42,15 @@ def human_bytes(n: int) -> str:
 
 
 def check_host_memory(needed: int, what: str) -> None:
-    """Fail before allocating, with numbers, rather than let the OOM killer end the process mid-copy."""
+    """Fail before allocating, with numbers, rather than let the OOM killer end the process
+    mid-copy."""
     available = available_host_bytes()
     if needed > available:
         raise MemoryError(
-            f"{what}: needs {human_bytes(needed)} of host memory but only {human_bytes(available)} is available "
-            "(MemAvailable in /proc/meminfo). Free host memory, use a machine with more RAM, or offload fewer layers."
+            f"{what}: needs {human_bytes(needed)} of host memory but only {human_bytes(available)} "
+            "is available "
+            "(MemAvailable in /proc/meminfo). Free host memory, use a machine with more RAM, or "
+            "offload fewer layers."
         )
 
 
@@ -63,14 +67,18 @@ class PinnedBlock:
         self.nbytes = nbytes
         self.registered = False
         if nbytes:
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2))  # portable | mapped
+            # portable | mapped
+            rc = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1 | 2))
             if rc != 0:
                 hint = (
                     "the OS refused to lock that much memory (check `ulimit -l` and free RAM)"
                     if rc == 2
                     else ("see cudaError_t in the CUDA runtime documentation")
                 )
-                raise RuntimeError(f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA error {rc}: {hint}.")
+                raise RuntimeError(
+                    f"cudaHostRegister of {human_bytes(nbytes)} failed with CUDA "
+                    f"error {rc}: {hint}."
+                )
             self.registered = True
 
     def __del__(self):
@@ -80,10 +88,10 @@ class PinnedBlock:
             release_deferred()
 
 
-# Blocks that died while a CUDA graph was being captured. Python's GC may collect a dead model at any
-# moment, also mid-capture, where cudaHostUnregister is illegal: it invalidates the capture, fails, and
-# the memory is freed still registered (seen on the H200: the next cudaHostRegister at that address
-# failed with error 712). Such a block keeps its memory until unpinning is legal again.
+# Blocks that died while a CUDA graph was being captured. Python's GC may collect a dead model at
+# any moment, also mid-capture, where cudaHostUnregister is illegal: it invalidates the capture,
+# fails, and the memory is freed still registered (the next cudaHostRegister at that address then
+# fails with error 712). Such a block keeps its memory until unpinning is legal again.
 _deferred: list[torch.Tensor] = []
 
 
@@ -100,49 +108,58 @@ def _device_pointer(host_ptr: int) -> int:
     libcuda = ctypes.CDLL("libcuda.so.1")
     dev = ctypes.c_uint64()
     rc = libcuda.cuPointerGetAttribute(
-        ctypes.byref(dev), ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER), ctypes.c_uint64(host_ptr)
+        ctypes.byref(dev),
+        ctypes.c_int(_CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
+        ctypes.c_uint64(host_ptr),
     )
     if rc != 0:
-        raise RuntimeError(f"cuPointerGetAttribute(DEVICE_POINTER) failed with CUDA driver error {rc}")
+        raise RuntimeError(
+            f"cuPointerGetAttribute(DEVICE_POINTER) failed with CUDA driver error {rc}"
+        )
     return dev.value
 
 
 def uva_view(block: PinnedBlock, device: torch.device) -> torch.Tensor:
-    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made. The view holds the
-    block."""
+    """A uint8 CUDA tensor over the whole pinned block: reads go over PCIe, no copy is made. The
+    view holds the block."""
     view = device_view(block.data, device)
-    view._asyncmoe_block = block  # carved views keep this tensor (their _base) and so the block alive
+    # carved views keep this tensor (their _base) and so the block alive
+    view._asyncmoe_block = block
     return view
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CUDA tensor over the pinned (registered or pinned-allocated) CPU tensor `host`: the same memory, so what a
-    kernel writes through it the host reads with no copy and no sync.
+    """A CUDA tensor over the pinned (registered or pinned-allocated) CPU tensor `host`: the same
+    memory, so what a kernel writes through it the host reads with no copy and no sync.
 
     Built as Inductor's cudagraph trees build storages, from the raw pointer: `torch.as_tensor` of a
-    `__cuda_array_interface__` would ask the runtime which device owns the pointer, which fails for a
-    device alias that differs from the host address. The storage does not own the memory: the view
+    `__cuda_array_interface__` would ask the runtime which device owns the pointer, which fails for
+    a device alias that differs from the host address. The storage does not own the memory: the view
     holds `host`.
     """
     torch.cuda.init()
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     nbytes = host.numel() * host.element_size()
-    storage = torch._C._construct_storage_from_data_pointer(_device_pointer(host.data_ptr()), device, nbytes)
+    storage = torch._C._construct_storage_from_data_pointer(
+        _device_pointer(host.data_ptr()), device, nbytes
+    )
     view = torch.empty(0, dtype=host.dtype, device=device).set_(storage).view(host.shape)
     view._asyncmoe_host = host
     return view
 
 
 def host_flag(value: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One int32 in pinned host memory, as the host reads it and as `device` writes it (the same tensor on the
-    CPU): a kernel's store through the device's view reaches the host with no copy and no sync."""
+    """One int32 in pinned host memory, as the host reads it and as `device` writes it (the same
+    tensor on the CPU): a kernel's store through the device's view reaches the host with no copy and
+    no sync."""
     host = torch.full((1,), value, dtype=torch.int32, pin_memory=device.type == "cuda")
     return host, device_view(host, device) if device.type == "cuda" else host
 
 
 def carve(flat: torch.Tensor, specs: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
-    """Views of shape/dtype `specs` laid out back to back (each aligned) in the uint8 tensor `flat`."""
+    """Views of shape/dtype `specs` laid out back to back (each aligned) in the uint8 tensor
+    `flat`."""
     out, offset = [], 0
     for shape, dtype in specs:
         nbytes = torch.Size(shape).numel() * dtype.itemsize

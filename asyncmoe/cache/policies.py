@@ -1,11 +1,12 @@
 """Eviction policies: each turns the per-slot state into a keep score, higher = keep longer.
 
-Every policy reads the same slot state (`CacheState.last_use`, `born`, `freq`, `clock`), kept up to date by
-the cache for every slot. The cache ranks slots by tier first (empty < prefetched-unused < used < needed by
-a later wave of this call < needed now) and only then by the policy's score, so a wrong prefetch guess
-leaves before any expert that earned its place, and an expert needed now is never a victim.
+Every policy reads the same slot state (`CacheState.last_use`, `born`, `freq`, `clock`), kept up to
+date by the cache for every slot. The cache ranks slots by tier first (empty < prefetched-unused <
+used < needed by a later wave of this call < needed now) and only then by the policy's score, so a
+wrong prefetch guess leaves before any expert that earned its place, and an expert needed now is
+never a victim.
 
-Scores are integers (the frequency is fixed-point), so the fused kernel (kernels/cache_step.py), which
+Scores are integers (the frequency is fixed-point), so the fused kernel (cache/cache_step.py), which
 computes the same scores from the constants below, and this reference agree bit for bit
 (docs/decisions.md#integer-policy-scores; Markov is the default: #default-policy).
 """
@@ -21,7 +22,8 @@ FREQ_DECAY_SHIFT = 4  # freq -= freq >> 4 each call: a use ~11 calls ago counts 
 LFRU_SHIFT = 20  # LFRU's fixed-point scale: (freq << 20) // (1 + age)
 FOLLOW_UNIT = 16  # Markov: one observed successor
 FOLLOW_SHIFT = 4  # a row loses 1/16 each time its expert's call is followed by another
-LIKELY_SHIFT = 33  # Markov's score: likely << 33 | LFRU, both capped, under the kernel's 47 score bits
+# Markov's score: likely << 33 | LFRU, both capped, under the kernel's 47 score bits
+LIKELY_SHIFT = 33
 LIKELY_MAX, LFRU_MAX = (1 << 14) - 1, (1 << LIKELY_SHIFT) - 1
 
 
@@ -34,7 +36,8 @@ class Policy:
         raise NotImplementedError
 
     def observe(self, s: CacheState, need: torch.Tensor) -> None:
-        """Learn from a call's experts `need` [E] bool, before `s.routed` (the last call's) is overwritten."""
+        """Learn from a call's experts `need` [E] bool, before `s.routed` (the last call's) is
+        overwritten."""
 
 
 class LRU(Policy):
@@ -67,7 +70,8 @@ class LFU(Policy):
 class LFRU(Policy):
     """Frequency x recency: the decayed count divided by (1 + calls since last use), in integers.
 
-    A popular expert survives a short gap; one that was popular long ago does not hold a slot forever.
+    A popular expert survives a short gap; one that was popular long ago does not hold a slot
+    forever.
     """
 
     name, id = "lfru", 3
@@ -77,12 +81,13 @@ class LFRU(Policy):
 
 
 class Markov(LFRU):
-    """LFRU behind a prediction of the next call: keeps first the experts that most often followed the experts
-    of the call being ranked for (`s.routed`: this call in `ensure`, the last one in `prefetch`).
+    """LFRU behind a prediction of the next call: keeps first the experts that most often followed
+    the experts of the call being ranked for (`s.routed`: this call in `ensure`, the last one in
+    `prefetch`).
 
-    `follows[a, b]` counts, in FOLLOW_UNITs, the calls routed to b right after a call routed to a; a row decays
-    when it learns. `likely[b]` is the mean of `follows[a, b]` over the routed a; LFRU breaks its ties
-    (docs/decisions.md#eviction-toward-belady: 3-10% fewer misses than LFRU on the traces measured).
+    `follows[a, b]` counts, in FOLLOW_UNITs, the calls routed to b right after a call routed to a; a
+    row decays when it learns. `likely[b]` is the mean of `follows[a, b]` over the routed a; LFRU
+    breaks its ties (docs/decisions.md#eviction-toward-belady).
     """
 
     name, id, learns = "markov", 4, True
@@ -95,12 +100,17 @@ class Markov(LFRU):
         return (likely << LIKELY_SHIFT) | super().score(s).clamp(max=LFRU_MAX)
 
     def observe(self, s, need):
-        learned = s.follows - (s.follows >> FOLLOW_SHIFT) + need[None, :].to(s.follows.dtype) * FOLLOW_UNIT
+        learned = (
+            s.follows
+            - (s.follows >> FOLLOW_SHIFT)
+            + need[None, :].to(s.follows.dtype) * FOLLOW_UNIT
+        )
         s.follows.copy_(torch.where(s.routed[:, None], learned, s.follows))
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU(), Markov())}
-DEFAULT_POLICY = "markov"  # the fewest copies on every trace measured (docs/decisions.md#default-policy)
+# the fewest copies on every trace measured (docs/decisions.md#default-policy)
+DEFAULT_POLICY = "markov"
 # what the fused kernel receives as constexprs: each policy's id by name, and the integer scales
 POLICY_CONSTANTS = {
     **{f"POLICY_{p.name.upper()}": p.id for p in POLICIES.values()},
@@ -119,4 +129,6 @@ def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}") from None
+        raise ValueError(
+            f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None

@@ -4,8 +4,9 @@ Dims: E experts of this layer, E' experts of the previous cached layer, C slots.
 
 A custom op takes a flat `list[Tensor]`; `CacheState._make(tensors)` names them again in one place
 (`asyncmoe.ops`), so the algorithm, the kernels and the predictors read fields by name. The fields
-that are small vectors of different things (`counters`, `pace`, `timer`, `outcomes`) are indexed by
-the named constants below, which the Triton kernels receive as constexprs: one definition each.
+that are small vectors of different things (`counters`, `pace`, `timer`) are indexed by the named
+constants below, which the Triton kernels import: one definition each. A prefetch target's own
+tensors (scores, the prefetch gate's evidence) are prefetch/state.py's `PrefetchState`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from ..kernels import clock
+from . import clock
 
 
 class Counter(IntEnum):
@@ -33,63 +34,58 @@ class Counter(IntEnum):
     HITS_TEMPORAL = 9
     HITS_TRANSITION = 10
     PREFETCH_TIMELY = 11  # prefetch hits in the very call the prefetch was for
-    PREFETCH_VICTIMS = 12  # experts a prefetch evicted that the next call needed: hits the prefetch cost
-    EXPLORED = 13  # a closed prefetch gate's exploring nominations, scored against their call with no copy
-    EXPLORED_PAID = 14  # ... that the call routed to and did not hold: misses a prefetch would have saved
-    RUNNERS_UP = 15  # a prefetch's nominations past its likeliest, not resident when nominated, copied or not
-    RUNNERS_UP_PAID = 16  # ... that the call routed to: misses their copies saved or would have saved
+    # experts a prefetch evicted that the next call needed: hits the prefetch cost
+    PREFETCH_VICTIMS = 12
+    # a closed prefetch gate's exploring nominations, scored against their call with no copy
+    EXPLORED = 13
+    # ... that the call routed to and did not hold: misses a prefetch would have saved
+    EXPLORED_PAID = 14
+    # a prefetch's nominations past its likeliest, not resident when nominated, copied or not
+    RUNNERS_UP = 15
+    # ... that the call routed to: misses their copies saved or would have saved
+    RUNNERS_UP_PAID = 16
 
 
 COUNTERS = tuple(c.name.lower() for c in Counter)
-SOURCES = ("gate", "temporal", "transition")  # the predictors; bit i of a slot's `source`: nominated by SOURCES[i]
+# the predictors; bit i of a slot's `source`: nominated by SOURCES[i]
+SOURCES = ("gate", "temporal", "transition")
 GATE, TEMPORAL, TRANSITION = 1, 2, 4  # their bits
 
-# `pace` [3] int64, one tensor shared by every linked layer: a GPU-clock stamp (ns) taken before the first layer's
-# prefetch, the compute that prefetch hid behind in the last call (ns), and one expert's copy (ns); 0: not measured
+# `pace` [3] int64, one tensor shared by every linked layer: a GPU-clock stamp (ns) taken before the
+# first layer's prefetch, the compute that prefetch hid behind in the last call (ns), and one
+# expert's copy (ns); 0: not measured
 PACE_STAMP, PACE_WINDOW, PACE_COPY = clock.STAMP, clock.WINDOW, 2
-# `timer` [5] int64 (stall timing; empty when off): three GPU-clock stamps, then the summed ns waited for the
-# prefetch's copies and spent in `ensure`'s own decision and copies
+# `timer` [5] int64 (stall timing; empty when off): three GPU-clock stamps, then the summed ns
+# waited for the prefetch's copies and spent in `ensure`'s own decision and copies
 TIMER_START, TIMER_WAIT_FROM, TIMER_WAITED = clock.START, clock.WAIT_FROM, clock.WAITED
 TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_SIZE = clock.WAIT_NS, clock.ENSURE_NS, clock.TIMER_SIZE
-# `outcomes` [2, 4] float32, the prefetch gate's evidence: decayed (wasted, paid) prefetches, then the (wasted, paid)
-# totals it last read from the counters; row PREFETCHES for every copy and exploration, row RUNNERS_UP for the
-# nominations past the likeliest
-WASTED, PAID, SEEN_WASTED, SEEN_PAID = 0, 1, 2, 3
-PREFETCHES, RUNNERS_UP = 0, 1
-N_OUTCOMES = 4  # a row's length
-
-# what the kernels receive as constexprs, by the names they use
-COUNTER_CONSTANTS = {**{c.name: int(c) for c in Counter}, "N_COUNTERS": len(Counter), "N_SOURCES": len(SOURCES)}
-PACE_CONSTANTS = {"PACE_STAMP": PACE_STAMP, "PACE_WINDOW": PACE_WINDOW, "PACE_COPY": PACE_COPY}
 
 
 class CacheState(NamedTuple):
-    """Everything the ops read or write of one layer's cache but the expert weights (host store and slots)."""
+    """Everything the ops read or write of one layer's cache but the expert weights (host store and
+    slots)."""
 
-    expert_to_slot: Tensor  # [E+1] int64, -1: not resident; row E is a trash row that absorbs masked writes
+    # [E+1] int64, -1: not resident; row E is a trash row that absorbs masked writes
+    expert_to_slot: Tensor
     slot_to_expert: Tensor  # [C] int64, -1: empty
     last_use: Tensor  # [C] int64: clock of the last call that used the slot
     born: Tensor  # [C] int64: clock when the slot's expert was admitted
     freq: Tensor  # [C] int64: decayed use count, in units of 1/FREQ_UNIT (policies.py)
     used: Tensor  # [C] bool: used since admitted (False: a prefetched expert nobody asked for yet)
     clock: Tensor  # [1] int64: waves served so far
-    source: (
-        Tensor  # [C] int8: bits of the predictors that nominated a prefetched slot's expert, 0 if ensure admitted it
-    )
+    # [C] int8: bits of the predictors that nominated a prefetched slot's expert; 0: ensure admitted
+    source: Tensor
     routed: Tensor  # [E] bool: experts the last call routed to
     counters: Tensor  # [len(Counter)] int64
     evicted_at: Tensor  # [E+1] int64: clock of the prefetch that last evicted each expert, -1: none
     wave_of: Tensor  # [E] int64: this call's wave of each expert, -1: not needed
     scratch: Tensor  # [E] int32: the fused kernel's per-expert flags
-    gate: Tensor  # [E] float32: the gate predictor's scores, written on the compute stream by the layer before
-    predicted: Tensor  # [E] float32: the side stream's combined prediction
-    nominated: Tensor  # [E] int8: its sources
-    outcomes: Tensor  # [2, 4] float32: the prefetch gate's evidence (rows PREFETCHES, RUNNERS_UP; WASTED .. SEEN_PAID)
-    visited: Tensor  # [1] int64: the `calls` counter when a prefetch into this layer last ran
-    explored: Tensor  # [1] int64: the expert an exploring call nominated, for the next `ensure` to score; -1: none
-    runners_up: Tensor  # [E] bool: the last prefetch's nominations past its likeliest, for the next `ensure` to score
-    gate_open: Tensor  # [1] int32: 1 while the prefetch gate into this layer is open; in host memory (ExpertCache)
-    transitions: Tensor  # [E', E] float32: decayed (expert at the previous layer -> here) counts; [0, E] if unused
-    follows: Tensor  # [E, E] int32: the Markov policy's (expert in a call -> in the next call) counts; [0, 0] if unused
+    # [1] int64: the expert an exploring call nominated, for the next `ensure` to score; -1: none
+    explored: Tensor
+    # [E] bool: the last prefetch's nominations past its likeliest, for the next `ensure` to score
+    runners_up: Tensor
+    # [E, E] int32: the Markov policy's (expert in a call -> in the next call) counts; [0, 0] if
+    # unused
+    follows: Tensor
     timer: Tensor  # [TIMER_SIZE] int64 (TIMER_*), or [0] when stall timing is off
     pace: Tensor  # [3] int64 (PACE_*), shared by the linked layers

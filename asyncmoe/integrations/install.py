@@ -1,5 +1,6 @@
-"""Installing asyncmoe into a transformers model: the checks that need the model, the slots (given, from a
-budget, or what fits in free GPU memory), then the walk that gives every experts module its provider."""
+"""Installing asyncmoe into a transformers model: the checks that need the model, the slots (given,
+from a budget, or what fits in free GPU memory), then the walk that gives every experts module its
+provider."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from transformers.utils.logging import tqdm
 
 from ..cache.host import block_bytes, check_host_memory, human_bytes
 from ..formats import FP8, QUANTIZE_METHODS, Format, Fp8, parse_quantize
-from ..predict.predictors import Prefetch
+from ..prefetch.predictors import Prefetch
 from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider, link
 from ..settings import AutoCache, Settings, budget_text
 from .offload import CacheSpec, expert_size, offload, resident, stored_quantized
@@ -38,8 +39,10 @@ def _check(model: nn.Module, experts: list[tuple[str, nn.Module]]) -> None:
         raise ValueError(
             f"this model is quantized ({method}); asyncmoe keeps experts in "
             f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
-            f" or in {', '.join(QUANTIZE_METHODS)}. Load it dequantized (dtype=torch.bfloat16 and the quantization "
-            "method's dequantize option, or no quantization_config); asyncmoe.compile(model, quantize='fp8') then "
+            f" or in {', '.join(QUANTIZE_METHODS)}. Load it dequantized (dtype=torch.bfloat16 and "
+            "the quantization "
+            "method's dequantize option, or no quantization_config); asyncmoe.compile(model, "
+            "quantize='fp8') then "
             "keeps "
             "its experts in fp8."
         )
@@ -47,24 +50,33 @@ def _check(model: nn.Module, experts: list[tuple[str, nn.Module]]) -> None:
         moe = looks_like_moe(model)
         if moe:
             raise ValueError(
-                f"{type(model).__name__} has MoE layers ({', '.join(moe)}) that do not use transformers' experts "
-                f"interface (@use_experts_implementation), so asyncmoe cannot cache them; {families_hint()}."
+                f"{type(model).__name__} has MoE layers ({', '.join(moe)}) that do not use "
+                "transformers' experts "
+                "interface (@use_experts_implementation), so asyncmoe cannot cache them; "
+                f"{families_hint()}."
             )
-        raise ValueError(f"{type(model).__name__} has no MoE layer for asyncmoe to offload; {families_hint()}.")
+        raise ValueError(
+            f"{type(model).__name__} has no MoE layer for asyncmoe to offload; {families_hint()}."
+        )
     for name, m in experts:
         if isinstance(getattr(m, PROVIDER, None), ExpertWeightProvider):
-            raise RuntimeError(f"{name} is already asyncmoe-compiled: call asyncmoe.compile once per model")
+            raise RuntimeError(
+                f"{name} is already asyncmoe-compiled: call asyncmoe.compile once per model"
+            )
         params = expert_params(m)
         E = num_experts(m)
         for pname, p in params.items():
             if p.dtype not in SUPPORTED_DTYPES and not stored_quantized(pname, params):
                 raise TypeError(
                     f"{name}.{pname} is {p.dtype}; asyncmoe caches experts in "
-                    f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}, or quantized with their scales "
+                    f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}, or quantized with their "
+                    "scales "
                     f"({', '.join(QUANTIZE_METHODS)}). Load the model in one of those dtypes."
                 )
             if p.dim() == 0 or p.shape[0] != E:
-                raise ValueError(f"{name}.{pname} has shape {tuple(p.shape)}, not [num_experts={E}, ...]")
+                raise ValueError(
+                    f"{name}.{pname} has shape {tuple(p.shape)}, not [num_experts={E}, ...]"
+                )
 
 
 def quant_method(model: nn.Module) -> str | None:
@@ -77,15 +89,21 @@ def quant_method(model: nn.Module) -> str | None:
 
 
 def _format(model: nn.Module, experts: list[tuple[str, nn.Module]], quantize) -> Format | None:
-    """The experts' format: `quantize`'s, or fp8 where the model's experts already are (a fine-grained FP8 model)."""
+    """The experts' format: `quantize`'s, or fp8 where the model's experts already are (a
+    fine-grained FP8 model)."""
     fmt = parse_quantize(quantize)
     stored = [p.dtype == FP8 for _, m in experts for p in expert_params(m).values()]
     if any(stored) and fmt is None:
         quant = getattr(model.config, "quantization_config", None)
-        block = quant.get("weight_block_size") if isinstance(quant, dict) else getattr(quant, "weight_block_size", None)
+        block = (
+            quant.get("weight_block_size")
+            if isinstance(quant, dict)
+            else getattr(quant, "weight_block_size", None)
+        )
         if block is None:
             raise ValueError(
-                "this fp8 model has no weight_block_size in its quantization_config: asyncmoe keeps "
+                "this fp8 model has no weight_block_size in its quantization_config: asyncmoe "
+                "keeps "
                 "block-wise fp8 experts (transformers' fine-grained FP8)"
             )
         fmt = Fp8(tuple(block))
@@ -93,26 +111,37 @@ def _format(model: nn.Module, experts: list[tuple[str, nn.Module]], quantize) ->
 
 
 def _check_device(fmt: Format, device: torch.device) -> None:
-    if device.type == "cuda" and isinstance(fmt, Fp8) and torch.cuda.get_device_capability(device) < (8, 9):
+    if (
+        device.type == "cuda"
+        and isinstance(fmt, Fp8)
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
         major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(
-            f"fp8 experts need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) for asyncmoe's fp8 "
-            f"kernels; {torch.cuda.get_device_name(device)} is {major}.{minor}. Keep the experts in bf16 instead: "
-            "quantize=None for a bf16 model, or for an fp8 checkpoint asyncmoe.from_pretrained(path, "
-            "quantize='dequantize'); or quantize='int4', whose kernels run on any CUDA GPU (the CPU runs every "
+            "fp8 experts need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) "
+            "for asyncmoe's fp8 "
+            f"kernels; {torch.cuda.get_device_name(device)} is {major}.{minor}. Keep the experts "
+            "in bf16 instead: "
+            "quantize=None for a bf16 model, or for an fp8 checkpoint "
+            "asyncmoe.from_pretrained(path, "
+            "quantize='dequantize'); or quantize='int4', whose kernels run on any CUDA GPU (the "
+            "CPU runs every "
             "format by dequantizing, device='cpu')."
         )
 
 
-def _slots(settings: Settings, model: nn.Module, experts, fmt: Format | None, device: torch.device) -> int:
-    """Slots per MoE layer: `cache` itself, or the most that every layer gets within a budget (given, or what fits
-    in free GPU memory for `cache="auto"`); at least top_k."""
+def _slots(
+    settings: Settings, model: nn.Module, experts, fmt: Format | None, device: torch.device
+) -> int:
+    """Slots per MoE layer: `cache` itself, or the most that every layer gets within a budget
+    (given, or what fits in free GPU memory for `cache="auto"`); at least top_k."""
     top_k = max(min(top_k_of(m.config) or 1, num_experts(m)) for _, m in experts)
     cache = settings.cache
     if settings.slots is not None:
         if cache < top_k:
             raise ValueError(
-                f"cache={cache} is below top_k={top_k}: every token needs its {top_k} experts resident at once; "
+                f"cache={cache} is below top_k={top_k}: every token needs its {top_k} experts "
+                "resident at once; "
                 f"use cache>={top_k}"
             )
         return cache
@@ -128,19 +157,22 @@ def _slots(settings: Settings, model: nn.Module, experts, fmt: Format | None, de
     what = f"{len(sizes)} MoE layers, {fmt.name if fmt else 'dense'} experts of {human_bytes(sizes[0][1])}"
     if slots < top_k:
         raise ValueError(
-            f"cache={cache!r} holds {slots} experts per MoE layer ({what}{why}), below top_k={top_k}: every token "
+            f"cache={cache!r} holds {slots} experts per MoE layer ({what}{why}), below "
+            f"top_k={top_k}: every token "
             f"needs its {top_k} experts resident at once; the smallest budget that works is "
             f"cache={budget_text(need(top_k))!r}"
         )
     print(
-        f"asyncmoe: cache={cache!r} gives {slots} slots per MoE layer ({what}; {human_bytes(need(slots))} of slots"
+        f"asyncmoe: cache={cache!r} gives {slots} slots per MoE layer ({what}; "
+        f"{human_bytes(need(slots))} of slots"
         f"{why})"
     )
     return slots
 
 
 def kv_cache_bytes(config, max_length: int, batch_size: int, itemsize: int) -> int:
-    """A static KV cache's bytes: keys and values of every attention layer, `max_length` positions a sequence."""
+    """A static KV cache's bytes: keys and values of every attention layer, `max_length` positions a
+    sequence."""
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -150,12 +182,14 @@ def kv_cache_bytes(config, max_length: int, batch_size: int, itemsize: int) -> i
     return text.num_hidden_layers * batch_size * max_length * kv_heads * (k_dim + v_dim) * itemsize
 
 
-WORKSPACE = 512 * 2**20  # cuBLAS workspaces, CUDA graphs' pools and Triton's launches, beside the activations
+# cuBLAS workspaces, CUDA graphs' pools and Triton's launches, beside the activations
+WORKSPACE = 512 * 2**20
 
 
 def activation_bytes(config, max_length: int, batch_size: int, itemsize: int) -> int:
-    """A generous bound on a prefill's peak activations: float32 logits over the vocabulary for every position,
-    a few hidden-sized temporaries a token, each routed pair's expert intermediates, eager attention's scores."""
+    """A generous bound on a prefill's peak activations: float32 logits over the vocabulary for
+    every position, a few hidden-sized temporaries a token, each routed pair's expert intermediates,
+    eager attention's scores."""
     text = config.get_text_config()
     tokens = batch_size * max_length
     k = top_k_of(text) or 1
@@ -166,13 +200,17 @@ def activation_bytes(config, max_length: int, batch_size: int, itemsize: int) ->
     return tokens * per_token + (scores if eager else 0) + WORKSPACE
 
 
-def auto_budget(auto: AutoCache, model: nn.Module, experts, device: torch.device) -> tuple[int, str]:
-    """Bytes for the slots out of the GPU memory free now, once the model's other weights are on `device` and its
-    experts off it; and the reason, for the message."""
+def auto_budget(
+    auto: AutoCache, model: nn.Module, experts, device: torch.device
+) -> tuple[int, str]:
+    """Bytes for the slots out of the GPU memory free now, once the model's other weights are on
+    `device` and its experts off it; and the reason, for the message."""
     if device.type != "cuda":
         raise ValueError(
-            f"cache='auto' sizes the slots from the GPU memory free at compile time, but this model runs on {device}: "
-            "give slots per MoE layer (cache=16) or a budget (cache='6GiB'), or compile onto the GPU (device='cuda')"
+            "cache='auto' sizes the slots from the GPU memory free at compile time, but this "
+            f"model runs on {device}: "
+            "give slots per MoE layer (cache=16) or a budget (cache='6GiB'), or compile onto the "
+            "GPU (device='cuda')"
         )
     free, _ = torch.cuda.mem_get_info(device)
     expert_ids = {id(p) for _, m in experts for p in expert_params(m).values()}
@@ -184,7 +222,8 @@ def auto_budget(auto: AutoCache, model: nn.Module, experts, device: torch.device
         budget = int(auto.share * free)
         return (
             budget,
-            f": {auto.share:.0%} of the {human_bytes(free)} free on {device} once the other weights are there",
+            f": {auto.share:.0%} of the {human_bytes(free)} free on {device} once the other "
+            "weights are there",
         )
     itemsize = next(iter(expert_params(experts[0][1]).values())).element_size()
     reserve = kv_cache_bytes(model.config, auto.max_length, auto.batch_size, itemsize)
@@ -204,11 +243,14 @@ def _device(device, experts: list[tuple[str, nn.Module]]) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r} is not a torch device ({e}); use 'cuda', 'cuda:0' or 'cpu'") from None
+        raise ValueError(
+            f"device={device!r} is not a torch device ({e}); use 'cuda', 'cuda:0' or 'cpu'"
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(
-                f"device={str(device)!r}, but torch sees no CUDA GPU here (torch.cuda.is_available() is False): "
+                f"device={str(device)!r}, but torch sees no CUDA GPU here "
+                "(torch.cuda.is_available() is False): "
                 "use device='cpu', or install a CUDA build of torch on a machine with an NVIDIA GPU"
             )
         if device.index is None:
@@ -219,11 +261,13 @@ def _device(device, experts: list[tuple[str, nn.Module]]) -> torch.device:
 
 
 def _plan(prefetch, device: torch.device, expert_parallel: bool = False) -> Prefetch | None:
-    """The prefetch settings: None turns it on where a CUDA side stream can copy beside the compute (and the
-    experts are not split over ranks: the gate predictor scores every expert, each rank's cache holds its own)."""
+    """The prefetch settings: None turns it on where a CUDA side stream can copy beside the compute
+    (and the experts are not split over ranks: the gate predictor scores every expert, each rank's
+    cache holds its own)."""
     if expert_parallel and prefetch not in (None, False):
         raise ValueError(
-            "prefetch under expert parallelism is not supported: the gate predictor scores all of a layer's "
+            "prefetch under expert parallelism is not supported: the gate predictor scores all of "
+            "a layer's "
             "experts, each rank caches only its own; pass prefetch=None or False"
         )
     if prefetch is None:
@@ -234,8 +278,9 @@ def _plan(prefetch, device: torch.device, expert_parallel: bool = False) -> Pref
 
 
 def _own_config(model: nn.Module) -> None:
-    """Give `model` a private copy of its config (sub-configs included), so that switching it to the "asyncmoe"
-    implementation leaves other models built from the same config object (`from_config(cfg)` twice) as they were."""
+    """Give `model` a private copy of its config (sub-configs included), so that switching it to the
+    "asyncmoe" implementation leaves other models built from the same config object
+    (`from_config(cfg)` twice) as they were."""
     config = getattr(model, "config", None)
     if config is None:
         return
@@ -248,7 +293,8 @@ def _own_config(model: nn.Module) -> None:
 
 
 def install(model: nn.Module, settings: Settings) -> nn.Module:
-    """Give every experts module of `model` a provider and switch it to the `"asyncmoe"` implementation."""
+    """Give every experts module of `model` a provider and switch it to the `"asyncmoe"`
+    implementation."""
     experts = find_experts(model)
     _check(model, experts)
     fmt = _format(model, experts, settings.quantize)
@@ -258,32 +304,48 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
     parallel = any(is_expert_parallel(m) for _, m in experts)
     if parallel and settings.replay is not None:
         raise ValueError(
-            "replay routes by a trace's expert ids, but under expert parallelism each rank holds only its own "
+            "replay routes by a trace's expert ids, but under expert parallelism each rank holds "
+            "only its own "
             "experts: replay a trace on a model that is not expert-parallel"
         )
     prefetch = _plan(settings.prefetch, device, parallel)
     if settings.time_stalls and device.type != "cuda":
         raise ValueError(
-            f"time_stalls reads the GPU's clock, so it needs a CUDA device; this model runs on {device}. "
-            "Pass device='cuda', or leave time_stalls off (on the CPU nothing waits: there are no streams)."
+            "time_stalls reads the GPU's clock, so it needs a CUDA device; this model runs on "
+            f"{device}. "
+            "Pass device='cuda', or leave time_stalls off (on the CPU nothing waits: there are no "
+            "streams)."
         )
     num_slots = _slots(settings, model, experts, fmt, device)
     if device.type == "cuda":
-        total = sum(block_bytes([(p.shape, p.dtype) for p in expert_params(m).values()]) for _, m in experts)
-        on_gpu = sum(p.numel() * p.element_size() for _, m in experts for p in expert_params(m).values() if p.is_cuda)
-        # Experts already on the GPU are copied out before their memory is freed: all of it is new host memory.
-        check_host_memory(on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})")
+        total = sum(
+            block_bytes([(p.shape, p.dtype) for p in expert_params(m).values()]) for _, m in experts
+        )
+        on_gpu = sum(
+            p.numel() * p.element_size()
+            for _, m in experts
+            for p in expert_params(m).values()
+            if p.is_cuda
+        )
+        # Experts already on the GPU are copied out before their memory is freed: all of it is new
+        # host memory.
+        check_host_memory(
+            on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})"
+        )
     _own_config(model)
 
     spec = CacheSpec(num_slots, settings.policy, device, settings.time_stalls, fmt)
-    pace = torch.zeros(3, dtype=torch.int64, device=device)  # one for every linked layer (providers.link)
-    transition = prefetch is not None and "transition" in prefetch.sources
+    # one for every linked layer (providers.link)
+    pace = torch.zeros(3, dtype=torch.int64, device=device)
     cached = []
-    for name, m in tqdm(experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2):
+    for name, m in tqdm(
+        experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2
+    ):
         implementation = m.config._experts_implementation or "eager"
         if implementation == "asyncmoe":
             raise ValueError(
-                f"{name}'s config names the 'asyncmoe' experts implementation, but the module was never compiled: "
+                f"{name}'s config names the 'asyncmoe' experts implementation, but the module was "
+                "never compiled: "
                 "build the model from a config that asyncmoe.compile has not switched (or set "
                 "model.set_experts_implementation('eager') first)"
             )
@@ -295,9 +357,9 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
             provider = ResidentProvider(implementation, fn)
             m.to(device)
         else:
-            before = cached[-1].cache.num_experts if transition and cached else 0
-            parallel_here = is_expert_parallel(m)  # before _offload takes the DTensors off the module
-            provider = CachedProvider(offload(m, spec, pace, before), find_router(model, name, m), fmt)
+            # before _offload takes the DTensors off the module
+            parallel_here = is_expert_parallel(m)
+            provider = CachedProvider(offload(m, spec, pace), find_router(model, name, m), fmt)
             provider.expert_parallel = parallel_here
             cached.append(provider)
         setattr(m, PROVIDER, provider)
@@ -311,7 +373,8 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
 
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("asyncmoe")
-    for _, m in experts:  # plain modules, and composite models whose config heuristics skipped a sub-config
+    # plain modules, and composite models whose config heuristics skipped a sub-config
+    for _, m in experts:
         if m.config._experts_implementation != "asyncmoe":
             m.config._experts_implementation = "asyncmoe"
     return model

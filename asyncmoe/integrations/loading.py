@@ -1,8 +1,8 @@
 """Loading a checkpoint straight into an asyncmoe model, its experts never on the GPU.
 
-Checks first, from the files alone (config, shards, dtype, host memory from the safetensors headers);
-then transformers loads the checkpoint onto the CPU with its own weight conversions, and `install`
-moves each layer's experts into pinned host memory, freeing the CPU tensors as it goes.
+Checks first, from the files alone (config, shards, dtype, host memory from the safetensors
+headers); then transformers loads the checkpoint onto the CPU with its own weight conversions, and
+`install` moves each layer's experts into pinned host memory, freeing the CPU tensors as it goes.
 """
 
 from __future__ import annotations
@@ -36,19 +36,25 @@ def checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise FileNotFoundError(
-                f"{path} is missing {len(missing)} of the {len(shards)} shards its {index.name} lists "
-                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): download the checkpoint again"
+                f"{path} is missing {len(missing)} of the {len(shards)} shards its {index.name} "
+                "lists "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): download the "
+                "checkpoint again"
             )
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{path} has no *.safetensors weights (asyncmoe loads safetensors checkpoints)")
+        raise ValueError(
+            f"{path} has no *.safetensors weights (asyncmoe loads safetensors checkpoints)"
+        )
     return files
 
 
-def checkpoint_bytes(files: list[pathlib.Path], dtype: torch.dtype, keep_quantized: bool = False) -> int:
-    """Bytes the checkpoint's tensors take in `dtype` (fp8 and packed 4-bit ones as stored with `keep_quantized`),
-    from the safetensors headers alone."""
+def checkpoint_bytes(
+    files: list[pathlib.Path], dtype: torch.dtype, keep_quantized: bool = False
+) -> int:
+    """Bytes the checkpoint's tensors take in `dtype` (fp8 and packed 4-bit ones as stored with
+    `keep_quantized`), from the safetensors headers alone."""
     total = 0
     for f in files:
         try:
@@ -59,26 +65,32 @@ def checkpoint_bytes(files: list[pathlib.Path], dtype: torch.dtype, keep_quantiz
                     size = 1 if keep_quantized and quantized else dtype.itemsize
                     total += torch.Size(tensor.get_shape()).numel() * size
         except (OSError, SafetensorError) as e:
-            raise ValueError(f"{f} is not a readable safetensors file ({e}): download or save it again") from None
+            raise ValueError(
+                f"{f} is not a readable safetensors file ({e}): download or save it again"
+            ) from None
     return total
 
 
 def looks_local(path) -> bool:
-    """Whether `path` names a directory on this machine rather than a hub id ("org/name"): a path object, or a
-    string that is absolute, starts with `.` or `~`, or has more than one `/`."""
+    """Whether `path` names a directory on this machine rather than a hub id ("org/name"): a path
+    object, or a string that is absolute, starts with `.` or `~`, or has more than one `/`."""
     if isinstance(path, os.PathLike):
         return True
     text = str(path)
-    return text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+    return (
+        text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+    )
 
 
 def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
-    """Load a checkpoint onto the CPU, then install asyncmoe on `device`: with transformers (its own weight
-    conversions), or for fine-grained fp8 experts with asyncmoe's own reader (`fp8_checkpoint`), which keeps
-    them fp8. The experts go from the loaded CPU tensors to pinned host memory layer by layer and never to
-    the GPU."""
+    """Load a checkpoint onto the CPU, then install asyncmoe on `device`: with transformers (its own
+    weight conversions), or for fine-grained fp8 experts with asyncmoe's own reader
+    (`fp8_checkpoint`), which keeps them fp8. The experts go from the loaded CPU tensors to pinned
+    host memory layer by layer and never to the GPU."""
     if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dtype={dtype}: asyncmoe runs experts in {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+        raise TypeError(
+            f"dtype={dtype}: asyncmoe runs experts in {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+        )
     quantize = settings.quantize
     if quantize not in (None, "dequantize", *QUANTIZE_METHODS):
         raise ValueError(
@@ -91,19 +103,22 @@ def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
     stored = checkpoint_format(local) if (local / "config.json").is_file() else None
     if quantize == "dequantize" and stored is None:
         raise ValueError(
-            f"quantize='dequantize' reads quantized checkpoints (fp8, mxfp4) in {dtype}; {path} is not "
+            f"quantize='dequantize' reads quantized checkpoints (fp8, mxfp4) in {dtype}; {path} is "
+            "not "
             "one: leave quantize=None"
         )
     if stored is not None:
         if quantize not in (None, "dequantize", stored.name):
             raise ValueError(
-                f"{path} stores its experts in {stored.name}: quantize={quantize!r} would re-quantize them; "
+                f"{path} stores its experts in {stored.name}: quantize={quantize!r} would "
+                "re-quantize them; "
                 f"leave quantize=None to keep {stored.name}, or 'dequantize'"
             )
         kwargs.pop("local_files_only", None)  # asyncmoe reads the local files itself
         if kwargs:
             raise ValueError(
-                f"a {stored.name} checkpoint is read by asyncmoe itself, which takes no {', '.join(kwargs)}"
+                f"a {stored.name} checkpoint is read by asyncmoe itself, which takes no "
+                f"{', '.join(kwargs)}"
             )
         files = checkpoint_files(local)
         keep = quantize != "dequantize"
@@ -112,17 +127,26 @@ def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
         quantize = stored if keep else None
     else:
         if local.exists():
-            check_host_memory(checkpoint_bytes(checkpoint_files(local), dtype), f"loading {path} in {dtype}")
-        model = AutoModelForCausalLM.from_pretrained(local if local.exists() else path, dtype=dtype, **kwargs)
+            check_host_memory(
+                checkpoint_bytes(checkpoint_files(local), dtype), f"loading {path} in {dtype}"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            local if local.exists() else path, dtype=dtype, **kwargs
+        )
     model = install(model, dataclasses.replace(settings, quantize=quantize))
     providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
     cached = [p for p in providers if isinstance(p, CachedProvider)]
     blocks = [p.cache.pinned_block for p in cached]
-    where = f"pinned host memory: {human_bytes(sum(b.nbytes for b in blocks if b))}" if any(blocks) else "host memory"
+    where = (
+        f"pinned host memory: {human_bytes(sum(b.nbytes for b in blocks if b))}"
+        if any(blocks)
+        else "host memory"
+    )
     slots = f"{cached[0].cache.num_slots} slots per layer" if cached else "every expert resident"
     fmt = f" ({parse_quantize(quantize).name})" if quantize is not None else ""
     print(
-        f"asyncmoe: experts{fmt} of {len(cached)} of {len(providers)} MoE layers in {where}; {slots} on "
+        f"asyncmoe: experts{fmt} of {len(cached)} of {len(providers)} MoE layers in {where}; "
+        f"{slots} on "
         f"{settings.device}"
     )
     return model

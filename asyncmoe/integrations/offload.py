@@ -1,8 +1,9 @@
-"""The host offload: an experts module's tensors moved to the host store (or kept quantized on the GPU).
+"""The host offload: an experts module's tensors moved to the host store (or kept quantized on the
+GPU).
 
-After it, an offloaded expert tensor is a plain attribute of its module holding the host copy: `model.to()`
-leaves it where it is, `state_dict()` still returns it (a state-dict hook), and the cache refuses to be moved
-or cast.
+After it, an offloaded expert tensor is a plain attribute of its module holding the host copy:
+`model.to()` leaves it where it is, `state_dict()` still returns it (a state-dict hook), and the
+cache refuses to be moved or cast.
 """
 
 from __future__ import annotations
@@ -31,17 +32,23 @@ class CacheSpec:
     fmt: Format | None  # the experts' format in host memory and the slots; None: the model's dtype
 
 
-SUFFIXES = (SCALE, "_scales")  # of the scales beside a weight a checkpoint stores quantized (fp8; 4-bit)
+# of the scales beside a weight a checkpoint stores quantized (fp8; 4-bit)
+SUFFIXES = (SCALE, "_scales")
 
 
 def stored_quantized(name: str, params: dict) -> bool:
-    """Whether `name` is a quantized weight that a checkpoint stored with its scales, or those scales."""
-    return any(name + sfx in params or name.endswith(sfx) and name[: -len(sfx)] in params for sfx in SUFFIXES)
+    """Whether `name` is a quantized weight that a checkpoint stored with its scales, or those
+    scales."""
+    return any(
+        name + sfx in params or name.endswith(sfx) and name[: -len(sfx)] in params
+        for sfx in SUFFIXES
+    )
 
 
 def host_specs(m: nn.Module, fmt: Format | None) -> list[tuple[str, torch.Size, torch.dtype]]:
-    """The expert tensors the host store holds for module `m`, in `fmt`: (name, shape [E, ...], dtype). Weights a
-    checkpoint already stores quantized (with their scales beside them) are taken as they are."""
+    """The expert tensors the host store holds for module `m`, in `fmt`: (name, shape [E, ...],
+    dtype). Weights a checkpoint already stores quantized (with their scales beside them) are taken
+    as they are."""
     params = expert_params(m)
     quantized = weight_names(m) if fmt is not None else ()
     specs = []
@@ -51,7 +58,11 @@ def host_specs(m: nn.Module, fmt: Format | None) -> list[tuple[str, torch.Size, 
         if name in quantized and name + fmt.suffix in params:  # stored quantized: as it is
             specs += [
                 (name, p.shape, p.dtype),
-                (name + fmt.suffix, params[name + fmt.suffix].shape, params[name + fmt.suffix].dtype),
+                (
+                    name + fmt.suffix,
+                    params[name + fmt.suffix].shape,
+                    params[name + fmt.suffix].dtype,
+                ),
             ]
         elif name in quantized:
             specs += fmt.stored(name, p.shape, m.is_transposed)
@@ -61,14 +72,15 @@ def host_specs(m: nn.Module, fmt: Format | None) -> list[tuple[str, torch.Size, 
 
 
 def store(m: nn.Module, fmt: Format | None, out: dict[str, torch.Tensor]) -> None:
-    """Write the module's expert tensors into `out` (host_specs' tensors) in `fmt`, one expert at a time, so a
-    quantized copy never needs more than one expert's float32 temporaries."""
+    """Write the module's expert tensors into `out` (host_specs' tensors) in `fmt`, one expert at a
+    time, so a quantized copy never needs more than one expert's float32 temporaries."""
     params = expert_params(m)
     for name, dst in out.items():
         src = params.get(name)
         if src is None:
             continue  # a scale, written with its weight
-        if fmt is not None and name + fmt.suffix in out and name + fmt.suffix not in params:  # quantize
+        # quantize
+        if fmt is not None and name + fmt.suffix in out and name + fmt.suffix not in params:
             scales = out[name + fmt.suffix]
             for e in range(src.shape[0]):
                 q, s = fmt.quantize(src[e].detach(), m.is_transposed)
@@ -80,11 +92,14 @@ def store(m: nn.Module, fmt: Format | None, out: dict[str, torch.Tensor]) -> Non
 
 def expert_size(m: nn.Module, fmt: Format | None) -> int:
     """Bytes of one expert of module `m` in `fmt`: what a miss copies."""
-    return sum(torch.Size(shape[1:]).numel() * dtype.itemsize for _, shape, dtype in host_specs(m, fmt))
+    return sum(
+        torch.Size(shape[1:]).numel() * dtype.itemsize for _, shape, dtype in host_specs(m, fmt)
+    )
 
 
-def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from: int) -> ExpertCache:
-    """Move the module's expert tensors to the host store, in `spec.fmt`, and give it a cache built as `spec` says."""
+def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor) -> ExpertCache:
+    """Move the module's expert tensors to the host store, in `spec.fmt`, and give it a cache built
+    as `spec` says."""
     specs = host_specs(m, spec.fmt)
     shapes = [(shape, dtype) for _, shape, dtype in specs]
     nbytes = block_bytes(shapes)
@@ -95,7 +110,9 @@ def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from:
         hosts = carve(block.data, shapes)
         views = carve(uva_view(block, spec.device), shapes)
     elif spec.fmt is None:  # a CPU cache reads the parameters where they already are
-        check_host_memory(block_bytes([(s[1:], d) for s, d in shapes]) * spec.num_slots, "the CPU expert slots")
+        check_host_memory(
+            block_bytes([(s[1:], d) for s, d in shapes]) * spec.num_slots, "the CPU expert slots"
+        )
         hosts = [p.detach() for p in expert_params(m).values()]
         views = hosts
     else:
@@ -113,7 +130,7 @@ def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor, transitions_from:
         setattr(m, name, host)
     _keep_shard_mark(m, sharded)
     hosts = dict(zip(names, views))
-    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace, transitions_from)
+    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace)
     cache.pinned_block = block  # keeps the registration alive as long as the cache
     m._asyncmoe_offloaded = tuple(names)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)
@@ -148,12 +165,20 @@ SHARD_MARK = "asyncmoe_expert_shard"
 def _sharded(m: nn.Module) -> DTensor | None:
     """One of the module's parameters that expert parallelism split over ranks, if any."""
     params = m.parameters(recurse=False)
-    return next((p for p in params if isinstance(p, DTensor) and not all(x.is_replicate() for x in p.placements)), None)
+    return next(
+        (
+            p
+            for p in params
+            if isinstance(p, DTensor) and not all(x.is_replicate() for x in p.placements)
+        ),
+        None,
+    )
 
 
 def _keep_shard_mark(m: nn.Module, sharded: DTensor | None) -> None:
-    """Leave an expert-parallel module an empty parameter sharded as its experts were: transformers 5.17 sums
-    the ranks' outputs only while the module holds a sharded parameter, and its experts now live in the cache."""
+    """Leave an expert-parallel module an empty parameter sharded as its experts were: transformers
+    5.17 sums the ranks' outputs only while the module holds a sharded parameter, and its experts
+    now live in the cache."""
     if sharded is not None:
         empty = torch.empty(0, device=sharded.to_local().device, dtype=sharded.dtype)
         mark = DTensor.from_local(empty, sharded.device_mesh, sharded.placements, run_check=False)

@@ -1,16 +1,24 @@
-"""Quantized checkpoints read by asyncmoe itself, their routed experts kept quantized: fine-grained FP8
-(DeepSeek-V3/R1, Kimi-K2, the Qwen3 FP8 releases) and MXFP4 (GPT-OSS).
+"""Quantized checkpoints read by asyncmoe itself, their routed experts kept quantized: fine-grained
+FP8 (DeepSeek-V3/R1, Kimi-K2, the Qwen3 FP8 releases) and MXFP4 (GPT-OSS).
 
-transformers runs such checkpoints with expert kernels fetched from a model hub and elsewhere dequantizes
-them on load; asyncmoe keeps the experts as the files store them. The model is built from its config with
-its parameters on the meta device (buffers such as rotary tables are computed as usual), then every tensor
+transformers runs such checkpoints with expert kernels fetched from a model hub and elsewhere
+dequantizes
+them on load; asyncmoe keeps the experts as the files store them. The model is built from its config
+with
+its parameters on the meta device (buffers such as rotary tables are computed as usual), then every
+tensor
 of the checkpoint is read once:
-- routed experts stored per expert (`experts.{i}.{gate,up,down}_proj.weight` with `weight_scale_inv`, as
-  DeepSeek-V3 and Qwen3 ship them; `w1/w3/w2` as Mixtral's) are stacked into the experts module's fused
-  tensors [E, N, K] with their scales, gate before up; experts already fused (`gate_up_proj`, or GPT-OSS's
-  `gate_up_proj_blocks` with `gate_up_proj_scales`) are taken as they are; kept quantized, or dequantized
+- routed experts stored per expert (`experts.{i}.{gate,up,down}_proj.weight` with
+  `weight_scale_inv`, as
+  DeepSeek-V3 and Qwen3 ship them; `w1/w3/w2` as Mixtral's) are stacked into the experts module's
+  fused
+  tensors [E, N, K] with their scales, gate before up; experts already fused (`gate_up_proj`, or
+  GPT-OSS's
+  `gate_up_proj_blocks` with `gate_up_proj_scales`) are taken as they are; kept quantized, or
+  dequantized
   with `keep=False`;
-- every other fp8 weight is dequantized to the compute dtype with its scales (they are a small share);
+- every other fp8 weight is dequantized to the compute dtype with its scales (they are a small
+  share);
 - the rest is cast to the dtype of the parameter it fills.
 Checkpoint names are mapped to the model's by transformers' own renaming rules for the family.
 """
@@ -32,8 +40,11 @@ from transformers.core_model_loading import WeightRenaming, rename_source_key
 from ..formats import FP8, SCALE, Format, Fp8, Mxfp4, dequantize_fp8, scale_shape
 from .transformers import find_experts
 
-PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight(?P<scale>_scale_inv)?$")
-# per-expert projection -> (fused tensor of a gated experts module, its part: gate rows first, then up)
+PER_EXPERT = re.compile(
+    r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight(?P<scale>_scale_inv)?$"
+)
+# per-expert projection -> (fused tensor of a gated experts module, its part: gate rows first, then
+# up)
 GATED = {
     "gate_proj": ("gate_up_proj", 0),
     "w1": ("gate_up_proj", 0),
@@ -42,14 +53,20 @@ GATED = {
     "down_proj": ("down_proj", 0),
     "w2": ("down_proj", 0),
 }
-UNGATED = {"up_proj": ("up_proj", 0), "w1": ("up_proj", 0), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}
+UNGATED = {
+    "up_proj": ("up_proj", 0),
+    "w1": ("up_proj", 0),
+    "down_proj": ("down_proj", 0),
+    "w2": ("down_proj", 0),
+}
 
 
 BLOCKS = "_blocks"  # GPT-OSS's packed 4-bit weights: [E, N, K/32, 16]
 
 
 def checkpoint_format(path: pathlib.Path) -> Format | None:
-    """The checkpoint's expert format where asyncmoe reads it itself (fine-grained fp8, mxfp4); None otherwise."""
+    """The checkpoint's expert format where asyncmoe reads it itself (fine-grained fp8, mxfp4); None
+    otherwise."""
     quant = json.loads((path / "config.json").read_text()).get("quantization_config")
     if quant and quant.get("quant_method") == "mxfp4":
         return Mxfp4()
@@ -58,20 +75,23 @@ def checkpoint_format(path: pathlib.Path) -> Format | None:
     block = quant.get("weight_block_size")
     if not block or len(block) != 2:
         raise ValueError(
-            f"{path}: its fp8 quantization_config has weight_block_size={block!r}; asyncmoe keeps block-wise fp8 "
+            f"{path}: its fp8 quantization_config has weight_block_size={block!r}; asyncmoe keeps "
+            "block-wise fp8 "
             "(two block sizes, as transformers' fine-grained FP8 stores them)"
         )
     if quant.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(
-            f"{path}: static fp8 activation scales are not supported (activation_scheme must be 'dynamic')"
+            f"{path}: static fp8 activation scales are not supported (activation_scheme must be "
+            "'dynamic')"
         )
     return Fp8((int(block[0]), int(block[1])))
 
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Modules built inside get their parameters on the meta device (allocated and freed one at a time) and
-    their buffers as usual, so that buffers computed at construction, such as rotary tables, are real."""
+    """Modules built inside get their parameters on the meta device (allocated and freed one at a
+    time) and their buffers as usual, so that buffers computed at construction, such as rotary
+    tables, are real."""
     register = nn.Module.register_parameter
 
     def on_meta(module, name, param):
@@ -87,7 +107,8 @@ def _parameters_on_meta():
 
 
 class _Experts:
-    """One experts module's fused tensors, filled expert by expert and part by part from the files."""
+    """One experts module's fused tensors, filled expert by expert and part by part from the
+    files."""
 
     def __init__(self, module: nn.Module, fmt: Format, keep: bool, dtype: torch.dtype):
         self.module, self.fmt, self.keep, self.dtype = module, fmt, keep, dtype
@@ -96,20 +117,31 @@ class _Experts:
         self.tensors: dict[str, torch.Tensor] = {}
         self.filled: set[tuple[str, int, int, bool]] = set()
 
-    def put(self, proj: str, expert: int, is_scale: bool, value: torch.Tensor, weight: torch.Tensor | None):
+    def put(
+        self,
+        proj: str,
+        expert: int,
+        is_scale: bool,
+        value: torch.Tensor,
+        weight: torch.Tensor | None,
+    ):
         if proj not in self.parts:
-            raise ValueError(f"unexpected expert projection {proj!r} for {type(self.module).__name__}")
+            raise ValueError(
+                f"unexpected expert projection {proj!r} for {type(self.module).__name__}"
+            )
         name, part = self.parts[proj]
         full = getattr(self.module, name)  # the meta parameter: [E, N, K]
         rows = full.shape[1] // (2 if name == "gate_up_proj" else 1)  # this part's rows
         if self.block is None:
             raise ValueError(
-                f"per-expert {proj} tensors in a {self.fmt.name} checkpoint: asyncmoe reads {self.fmt.name} "
+                f"per-expert {proj} tensors in a {self.fmt.name} checkpoint: asyncmoe reads "
+                f"{self.fmt.name} "
                 "experts fused, as GPT-OSS ships them"
             )
         if name == "gate_up_proj" and rows % self.block[0]:
             raise ValueError(
-                f"gate and up projections of {rows} rows do not split into fp8 blocks of {self.block[0]} rows: "
+                f"gate and up projections of {rows} rows do not split into fp8 blocks of "
+                f"{self.block[0]} rows: "
                 "asyncmoe fuses them block-aligned; load with quantize='dequantize'"
             )
         if self.keep:
@@ -130,19 +162,33 @@ class _Experts:
         self.filled.add((target, expert, part, is_scale))
 
     def finish(self, path_name: str) -> None:
-        E = self.module.gate_up_proj.shape[0] if self.module.has_gate else self.module.up_proj.shape[0]
+        E = (
+            self.module.gate_up_proj.shape[0]
+            if self.module.has_gate
+            else self.module.up_proj.shape[0]
+        )
         for target in self.tensors:
             parts = {p for n, p in self.parts.values() if n == target.removesuffix(SCALE)}
-            missing = [e for e in range(E) for p in parts if (target, e, p, target.endswith(SCALE)) not in self.filled]
+            missing = [
+                e
+                for e in range(E)
+                for p in parts
+                if (target, e, p, target.endswith(SCALE)) not in self.filled
+            ]
             if missing:
-                raise ValueError(f"the checkpoint lacks {target} of {len(missing)} experts of {path_name}")
+                raise ValueError(
+                    f"the checkpoint lacks {target} of {len(missing)} experts of {path_name}"
+                )
         for target, t in self.tensors.items():
             self.module._parameters[target] = nn.Parameter(t, requires_grad=False)
 
 
-def load_quantized(path: pathlib.Path, files: list[pathlib.Path], dtype: torch.dtype, fmt: Format, keep: bool):
-    """The model of the quantized checkpoint at `path` on the CPU: routed experts in `fmt` (`keep`) or in `dtype`,
-    everything else in `dtype` (or its parameter's own dtype, where transformers keeps one in fp32)."""
+def load_quantized(
+    path: pathlib.Path, files: list[pathlib.Path], dtype: torch.dtype, fmt: Format, keep: bool
+):
+    """The model of the quantized checkpoint at `path` on the CPU: routed experts in `fmt` (`keep`)
+    or in `dtype`, everything else in `dtype` (or its parameter's own dtype, where transformers
+    keeps one in fp32)."""
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config
     with _parameters_on_meta():
@@ -157,14 +203,17 @@ def load_quantized(path: pathlib.Path, files: list[pathlib.Path], dtype: torch.d
 
     with contextlib.ExitStack() as stack:
         opened = {file: stack.enter_context(safe_open(file, "pt")) for file in files}
-        where = {key: file for file, f in opened.items() for key in f.keys()}  # a scale may sit in another shard
+        # a scale may sit in another shard
+        where = {key: file for file, f in opened.items() for key in f.keys()}
         for key, file in sorted(where.items()):
             if key.endswith(fmt.suffix):
                 continue  # read with its weight
             base = key.removesuffix(BLOCKS)
             value = opened[file].get_tensor(key)
             scale = (
-                opened[where[base + fmt.suffix]].get_tensor(base + fmt.suffix) if base + fmt.suffix in where else None
+                opened[where[base + fmt.suffix]].get_tensor(base + fmt.suffix)
+                if base + fmt.suffix in where
+                else None
             )
             target = rename(base)
             match = PER_EXPERT.match(target)
@@ -180,7 +229,9 @@ def load_quantized(path: pathlib.Path, files: list[pathlib.Path], dtype: torch.d
                 continue
             if value.dtype == FP8:
                 if scale is None:
-                    raise ValueError(f"{file.name}: fp8 tensor {key} has no {key + SCALE} in the checkpoint")
+                    raise ValueError(
+                        f"{file.name}: fp8 tensor {key} has no {key + SCALE} in the checkpoint"
+                    )
                 value = dequantize_fp8(value, scale, block, dtype)
             _set(model, target, value, file)
     for name, layer in experts.items():
@@ -188,22 +239,28 @@ def load_quantized(path: pathlib.Path, files: list[pathlib.Path], dtype: torch.d
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise ValueError(f"{path} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])}, ...)")
+        raise ValueError(
+            f"{path} lacks {len(missing)} of the model's tensors ({', '.join(missing[:4])}, ...)"
+        )
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
 
 
-def _set_fused(layer: _Experts, leaf: str, value: torch.Tensor, scale: torch.Tensor | None, file) -> None:
-    """An experts tensor the checkpoint stores fused: [E, N, K] fp8 with `<leaf>_scale_inv`, or GPT-OSS's 4-bit
-    `<leaf>_blocks` [E, N, K/32, 16] with `<leaf>_scales` [E, N, K/32]."""
+def _set_fused(
+    layer: _Experts, leaf: str, value: torch.Tensor, scale: torch.Tensor | None, file
+) -> None:
+    """An experts tensor the checkpoint stores fused: [E, N, K] fp8 with `<leaf>_scale_inv`, or
+    GPT-OSS's 4-bit `<leaf>_blocks` [E, N, K/32, 16] with `<leaf>_scales` [E, N, K/32]."""
     fmt, module = layer.fmt, layer.module
     if isinstance(fmt, Fp8) and value.dtype != FP8 or scale is None:  # a dense tensor
         module._parameters[leaf] = nn.Parameter(value.to(layer.dtype), requires_grad=False)
         return
     if not isinstance(fmt, Fp8):
         if value.dim() != 4:
-            raise ValueError(f"{file.name}: {leaf}{BLOCKS} must be [E, N, K/32, 16], got {tuple(value.shape)}")
+            raise ValueError(
+                f"{file.name}: {leaf}{BLOCKS} must be [E, N, K/32, 16], got {tuple(value.shape)}"
+            )
         value = value.flatten(2)  # [E, N, K/2]
     else:
         scale = scale.float()
@@ -221,13 +278,20 @@ def _set(model: nn.Module, target: str, value: torch.Tensor, file: pathlib.Path)
     try:
         module = model.get_submodule(module_name)
     except AttributeError:
-        raise ValueError(f"{file.name}: tensor {target} matches no module of {type(model).__name__}") from None
+        raise ValueError(
+            f"{file.name}: tensor {target} matches no module of {type(model).__name__}"
+        ) from None
     if leaf in module._parameters:
         old = module._parameters[leaf]
         if tuple(old.shape) != tuple(value.shape):
-            raise ValueError(f"{file.name}: {target} has shape {tuple(value.shape)}, the model {tuple(old.shape)}")
+            raise ValueError(
+                f"{file.name}: {target} has shape {tuple(value.shape)}, the model "
+                f"{tuple(old.shape)}"
+            )
         module._parameters[leaf] = nn.Parameter(value.to(old.dtype), requires_grad=False)
     elif leaf in module._buffers:
         module._buffers[leaf] = value.to(module._buffers[leaf].dtype)
     else:
-        raise ValueError(f"{file.name}: tensor {target} matches no parameter of {type(model).__name__}")
+        raise ValueError(
+            f"{file.name}: tensor {target} matches no parameter of {type(model).__name__}"
+        )

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..predict import predictors
+from ..prefetch import predictors
 from ..providers import CachedProvider, QuantizedResidentProvider
 from ..trace.format import Trace
 from .transformers import PROVIDER, families_hint, find_experts, find_router, num_experts
 
 
 def expert_bytes(m: nn.Module) -> int:
-    """Bytes of one expert of the experts module `m` as its provider stores it (fp8 with its scales, or dense)."""
+    """Bytes of one expert of the experts module `m` as its provider stores it (fp8 with its scales,
+    or dense)."""
     provider = getattr(m, PROVIDER, None)
     if isinstance(provider, CachedProvider):
         return provider.cache.expert_bytes
@@ -24,7 +25,8 @@ def expert_bytes(m: nn.Module) -> int:
 
 
 class TraceRecorder:
-    """Records the routing of every MoE layer while active: `with record(model) as r: ...; r.trace.save(path)`.
+    """Records the routing of every MoE layer while active: `with record(model) as r: ...;
+    r.trace.save(path)`.
 
     Hooks run in eager forwards only (a CUDA graph replays kernels, not Python): record with
     `Decoder(graph=False)` or `model.generate`. Tokens of a call are recorded in row-major order
@@ -36,17 +38,21 @@ class TraceRecorder:
     def __init__(self, model: nn.Module, gate: bool = False):
         named = find_experts(model)
         if not named:
-            raise ValueError(f"{type(model).__name__} has no MoE layer to record; {families_hint()}")
+            raise ValueError(
+                f"{type(model).__name__} has no MoE layer to record; {families_hint()}"
+            )
         self.experts = [m for _, m in named]
         self.routers = [find_router(model, name, m) for name, m in named] if gate else None
         if gate and any(r is None for r in self.routers[1:]):
             raise ValueError(
-                f"{type(model).__name__}: no router weight [E, H] found beside every experts module; "
+                f"{type(model).__name__}: no router weight [E, H] found beside every experts "
+                "module; "
                 "record without gate=True"
             )
         self.ids: list[list[torch.Tensor]] = [[] for _ in self.experts]
         self.weights: list[list[torch.Tensor]] = [[] for _ in self.experts]
-        self.gate: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.experts]  # (ids, probs) per call
+        # (ids, probs) per call
+        self.gate: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.experts]
         self.starts: list[int] = []
         self.handles = []
 
@@ -54,7 +60,8 @@ class TraceRecorder:
         def hook(module, args, kwargs):
             ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
             weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]
-            self.ids[layer].append(ids.detach().to("cpu", torch.int64))  # a host sync: recording is an eager tool
+            # a host sync: recording is an eager tool
+            self.ids[layer].append(ids.detach().to("cpu", torch.int64))
             self.weights[layer].append(weights.detach().to("cpu", torch.float32))
             if self.routers is None:
                 return
@@ -66,7 +73,9 @@ class TraceRecorder:
                 with torch.no_grad():
                     top = predictors.gate_top(x, *self.routers[layer + 1], k)
                 # host copies, as above: recording is an eager tool, never in a captured step
-                self.gate[layer + 1].append((top.indices.to("cpu", torch.int64), top.values.to("cpu", torch.float32)))
+                self.gate[layer + 1].append(
+                    (top.indices.to("cpu", torch.int64), top.values.to("cpu", torch.float32))
+                )
 
         return hook
 
@@ -76,7 +85,8 @@ class TraceRecorder:
 
     def __enter__(self):
         self.handles = [
-            m.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, m in enumerate(self.experts)
+            m.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i, m in enumerate(self.experts)
         ]
         return self
 
@@ -93,7 +103,9 @@ class TraceRecorder:
         gate = {}
         if self.routers is not None:
             gate = {
-                name: torch.stack([torch.cat([call[i] for call in calls]) for calls in self.gate], dim=1).numpy()
+                name: torch.stack(
+                    [torch.cat([call[i] for call in calls]) for calls in self.gate], dim=1
+                ).numpy()
                 for i, name in enumerate(("gate_ids", "gate_probs"))
             }
         return Trace(

@@ -1,13 +1,14 @@
-"""transformers' experts interface: the `"asyncmoe"` implementation, and finding experts modules and routers.
+"""transformers' experts interface: the `"asyncmoe"` implementation, and finding experts modules and
+routers.
 
 transformers >= 5 keeps a MoE layer's experts as 3-D parameters `[E, ...]` in one module whose class
 is decorated with `@use_experts_implementation`; its forward dispatches on
-`config._experts_implementation` to `fn(self, hidden_states [T,H], top_k_index [T,k],
-top_k_weights [T,k]) -> [T,H]`. We register `"asyncmoe"` there, so routers, shared experts and
-everything else stay the model's own, and `generate()`, static caches and torch.compile keep working.
-Under transformers' expert parallelism each rank's module holds its experts as DTensor shards, and its
-forward hands the implementation local expert ids, with id E (the local count) for pairs routed to another
-rank's experts; transformers sums the ranks' outputs after it returns.
+`config._experts_implementation` to `fn(self, hidden_states [T,H], top_k_index [T,k], top_k_weights
+[T,k]) -> [T,H]`. We register `"asyncmoe"` there, so routers, shared experts and everything else
+stay the model's own, and `generate()`, static caches and torch.compile keep working. Under
+transformers' expert parallelism each rank's module holds its experts as DTensor shards, and its
+forward hands the implementation local expert ids, with id E (the local count) for pairs routed to
+another rank's experts; transformers sums the ranks' outputs after it returns.
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ def check_model(model, arg: str = "model") -> None:
             if isinstance(model, (str, pathlib.PurePath))
             else ""
         )
-        raise TypeError(f"{arg} must be a torch.nn.Module (a transformers model), got {type(model).__name__}{hint}")
+        raise TypeError(
+            f"{arg} must be a torch.nn.Module (a transformers model), got "
+            f"{type(model).__name__}{hint}"
+        )
 
 
 def is_experts_module(module: nn.Module) -> bool:
     """Modules built by a `@use_experts_implementation` class carry its layout flags."""
     flags = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
-    return all(isinstance(getattr(module, f, None), bool) for f in flags) and hasattr(module, "config")
+    return all(isinstance(getattr(module, f, None), bool) for f in flags) and hasattr(
+        module, "config"
+    )
 
 
 def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -89,17 +95,20 @@ def top_k_of(config) -> int | None:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor that transformers' tensor or expert parallelism made a DTensor; else `t`."""
+    """This rank's part of a tensor that transformers' tensor or expert parallelism made a DTensor;
+    else `t`."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def expert_params(m: nn.Module) -> dict[str, torch.Tensor]:
-    """The experts module's own tensors [E, ...], this rank's experts only under expert parallelism."""
+    """The experts module's own tensors [E, ...], this rank's experts only under expert
+    parallelism."""
     return {name: local(p) for name, p in m.named_parameters(recurse=False)}
 
 
 def is_expert_parallel(m: nn.Module) -> bool:
-    """Whether transformers split this experts module's experts over ranks (its parameters are DTensors)."""
+    """Whether transformers split this experts module's experts over ranks (its parameters are
+    DTensors)."""
     return any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
 
 
@@ -108,8 +117,11 @@ def num_experts(m: nn.Module) -> int:
     return local(m.gate_up_proj if m.has_gate else m.up_proj).shape[0]
 
 
-def find_router(model: nn.Module, name: str, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The router beside an experts module: the MoE block's parameter shaped [E, H] (and its [E] bias, if any)."""
+def find_router(
+    model: nn.Module, name: str, experts: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The router beside an experts module: the MoE block's parameter shaped [E, H] (and its [E]
+    bias, if any)."""
     E = num_experts(experts)
     H = experts.down_proj.shape[-1] if experts.is_transposed else experts.down_proj.shape[-2]
     block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model

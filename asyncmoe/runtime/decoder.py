@@ -3,9 +3,8 @@
 A decode step is the model's forward on one token per sequence with a `StaticCache` (every asyncmoe
 op included: ensure, prefetch on the side stream, the copies), the choice of the next token, the
 padding of finished sequences and the bookkeeping of the position, all on the device; the host only
-replays. Eager decode steps take 2.3-2.4x the graph's time on the OLMoE shape at 16 of 64 slots (the
-quick profile, docs/results/quick-before-after.md), so without the graph no offload scheme gets near the
-resident ceiling.
+replays. Eager decode steps spend most of their time launching kernels from Python, so without the
+graph no offload scheme gets near the resident ceiling (docs/decisions.md#cuda-graph-decode).
 
 Dims: B batch, L prompt length, N max length, V vocabulary.
 """
@@ -28,15 +27,17 @@ from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
 from ..integrations.transformers import PROVIDER, check_model, find_experts, top_k_of
-from ..predict.prefetch_gate import EXPLORE_EVERY
+from ..prefetch.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
 from .sampling import check_sampling, sample
 
 
 @dataclass
 class Generation:
-    tokens: torch.Tensor  # [B, longest sequence], prompt included; past a sequence's EOS: pad_token_id
-    lengths: torch.Tensor  # [B] prompt + new tokens of each sequence, up to and including its first EOS
+    # [B, longest sequence], prompt included; past a sequence's EOS: pad_token_id
+    tokens: torch.Tensor
+    # [B] prompt + new tokens of each sequence, up to and including its first EOS
+    lengths: torch.Tensor
     new_tokens: int  # the longest sequence's
     prefill_ms: float
     decode_ms_per_token: float  # wall time of the decode loop / decode steps it ran
@@ -61,16 +62,23 @@ def _token_ids(value, name: str) -> list[int]:
 
 
 def stop_tokens(model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
-    """EOS ids and the pad that follows a finished sequence, resolved as transformers' generate does: the model's
-    generation config fills what is not given, and the pad falls back to the first EOS id."""
+    """EOS ids and the pad that follows a finished sequence, resolved as transformers' generate
+    does: the model's generation config fills what is not given, and the pad falls back to the first
+    EOS id."""
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
-        eos_token_id, name = getattr(config, "eos_token_id", None), "model.generation_config.eos_token_id"
+        eos_token_id, name = (
+            getattr(config, "eos_token_id", None),
+            "model.generation_config.eos_token_id",
+        )
     else:
         name = "eos_token_id"
     eos = [] if eos_token_id is None else _token_ids(eos_token_id, name)
     if pad_token_id is None:
-        pad_token_id, name = getattr(config, "pad_token_id", None), "model.generation_config.pad_token_id"
+        pad_token_id, name = (
+            getattr(config, "pad_token_id", None),
+            "model.generation_config.pad_token_id",
+        )
     else:
         name = "pad_token_id"
     if pad_token_id is None:
@@ -81,17 +89,27 @@ def stop_tokens(model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int]
 
 
 def check_prompts(input_ids, batch_size: int, vocab: int) -> tuple[int, int]:
-    """[B, L] integer token ids of the model's vocabulary, B = the Decoder's batch_size; returns (B, L)."""
+    """[B, L] integer token ids of the model's vocabulary, B = the Decoder's batch_size; returns (B,
+    L)."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(
-            f"input_ids must be a torch.Tensor of token ids [batch, length], got {type(input_ids).__name__}"
+            "input_ids must be a torch.Tensor of token ids [batch, length], got "
+            f"{type(input_ids).__name__}"
         )
     if input_ids.ndim != 2:
         raise ValueError(
-            f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}; for one prompt use input_ids[None]"
+            f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}; for one "
+            "prompt use input_ids[None]"
         )
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}; convert with input_ids.long()")
+    if (
+        input_ids.dtype.is_floating_point
+        or input_ids.dtype.is_complex
+        or input_ids.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"input_ids must hold integer token ids, got {input_ids.dtype}; convert "
+            "with input_ids.long()"
+        )
     B, L = input_ids.shape
     if B != batch_size:
         raise ValueError(f"this Decoder was built for batch_size={batch_size}; got {B} prompts")
@@ -106,12 +124,13 @@ def check_prompts(input_ids, batch_size: int, vocab: int) -> tuple[int, int]:
 
 
 def warn_past_positions(model: nn.Module, length: int, what: str) -> None:
-    """Warn, as transformers' generate does, where a length runs past the positions the model was trained for:
-    its output degenerates there."""
+    """Warn, as transformers' generate does, where a length runs past the positions the model was
+    trained for: its output degenerates there."""
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions is not None and length > positions:
         warnings.warn(
-            f"{what}={length} is past the model's max_position_embeddings={positions}: tokens past that position "
+            f"{what}={length} is past the model's max_position_embeddings={positions}: tokens past "
+            "that position "
             "are likely to be gibberish (the model was not trained on them)",
             stacklevel=3,
         )
@@ -127,23 +146,30 @@ def check_capturable(model: nn.Module, batch_size: int) -> None:
         need = min(cache.num_experts, batch_size * k)
         if cache.num_slots < need:
             raise ValueError(
-                f"capturing a decode step of batch {batch_size} needs cache >= min(num_experts={cache.num_experts}, "
-                f"batch*top_k={batch_size * k}) = {need} slots per layer, but {name} has {cache.num_slots}: with "
-                "fewer, one step's distinct experts can exceed the slots and be served in waves copied on the compute "
-                f"stream, which the graph would serialise. Use cache>={need}, or batch_size<={cache.num_slots // k}, "
+                f"capturing a decode step of batch {batch_size} needs cache >= "
+                f"min(num_experts={cache.num_experts}, "
+                f"batch*top_k={batch_size * k}) = {need} slots per layer, but {name} has "
+                f"{cache.num_slots}: with "
+                "fewer, one step's distinct experts can exceed the slots and be served in waves "
+                "copied on the compute "
+                f"stream, which the graph would serialise. Use cache>={need}, or "
+                f"batch_size<={cache.num_slots // k}, "
                 "or Decoder(..., waves=True) to capture the waves anyway."
             )
 
 
 def eager_mask(*, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
-    """transformers' eager-attention mask (0 where attended, the dtype's minimum elsewhere), built from a zero made
-    on the device: transformers 5.17 makes it with `torch.tensor(0.0, device=...)`, a host-to-device copy that a
-    CUDA graph cannot capture, so eager-attention models (GPT-OSS) would not capture."""
+    """transformers' eager-attention mask (0 where attended, the dtype's minimum elsewhere), built
+    from a zero made on the device: transformers 5.17 makes it with `torch.tensor(0.0, device=...)`,
+    a host-to-device copy that a CUDA graph cannot capture, so eager-attention models (GPT-OSS)
+    would not capture."""
     kwargs.pop("allow_is_causal_skip", None)
     mask = masking_utils.sdpa_mask(allow_is_causal_skip=False, **kwargs)
     if mask is None:
         return None
-    return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+    return torch.where(
+        mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min
+    )
 
 
 @contextlib.contextmanager
@@ -159,28 +185,34 @@ def capturable_masks():
 
 
 def static_cache(model: nn.Module, max_length: int) -> transformers.StaticCache:
-    """transformers' StaticCache with every sliding-window layer kept whole. A sliding layer decides on the host
-    whether it is full (then it rolls its keys), so a step captured before the window fills would write past it
-    once it has; a whole layer, read through the model's own sliding-window mask, attends to the same keys."""
+    """transformers' StaticCache with every sliding-window layer kept whole. A sliding layer decides
+    on the host whether it is full (then it rolls its keys), so a step captured before the window
+    fills would write past it once it has; a whole layer, read through the model's own
+    sliding-window mask, attends to the same keys."""
     kv = transformers.StaticCache(config=model.config, max_cache_len=max_length)
-    kv.layers = [StaticLayer(max_cache_len=max_length) if layer.is_sliding else layer for layer in kv.layers]
+    kv.layers = [
+        StaticLayer(max_cache_len=max_length) if layer.is_sliding else layer for layer in kv.layers
+    ]
     return kv
 
 
-CHECK_EVERY = 16  # decode steps between the host's looks at whether every sequence has finished (one sync each)
+# decode steps between the host's looks at whether every sequence has finished (one sync each)
+CHECK_EVERY = 16
 LEAD = 4  # most graph steps the host queues ahead of the GPU while it reads the prefetch gates
 
 
 class Gates:
-    """Whether the next decode step prefetches, from the prefetch gates as the device last wrote them to pinned
-    memory (`ExpertCache.gate_open_host`: no sync). While every gate is closed a step skips prefetch
-    (`prefetch_paused`): a closed gate copies nothing, but a step with prefetch costs its side streams' dependencies
-    all the same (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed). One step in EXPLORE_EVERY
-    still runs the predictors, on which closed gates explore as they would every step."""
+    """Whether the next decode step prefetches, from the prefetch gates as the device last wrote
+    them to pinned memory (`PrefetchBuffers.gate_open_host`: no sync). While every gate is closed a
+    step skips prefetch (`prefetch_paused`): a closed gate copies nothing, but a step with prefetch
+    costs its side streams' dependencies all the same
+    (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed). One step in
+    EXPLORE_EVERY still runs the predictors, on which closed gates explore as they would every
+    step."""
 
     def __init__(self, providers: list[CachedProvider]):
         targets = {id(t): t for p in providers for t in p.links.targets}.values()
-        self.flags = [t.cache.gate_open_host.numpy() for t in targets]
+        self.flags = [t.prefetch.gate_open_host.numpy() for t in targets]
         self.closed = 0  # steps since a gate was last seen open
 
     def __bool__(self) -> bool:
@@ -195,29 +227,36 @@ class Gates:
 
 
 def cached_providers(model: nn.Module) -> list[CachedProvider]:
-    return [p for _, m in find_experts(model) if isinstance(p := getattr(m, PROVIDER, None), CachedProvider)]
+    return [
+        p
+        for _, m in find_experts(model)
+        if isinstance(p := getattr(m, PROVIDER, None), CachedProvider)
+    ]
 
 
 def kv_keyword(model: nn.Module) -> str:
-    """The keyword `model.forward` takes its KV cache by: `past_key_values` up to transformers 5.2x, then `cache`."""
+    """The keyword `model.forward` takes its KV cache by: `past_key_values` up to transformers 5.2x,
+    then `cache`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class Decoder:
     """Generate with a static KV cache, one CUDA graph per step (eager steps on the CPU).
 
-    `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens (default: the model's
-    max_position_embeddings, at most 4096; past them it warns, as transformers' generate does).
-    The first `generate` with a given sampling mode captures its graph; later calls replay it.
-    A sequence that has produced an EOS is fed `pad_token_id` from then on, on the device, as transformers does.
+    `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens (default:
+    the model's max_position_embeddings, at most 4096; past them it warns, as transformers' generate
+    does). The first `generate` with a given sampling mode captures its graph; later calls replay
+    it. A sequence that has produced an EOS is fed `pad_token_id` from then on, on the device, as
+    transformers does.
 
-    A captured step refuses a cache smaller than one step's possible experts (`check_capturable`) unless
-    `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed, so capturable),
-    each wave's copies on the compute stream after the previous wave's compute, and waves with nothing
-    to copy still launch their kernels.
+    A captured step refuses a cache smaller than one step's possible experts (`check_capturable`)
+    unless `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed,
+    so capturable), each wave's copies on the compute stream after the previous wave's compute, and
+    waves with nothing to copy still launch their kernels.
 
-    With prefetch, each step runs with it or without it as the prefetch gates ask (`Gates`; a graph of each),
-    and the host queues at most LEAD graph steps ahead of the GPU, so that it reads the gates of recent steps.
+    With prefetch, each step runs with it or without it as the prefetch gates ask (`Gates`; a graph
+    of each), and the host queues at most LEAD graph steps ahead of the GPU, so that it reads the
+    gates of recent steps.
     """
 
     def __init__(
@@ -230,19 +269,26 @@ class Decoder:
     ):
         check_model(model)
         if not _is_int(batch_size) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, the number of prompts per call; got {batch_size!r}")
+            raise ValueError(
+                "batch_size must be an int >= 1, the number of prompts per call; got "
+                f"{batch_size!r}"
+            )
         if max_length is None:  # the model's positions, up to a KV cache of 4096
             max_length = min(4096, getattr(model.config, "max_position_embeddings", None) or 4096)
         if not _is_int(max_length) or max_length < 2:
-            raise ValueError(f"max_length must be an int >= 2, room for prompt + new tokens; got {max_length!r}")
+            raise ValueError(
+                f"max_length must be an int >= 2, room for prompt + new tokens; got {max_length!r}"
+            )
         self.model, self.batch_size, self.max_length = model, int(batch_size), int(max_length)
         self.device = model.device
         self.vocab = model.get_input_embeddings().num_embeddings  # ids a prompt may hold
         self.graphed = self.device.type == "cuda" if graph is None else graph
         if self.graphed and self.device.type != "cuda":
             raise ValueError(
-                f"graph=True captures each step in a CUDA graph, which needs a model on a CUDA device; this model is "
-                f"on {self.device}. Compile it onto the GPU (asyncmoe.compile(model, ..., device='cuda')) or pass "
+                "graph=True captures each step in a CUDA graph, which needs a model on a CUDA "
+                "device; this model is "
+                f"on {self.device}. Compile it onto the GPU (asyncmoe.compile(model, ..., "
+                "device='cuda')) or pass "
                 "graph=False (or leave graph=None: graphs on CUDA, eager steps elsewhere)"
             )
         warn_past_positions(model, max_length, "max_length")
@@ -254,22 +300,28 @@ class Decoder:
         self.tok = torch.zeros(batch_size, 1, **i64)  # the token fed to the next step
         self.pos = torch.zeros(1, **i64)  # its position
         self.history = torch.zeros(batch_size, max_length, **i64)
-        self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)  # [B] has produced an EOS
+        # [B] has produced an EOS
+        self.done = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
         self.pad = torch.zeros(1, **i64)  # what a finished sequence is fed
-        self.logits = None  # [B, V] of the last step, for inspection; allocated by the first forward
+        # [B, V] of the last step, for inspection; allocated by the first forward
+        self.logits = None
         self.is_eos = None  # [V] bool, allocated with the logits
         self.temperature = torch.ones(1, device=self.device)
         self.top_p = torch.ones(1, device=self.device)
-        self._graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}  # (do_sample, top_k, prefetch)
+        # (do_sample, top_k, prefetch)
+        self._graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}
         self.cached = cached_providers(model)
         self.gates = Gates(self.cached)
-        self._queued: deque[torch.cuda.Event] = deque()  # one a graph step the GPU may not have run yet
+        # one a graph step the GPU may not have run yet
+        self._queued: deque[torch.cuda.Event] = deque()
         self._sampling = None  # (do_sample, top_k) of the last prefill: the graph's key
-        self.length = 0  # tokens in `history`, kept on the host so decoding never waits for the device
+        # tokens in `history`, kept on the host so decoding never waits for the device
+        self.length = 0
         self.stops = False  # whether the last prefill has EOS ids the model can produce
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # positions come from the StaticCache's own device-side length, so a replayed step advances them
+        # positions come from the StaticCache's own device-side length, so a replayed step advances
+        # them
         logits = self.model(input_ids=ids, **{self._kv_arg: self.kv}).logits[:, -1]
         if self.logits is None:
             self.logits = torch.empty_like(logits)
@@ -278,7 +330,8 @@ class Decoder:
         return logits
 
     def _finish(self, nxt: torch.Tensor) -> torch.Tensor:
-        """Pad for sequences already finished, then mark those that just produced an EOS; [B] -> [B]."""
+        """Pad for sequences already finished, then mark those that just produced an EOS; [B] ->
+        [B]."""
         nxt = torch.where(self.done, self.pad, nxt)
         self.done |= self.is_eos[nxt]
         return nxt
@@ -295,8 +348,8 @@ class Decoder:
         return contextlib.nullcontext() if prefetch else prefetch_paused(self.cached)
 
     def _capture(self, sampling: tuple[bool, int]) -> None:
-        """Capture a step with prefetch and, where the gates may close, one without. Warm-up and capture run on
-        whatever state is there; `prefill` resets it after."""
+        """Capture a step with prefetch and, where the gates may close, one without. Warm-up and
+        capture run on whatever state is there; `prefill` resets it after."""
         for prefetch in (True, False) if self.gates else (True,):
             key = (*sampling, prefetch)
             if key in self._graphs:
@@ -306,7 +359,8 @@ class Decoder:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
             with capturable_masks(), self._paused(prefetch):
-                with torch.cuda.stream(side):  # warm-up: KV allocation, cuBLAS handles, Triton compiles
+                # warm-up: KV allocation, cuBLAS handles, Triton compiles
+                with torch.cuda.stream(side):
                     for _ in range(2):
                         self._step(*sampling)
                 torch.cuda.current_stream().wait_stream(side)
@@ -316,8 +370,9 @@ class Decoder:
             self._graphs[key] = graph
 
     def _set_stops(self, eos: list[int], pad: int | None) -> None:
-        """Fill the EOS table and the pad in place (a captured step reads them). Ids past the logits are never
-        chosen, so they end nothing; where an id can end a sequence, the pad must be a token the model can read."""
+        """Fill the EOS table and the pad in place (a captured step reads them). Ids past the logits
+        are never chosen, so they end nothing; where an id can end a sequence, the pad must be a
+        token the model can read."""
         live = [t for t in eos if t < self.is_eos.numel()]
         if live and not pad < self.vocab:
             raise ValueError(
@@ -341,9 +396,11 @@ class Decoder:
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
     ) -> torch.Tensor:
-        """Reset, run the prompts eagerly (waves where needed), choose the first new token [B]; capture if needed.
+        """Reset, run the prompts eagerly (waves where needed), choose the first new token [B];
+        capture if needed.
 
-        `eos_token_id` and `pad_token_id` default to the model's generation config, as in `generate`."""
+        `eos_token_id` and `pad_token_id` default to the model's generation config, as in
+        `generate`."""
         B, L = check_prompts(input_ids, self.batch_size, self.vocab)
         if L >= self.max_length:
             raise ValueError(
@@ -374,8 +431,9 @@ class Decoder:
         return first
 
     def decode(self, steps: int) -> None:
-        """`steps` more tokens after `prefill`: graph replays on the GPU, eager steps elsewhere. A sequence past
-        its EOS gets `pad_token_id`; the steps run all the same (`generate` stops when every sequence is done)."""
+        """`steps` more tokens after `prefill`: graph replays on the GPU, eager steps elsewhere. A
+        sequence past its EOS gets `pad_token_id`; the steps run all the same (`generate` stops when
+        every sequence is done)."""
         if self._sampling is None:
             raise ValueError("decode continues a prefill: call prefill(input_ids) first")
         if self.length + steps > self.max_length:
@@ -389,13 +447,15 @@ class Decoder:
                 continue
             self._graphs[(*self._sampling, prefetch)].replay()
             if self.gates:  # the gates the host reads are at most LEAD steps old
-                self._queued.append(torch.cuda.Event(blocking=True))  # the host sleeps while it waits
+                # the host sleeps while it waits
+                self._queued.append(torch.cuda.Event(blocking=True))
                 self._queued[-1].record()
                 if len(self._queued) > LEAD:
                     self._queued.popleft().synchronize()
 
     def _lengths(self, prompt_length: int) -> torch.Tensor:
-        """[B] prompt + new tokens of each sequence in `history`, up to and including its first EOS."""
+        """[B] prompt + new tokens of each sequence in `history`, up to and including its first
+        EOS."""
         new = self.history[:, prompt_length : self.length]  # [B, n]
         hit = self.is_eos[new]
         return prompt_length + torch.where(hit.any(1), hit.int().argmax(1) + 1, new.shape[1])
@@ -414,26 +474,31 @@ class Decoder:
         pad_token_id: int | None = None,
         callback: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        """Greedy (default) or sampled generation, with transformers' `generate` semantics for the stop.
+        """Greedy (default) or sampled generation, with transformers' `generate` semantics for the
+        stop.
 
-        Each sequence ends at its first `eos_token_id` (an id or a list; default the model's generation config)
-        and holds `pad_token_id` after it (default the config's, else the first EOS id); the loop ends when every
-        sequence has ended or after `max_new_tokens`. The host looks every CHECK_EVERY steps, so up to that many
-        steps run past the last EOS; `tokens` is cut to the longest sequence. `callback` gets each step's tokens
-        (a host sync per token) and the loop then ends right at the last EOS.
+        Each sequence ends at its first `eos_token_id` (an id or a list; default the model's
+        generation config) and holds `pad_token_id` after it (default the config's, else the first
+        EOS id); the loop ends when every sequence has ended or after `max_new_tokens`. The host
+        looks every CHECK_EVERY steps, so up to that many steps run past the last EOS; `tokens` is
+        cut to the longest sequence. `callback` gets each step's tokens (a host sync per token) and
+        the loop then ends right at the last EOS.
         """
         _, L = check_prompts(input_ids, self.batch_size, self.vocab)
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if L + max_new_tokens > self.max_length:
             raise ValueError(
-                f"prompt {L} + max_new_tokens {max_new_tokens} exceeds max_length={self.max_length}; "
+                f"prompt {L} + max_new_tokens {max_new_tokens} exceeds "
+                f"max_length={self.max_length}; "
                 f"use Decoder(..., max_length={L + max_new_tokens}) or fewer new tokens"
             )
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        first = self.prefill(input_ids, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
+        first = self.prefill(
+            input_ids, do_sample, temperature, top_k, top_p, seed, eos_token_id, pad_token_id
+        )
         if callback:
             callback(first.tolist())  # host sync, between graph replays: streaming asked for it
         sync()
@@ -449,5 +514,9 @@ class Decoder:
         lengths = self._lengths(L)
         longest = int(lengths.max())
         return Generation(
-            self.history[:, :longest].clone(), lengths, longest - L, (t1 - t0) * 1e3, (t2 - t1) * 1e3 / max(n - 1, 1)
+            self.history[:, :longest].clone(),
+            lengths,
+            longest - L,
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3 / max(n - 1, 1),
         )

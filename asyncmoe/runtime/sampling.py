@@ -11,17 +11,25 @@ import torch
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """The ranges transformers' sampling warpers accept, with top_p 0 left out (it would keep no token)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+    """The ranges transformers' sampling warpers accept, with top_p 0 left out (it would keep no
+    token)."""
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not temperature > 0
+    ):
         raise ValueError(
             f"temperature must be a number > 0 when do_sample=True, got {temperature!r}; "
             "for greedy decoding use do_sample=False"
         )
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 when do_sample=True (0: every token), got {top_k!r}")
+        raise ValueError(
+            f"top_k must be an int >= 0 when do_sample=True (0: every token), got {top_k!r}"
+        )
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(
-            f"top_p must be a number in (0, 1] when do_sample=True (1.0: every token), got {top_p!r}; "
+            "top_p must be a number in (0, 1] when do_sample=True (1.0: every token), got "
+            f"{top_p!r}; "
             "for the single most likely token use do_sample=False"
         )
 
@@ -37,13 +45,17 @@ def sample(
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # top_k > V keeps all, as transformers
+        # top_k > V keeps all, as transformers
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    # nucleus: keep the smallest prefix (by probability) whose mass reaches top_p; the top token always stays
+    # nucleus: keep the smallest prefix (by probability) whose mass reaches top_p; the top token
+    # always stays
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     drop = (probs.cumsum(dim=-1) - probs) >= top_p
-    logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = torch.full_like(logits, float("-inf")).scatter(
+        -1, order, sorted_logits.masked_fill(drop, float("-inf"))
+    )
     # Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), draws from p with one RNG call
     probs = logits.softmax(dim=-1)
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)

@@ -1,4 +1,5 @@
-"""Replay a routing trace through the runtime's own cache and predictor code, on the CPU, without weights.
+"""Replay a routing trace through the runtime's own cache and predictor code, on the CPU, without
+weights.
 
 Each token is one call per layer, in layer order, as in decoding: `ensure` of layer l (the same
 function the `asyncmoe::ensure` op runs), then, with prefetch, the transition update and the
@@ -25,8 +26,9 @@ from ..cache.expert_cache import ExpertCache
 from ..cache.host import human_bytes
 from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
-from ..predict import predictors
-from ..predict.prefetch import Request, predict_and_prefetch
+from ..prefetch import predictors
+from ..prefetch.prefetch import Request, predict_and_prefetch
+from ..prefetch.state import PrefetchBuffers
 from ..settings import budget_text, parse_budget
 from .format import Trace
 
@@ -71,25 +73,36 @@ class Simulation:
             "misses_per_token": misses * per_token,
             "belady_misses_per_token": belady * per_token,
             "prefetched_per_token": sum(r.prefetched for r in self.layers) * per_token,
-            "prefetch_recall": sum(r.prefetch_hits for r in self.layers) / lookups if lookups else float("nan"),
+            "prefetch_recall": sum(r.prefetch_hits for r in self.layers) / lookups
+            if lookups
+            else float("nan"),
             "bytes_per_token": moved * self.expert_bytes * per_token,
             "belady_bytes_per_token": belady * self.expert_bytes * per_token,
         }
 
     def to_json(self) -> str:
-        return json.dumps({"cache": self.cache, "policy": self.policy, "prefetch": list(self.prefetch), **self.totals})
+        return json.dumps(
+            {
+                "cache": self.cache,
+                "policy": self.policy,
+                "prefetch": list(self.prefetch),
+                **self.totals,
+            }
+        )
 
     def __str__(self) -> str:
         head = f"{'layer':>5} {'hit%':>6} {'belady%':>8} {'miss/tok':>9} {'prefetch/tok':>13} {'pf-recall%':>10}"
         rows = [
-            f"cache {self.cache} slots, policy {self.policy}, prefetch {'+'.join(self.prefetch) or 'off'}, "
+            f"cache {self.cache} slots, policy {self.policy}, prefetch "
+            f"{'+'.join(self.prefetch) or 'off'}, "
             f"{self.tokens} tokens",
             head,
             "-" * len(head),
         ]
         for i, r in enumerate(self.layers):
             rows.append(
-                f"{i:>5} {100 * r.hits / r.lookups:>6.1f} {100 * (1 - r.belady_misses / r.lookups):>8.1f} "
+                f"{i:>5} {100 * r.hits / r.lookups:>6.1f} "
+                f"{100 * (1 - r.belady_misses / r.lookups):>8.1f} "
                 f"{r.misses / self.tokens:>9.2f} {r.prefetched / self.tokens:>13.2f} "
                 f"{100 * r.prefetch_hits / r.lookups:>10.1f}"
             )
@@ -97,7 +110,8 @@ class Simulation:
         rows += [
             "-" * len(head),
             f"{'all':>5} {100 * t['hit_rate']:>6.1f} {100 * t['belady_hit_rate']:>8.1f} "
-            f"{t['misses_per_token']:>9.2f} {t['prefetched_per_token']:>13.2f} {100 * t['prefetch_recall']:>10.1f}",
+            f"{t['misses_per_token']:>9.2f} {t['prefetched_per_token']:>13.2f} "
+            f"{100 * t['prefetch_recall']:>10.1f}",
         ]
         if self.expert_bytes:
             rows.append(
@@ -107,31 +121,38 @@ class Simulation:
         return "\n".join(rows)
 
 
-def _step(ids_t, gate_t, caches, prefetch: tuple[str, ...], budget: int):
-    """One token through every layer: what the providers do in a forward, minus the weights.
-    gate_t [L, E]: the recorded gate predictor's scores for each layer (with "gate")."""
+def _step(ids_t, gate_t, caches, targets, prefetch: tuple[str, ...], budget: int):
+    """One token through every layer: what the providers do in a forward, minus the weights. gate_t
+    [L, E]: the recorded gate predictor's scores for each layer (with "gate"); `targets`: each
+    layer's prefetch buffers."""
     bits = (GATE if "gate" in prefetch else 0) | (TEMPORAL if "temporal" in prefetch else 0)
     bits |= TRANSITION if "transition" in prefetch else 0
     for l, c in enumerate(caches):
         algorithm.ensure(ids_t[l : l + 1], 0, c.policy, c.state, [], [])
         if "transition" in prefetch and l > 0:
-            predictors.observe(caches[l - 1].routed, c.routed, c.transitions)
+            predictors.observe(caches[l - 1].routed, c.routed, targets[l].transitions)
         if prefetch and l + 1 < len(caches):
-            t = caches[l + 1]
+            t, p = caches[l + 1], targets[l + 1]
             if "gate" in prefetch:
-                t.gate.copy_(gate_t[l + 1])
+                p.gate.copy_(gate_t[l + 1])
             before = c.routed if "transition" in prefetch else None
-            predict_and_prefetch(Request(bits, budget, t.policy), t.state, before, [], [])
+            predict_and_prefetch(Request(bits, budget, t.policy), t.state, p.state, before, [], [])
 
 
 def check(
-    trace: Trace, cache: int, prefetch: tuple[str, ...] = (), budget: int = 1, pace_us: tuple | None = None
+    trace: Trace,
+    cache: int,
+    prefetch: tuple[str, ...] = (),
+    budget: int = 1,
+    pace_us: tuple | None = None,
 ) -> None:
-    """What `simulate` refuses, checked before it compiles or runs anything: a ValueError saying what is wrong."""
+    """What `simulate` refuses, checked before it compiles or runs anything: a ValueError saying
+    what is wrong."""
     trace.validate()  # again: a trace's arrays may have changed since it was built
     if "gate" in prefetch and trace.gate_ids is None:
         raise ValueError(
-            "the gate predictor needs hidden states, and this trace did not record what it predicted; "
+            "the gate predictor needs hidden states, and this trace did not record what it "
+            "predicted; "
             "record one with asyncmoe.record(model, gate=True), or simulate temporal and transition"
         )
     unknown = set(prefetch) - set(SIMULABLE)
@@ -141,11 +162,14 @@ def check(
         raise ValueError(f"prefetch budget must be >= 1 (experts per layer per call), got {budget}")
     if pace_us is not None and not (len(pace_us) == 2 and min(pace_us) > 0):
         raise ValueError(
-            f"pace_us is (an expert's copy, a layer's window) in µs, both > 0, as asyncmoe.stats prints them on the "
+            "pace_us is (an expert's copy, a layer's window) in µs, both > 0, as asyncmoe.stats "
+            "prints them on the "
             f"GPU; got {pace_us}"
         )
     if not trace.top_k <= cache:
-        raise ValueError(f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}")
+        raise ValueError(
+            f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}"
+        )
 
 
 def simulate(
@@ -159,13 +183,14 @@ def simulate(
     pace_us: tuple[float, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
-    """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady bound.
-    `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded model's, in the format
-    its cache stored; 0 where the trace has none). `pace_us`: (an expert's copy, the compute a prefetch hides
-    behind) in µs as a GPU measured them (`asyncmoe.stats` prints both), so the prefetch gate decides as it
-    does there; None: unmeasured, as on the CPU. `cache`: slots per MoE layer, or a GPU-memory budget for every
-    layer's slots ("6GiB", `budget_slots`). `progress(done, total)`: called after each token (the first one,
-    compiled, waits for torch.compile)."""
+    """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady
+    bound. `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded
+    model's, in the format its cache stored; 0 where the trace has none). `pace_us`: (an expert's
+    copy, the compute a prefetch hides behind) in µs as a GPU measured them (`asyncmoe.stats` prints
+    both), so the prefetch gate decides as it does there; None: unmeasured, as on the CPU. `cache`:
+    slots per MoE layer, or a GPU-memory budget for every layer's slots ("6GiB", `budget_slots`).
+    `progress(done, total)`: called after each token (the first one, compiled, waits for
+    torch.compile)."""
     if expert_bytes is None:
         expert_bytes = trace.expert_bytes or 0
     if isinstance(cache, str):
@@ -173,20 +198,25 @@ def simulate(
     check(trace, cache, prefetch, budget, pace_us)
     E, L = trace.num_experts, trace.layers
     budget = min(budget, cache)
-    pace = torch.zeros(3, dtype=torch.int64)  # shared by the layers, as the runtime's linked ones share theirs
+    # shared by the layers, as the runtime's linked ones share theirs
+    pace = torch.zeros(3, dtype=torch.int64)
     if pace_us is not None:
         pace[PACE_COPY], pace[PACE_WINDOW] = (round(us * 1e3) for us in pace_us)
     caches = [
-        ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace, transitions_from=E) for _ in range(L)
+        ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace) for _ in range(L)
     ]
+    targets = [PrefetchBuffers(E, torch.device("cpu"), E) for _ in range(L)]
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
     gate = gate_scores(trace) if "gate" in prefetch else None
-    # each configuration (slots, layers, policy, predictors, budget) compiles its own graph of `_step`; a sweep in
-    # one process needs more of them than dynamo's default recompile limit of 8, a hard error under fullgraph
+    # each configuration (slots, layers, policy, predictors, budget) compiles its own graph of
+    # `_step`; a sweep in one process needs more of them than dynamo's default recompile limit of 8,
+    # a hard error under fullgraph
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         for t in range(trace.tokens):
-            step(ids[t], None if gate is None else gate[t], caches, tuple(prefetch), budget)
+            step(
+                ids[t], None if gate is None else gate[t], caches, targets, tuple(prefetch), budget
+            )
             if progress is not None:
                 progress(t + 1, trace.tokens)
     index = {name: i for i, name in enumerate(COUNTERS)}
@@ -206,17 +236,21 @@ def simulate(
 
 
 def budget_slots(trace: Trace, cache: str, expert_bytes: int) -> tuple[int, str]:
-    """Slots per MoE layer that a GPU-memory budget for every layer's slots ("6GiB") gives the trace's model, as
-    `asyncmoe.compile` gives them (at most num_experts), from one expert's bytes; and a line that says so."""
+    """Slots per MoE layer that a GPU-memory budget for every layer's slots ("6GiB") gives the
+    trace's model, as `asyncmoe.compile` gives them (at most num_experts), from one expert's bytes;
+    and a line that says so."""
     if cache.strip().lower() == "auto":
         raise ValueError(
-            "cache='auto' sizes the cache from the free memory of the GPU the model runs on, and the simulator runs "
-            "on the CPU without one: give slots per MoE layer (16) or the budget of the GPU you mean ('6GiB')"
+            "cache='auto' sizes the cache from the free memory of the GPU the model runs on, and "
+            "the simulator runs "
+            "on the CPU without one: give slots per MoE layer (16) or the budget of the GPU you "
+            "mean ('6GiB')"
         )
     budget = parse_budget(cache)
     if not expert_bytes:
         raise ValueError(
-            f"cache={cache!r} is a GPU-memory budget, and this trace records no expert size to divide it by: give "
+            f"cache={cache!r} is a GPU-memory budget, and this trace records no expert size to "
+            "divide it by: give "
             "one expert's bytes (--expert-bytes, expert_bytes=) or the cache in slots per MoE layer"
         )
     L, E, k = trace.layers, trace.num_experts, trace.top_k
@@ -224,26 +258,30 @@ def budget_slots(trace: Trace, cache: str, expert_bytes: int) -> tuple[int, str]
     what = f"{L} MoE layers, experts of {human_bytes(expert_bytes)}"
     if slots < k:
         raise ValueError(
-            f"cache={cache!r} holds {slots} experts per MoE layer ({what}), below the trace's top_k={k}: every token "
+            f"cache={cache!r} holds {slots} experts per MoE layer ({what}), below the trace's "
+            f"top_k={k}: every token "
             f"needs its {k} experts resident at once; the smallest budget that works is "
             f"cache={budget_text(L * k * expert_bytes)!r}"
         )
     return (
         slots,
-        f"cache={cache!r} gives {slots} slots per MoE layer ({what}; {human_bytes(L * slots * expert_bytes)} of slots)",
+        f"cache={cache!r} gives {slots} slots per MoE layer ({what}; "
+        f"{human_bytes(L * slots * expert_bytes)} of slots)",
     )
 
 
 def gate_scores(trace: Trace) -> torch.Tensor:
-    """[N, L, E]: the recorded gate predictor's score of each expert for each token and layer, as the runtime
-    scores one token (`predictors.gate_scores` with per_token = top-k): its probability if among the top-k."""
+    """[N, L, E]: the recorded gate predictor's score of each expert for each token and layer, as
+    the runtime scores one token (`predictors.gate_scores` with per_token = top-k): its probability
+    if among the top-k."""
     ids = torch.from_numpy(trace.gate_ids[:, :, : trace.top_k]).long()
     probs = torch.from_numpy(np.asarray(trace.gate_probs[:, :, : trace.top_k], dtype=np.float32))
     return predictors.top_scores(ids, probs, trace.num_experts)
 
 
 def next_uses(ids: np.ndarray) -> tuple[list[list[int]], list[dict[int, float]]]:
-    """Each row's distinct experts, in order, and for each of them the next row that uses it (inf: none)."""
+    """Each row's distinct experts, in order, and for each of them the next row that uses it (inf:
+    none)."""
     rows = [list(dict.fromkeys(row.tolist())) for row in ids]
     next_use: list[dict[int, float]] = [{} for _ in rows]
     upcoming: dict[int, float] = {}
@@ -256,13 +294,13 @@ def next_uses(ids: np.ndarray) -> tuple[list[list[int]], list[dict[int, float]]]
 
 
 def belady_misses(ids: np.ndarray, cache: int) -> int:
-    """Fewest misses of a `cache`-slot cache serving `ids` [N, k]: each row's experts resident together,
-    or, for a row with more distinct experts than slots (a batch's decode step), in waves.
+    """Fewest misses of a `cache`-slot cache serving `ids` [N, k]: each row's experts resident
+    together, or, for a row with more distinct experts than slots (a batch's decode step), in waves.
 
     Belady's rule: after each row keep the experts used soonest again. A row of d <= cache experts
-    leaves room for cache - d others; a row served in waves, for at most cache - 1 (one slot at least
-    cycles through the row's experts). With waves this bounds every cache from below; it may not be
-    reachable (it lets the waves be as small as one expert)."""
+    leaves room for cache - d others; a row served in waves, for at most cache - 1 (one slot at
+    least cycles through the row's experts). With waves this bounds every cache from below; it may
+    not be reachable (it lets the waves be as small as one expert)."""
     rows, next_use = next_uses(ids)
     resident: dict[int, float] = {}  # expert -> its next use
     misses = 0
@@ -270,7 +308,8 @@ def belady_misses(ids: np.ndarray, cache: int) -> int:
         misses += sum(e not in resident for e in need)
         resident.update((e, next_use[t][e]) for e in need)
         used = set(need)
-        room = cache - len(need) if len(need) <= cache else cache - 1  # for experts this row did not use
+        # for experts this row did not use
+        room = cache - len(need) if len(need) <= cache else cache - 1
         kept: dict[int, float] = {}
         for e, use in sorted(resident.items(), key=lambda item: item[1]):
             if len(kept) < cache and (e in used or room > 0):

@@ -18,7 +18,10 @@ def device_map(model: torch.nn.Module, device) -> dict[str, str | int | torch.de
     out: dict[str, str | int | torch.device] = {}
 
     def visit(prefix: str, module: torch.nn.Module) -> None:
-        for name, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for name, _ in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]:
             out[prefix + name] = device
         for name, child in module.named_children():
             full = prefix + name

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from asyncmoe.experts import combine, routed_outputs
+from asyncmoe.compute.experts import combine, routed_outputs
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.providers import ExpertWeightProvider
 
@@ -34,12 +34,16 @@ class SeedLRU(ExpertWeightProvider):
         # pinned memory allocated first and copied into, as the PR allocates its weights pinned ("CPU-pinned weight
         # allocation"): one device -> host copy, not one to pageable memory and a second to pinned
         self.host = {
-            n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach()) for n, p in params.items()
+            n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach())
+            for n, p in params.items()
         }
         self.slots = {
-            n: torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device) for n, p in params.items()
+            n: torch.empty((num_slots, *p.shape[1:]), dtype=p.dtype, device=device)
+            for n, p in params.items()
         }
-        self.slot_of = torch.full((E,), -1, dtype=torch.int64, device=device)  # the persistent GPU mapping
+        self.slot_of = torch.full(
+            (E,), -1, dtype=torch.int64, device=device
+        )  # the persistent GPU mapping
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
         self.num_slots = num_slots
         self.free = list(range(num_slots))
@@ -50,8 +54,12 @@ class SeedLRU(ExpertWeightProvider):
 
     def forward(self, experts, hidden_states, top_k_index, top_k_weights):
         unique = top_k_index.unique().tolist()
-        if len(unique) > self.num_slots:  # the seed raises too; feed such a prompt one token at a time
-            raise ValueError(f"{len(unique)} distinct experts in one call exceed the {self.num_slots} slots")
+        if (
+            len(unique) > self.num_slots
+        ):  # the seed raises too; feed such a prompt one token at a time
+            raise ValueError(
+                f"{len(unique)} distinct experts in one call exceed the {self.num_slots} slots"
+            )
         for e in unique:
             if e in self.lru:
                 self.lru.move_to_end(e)
@@ -64,7 +72,11 @@ class SeedLRU(ExpertWeightProvider):
             self.lru[e] = slot
             self.misses += 1
         slots = self.slot_of[top_k_index]
-        return combine(routed_outputs(experts, hidden_states, slots, self.slots), top_k_weights, hidden_states.dtype)
+        return combine(
+            routed_outputs(experts, hidden_states, slots, self.slots),
+            top_k_weights,
+            hidden_states.dtype,
+        )
 
 
 def install(model: torch.nn.Module, cache: int, device: torch.device | str) -> torch.nn.Module:
@@ -74,7 +86,9 @@ def install(model: torch.nn.Module, cache: int, device: torch.device | str) -> t
     for _, m in experts:
         setattr(m, PROVIDER, SeedLRU(m, cache, device))
     model.to(device)
-    model.set_experts_implementation("asyncmoe")  # transformers hands each experts call to the provider
+    model.set_experts_implementation(
+        "asyncmoe"
+    )  # transformers hands each experts call to the provider
     return model
 
 

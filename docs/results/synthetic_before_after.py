@@ -17,13 +17,17 @@ from synthetic import stats, synthetic
 BEFORE = dict(keep=0.215, skew=0.70, follow=0.0)  # independent layers: no cross-layer lift
 
 
-print("| experts, top-k | trace | reuse | top-quarter share | cross-layer lift |\n|---|---|---|---|---|")
+print(
+    "| experts, top-k | trace | reuse | top-quarter share | cross-layer lift |\n|---|---|---|---|---|"
+)
 traces = {}
 for E, k in ((128, 8), (8, 2)):
     for name, kw in (("before", BEFORE), ("after", {})):
         traces[E, name] = synthetic(E, k, layers=6, tokens=4096, **kw)
         s = stats(traces[E, name])
-        print(f"| {E}, {k} | {name} | {s['reuse']:.1%} | {s['top_quarter_share']:.1%} | {s['cross_layer_lift']:.3f} |")
+        print(
+            f"| {E}, {k} | {name} | {s['reuse']:.1%} | {s['top_quarter_share']:.1%} | {s['cross_layer_lift']:.3f} |"
+        )
 
 print(
     "\n| experts | cache | trace | lfru hits | lru hits | transition alone: prefetched / token, recall | "
@@ -42,8 +46,12 @@ for E, caches in ((128, (16, 32, 64)), (8, (2, 4))):
                 flush=True,
             )
 
-print("\n| experts | trace | seed | Belady misses / layer / token at caches 16, 32, 64 |\n|---|---|---|---|")
+print(
+    "\n| experts | trace | seed | Belady misses / layer / token at caches 16, 32, 64 |\n|---|---|---|---|"
+)
 for name, kw in (("before", BEFORE), ("after", {})):
     for seed in (0, 1, 2):
         t = synthetic(128, 8, layers=6, tokens=4096, seed=seed, **kw)
-        print(f"| 128 | {name} | {seed} | {', '.join(f'{belady_per_step(t, 1, c):.3f}' for c in (16, 32, 64))} |")
+        print(
+            f"| 128 | {name} | {seed} | {', '.join(f'{belady_per_step(t, 1, c):.3f}' for c in (16, 32, 64))} |"
+        )

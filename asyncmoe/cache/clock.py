@@ -1,0 +1,92 @@
+"""Stall timing on the device: read the GPU's global nanosecond clock from a one-thread kernel.
+
+Why not CUDA events: an event cannot be timed inside a CUDA graph, and a graph is where the stalls
+that matter happen. A kernel that stores `%globaltimer` is an ordinary graph node, runs in stream
+order, and the differences accumulate in device counters that `asyncmoe.stats` reads with the rest:
+no host sync while decoding.
+
+What one stamp-to-stamp difference holds: the work between the two stamps on the stream, plus one
+kernel boundary (a microsecond or two inside a graph; in eager mode, when the GPU outruns the host,
+the host's time to launch the next kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # non-Linux
+    triton = None
+
+# The layouts the kernels below write (the cache's `timer` and `pace` use them: cache/state.py)
+# a timer [5]: three stamps, then two sums of ns
+START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3, 4
+TIMER_SIZE = 5
+STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` call
+
+if triton is not None:
+
+    @triton.jit
+    def _now():
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _stamp(times_ptr, AT: tl.constexpr):
+        tl.store(times_ptr + AT, _now())
+
+    @triton.jit
+    def _lap(
+        times_ptr,
+        START: tl.constexpr,
+        WAIT_FROM: tl.constexpr,
+        WAITED: tl.constexpr,
+        WAIT_NS: tl.constexpr,
+        ENSURE_NS: tl.constexpr,
+    ):
+        now = _now()
+        start, wait_from, waited = (
+            tl.load(times_ptr + START),
+            tl.load(times_ptr + WAIT_FROM),
+            tl.load(times_ptr + WAITED),
+        )
+        tl.store(times_ptr + WAIT_NS, tl.load(times_ptr + WAIT_NS) + (waited - wait_from))
+        tl.store(
+            times_ptr + ENSURE_NS,
+            tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited),
+        )
+
+    @triton.jit
+    def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
+        start = tl.load(pace_ptr + STAMP)
+        # no stamp yet: nothing measured
+        tl.store(pace_ptr + WINDOW, tl.where(start > 0, _now() - start, 0))
+
+
+def stamp(times: torch.Tensor, at: int) -> None:
+    """times[at] = the GPU clock (ns) when the stream gets here (`times` int64 on CUDA)."""
+    _stamp[(1,)](times, AT=at, num_warps=1)
+
+
+def lap(times: torch.Tensor) -> None:
+    """times[WAIT_NS] += the ns from WAIT_FROM to WAITED; times[ENSURE_NS] += the rest since
+    START."""
+    _lap[(1,)](
+        times,
+        START=START,
+        WAIT_FROM=WAIT_FROM,
+        WAITED=WAITED,
+        WAIT_NS=WAIT_NS,
+        ENSURE_NS=ENSURE_NS,
+        num_warps=1,
+    )
+
+
+def window(pace: torch.Tensor) -> None:
+    """pace[WINDOW] = now - pace[STAMP] (ns): the compute a prefetch issued at the stamp had to hide
+    behind, this call's (the last call's shape is the next one's: a decode step's, not the prompt's;
+    see `providers.link`)."""
+    _window[(1,)](pace, STAMP=STAMP, WINDOW=WINDOW, num_warps=1)

@@ -1,0 +1,2 @@
+"""Expert compute: each routed pair's MLP from the slots, dense and quantized, with its Triton
+kernels."""
