@@ -1,4 +1,4 @@
-"""Every Triton kernel in asyncmoe/kernels compiles for sm_90 (H100, H200) under the installed triton, on the CPU.
+"""Every Triton kernel of the package compiles for sm_90 (H100, H200) under the installed triton, on the CPU.
 
 The interpreter (TRITON_INTERPRET=1, which the other kernel tests run under without a GPU) checks what a kernel
 computes, not that the compiler takes it: a kernel can pass there and fail to compile for a GPU under a newer
@@ -31,17 +31,21 @@ from asyncmoe.cache.policies import POLICIES
 pytestmark = pytest.mark.slow
 
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size: H100 and H200
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # a launch's keywords that are not arguments
+LAUNCH_OPTIONS = (
+    "num_warps",
+    "num_stages",
+    "num_ctas",
+    "maxnreg",
+)  # a launch's keywords that are not arguments
 
 
 # --- the launches, one case each: a launcher called as the package calls it, with small CPU tensors ---
 
 
-def _cache(E=20, C=8, policy="lfru", transitions_from=0):
+def _cache(E=20, C=8, policy="lfru"):
     from asyncmoe.cache.expert_cache import ExpertCache
 
-    hosts = {"w": torch.randn(E, 2, 3)}
-    return ExpertCache(hosts, C, policy, transitions_from=transitions_from)
+    return ExpertCache({"w": torch.randn(E, 2, 3)}, C, policy)
 
 
 def _ensure(policy: str):
@@ -56,29 +60,38 @@ def _prefetch(policy: str):
     from asyncmoe.cache import algorithm
 
     c = _cache(policy=policy)
-    algorithm.prefetch_plan(2, c.policy, c.state, c.slots, use_kernel=True)
+    predicted, nominated = torch.rand(c.num_experts), torch.ones(c.num_experts, dtype=torch.int8)
+    algorithm.prefetch_plan(predicted, nominated, 2, c.policy, c.state, c.slots, use_kernel=True)
 
 
 def _prefetch_scores(sources: tuple[str, ...]):
     from asyncmoe.cache.state import GATE, TEMPORAL, TRANSITION
-    from asyncmoe.predict.prefetch import Request, predict_and_plan
+    from asyncmoe.prefetch.prefetch import Request, predict_and_plan
+    from asyncmoe.prefetch.state import PrefetchBuffers
 
     bits = {"gate": GATE, "temporal": TEMPORAL, "transition": TRANSITION}
-    c = _cache(transitions_from=24)
+    c = _cache()
+    p = PrefetchBuffers(c.num_experts, torch.device("cpu"), 24)
     before = torch.rand(24) < 0.2 if "transition" in sources else None
-    predict_and_plan(Request(sum(bits[s] for s in sources), 2, c.policy), c.state, before, c.slots, use_kernel=True)
+    request = Request(sum(bits[s] for s in sources), 2, c.policy)
+    predict_and_plan(request, c.state, p.state, before, c.slots, use_kernel=True)
 
 
 def _gate_scores(dtype: torch.dtype):
-    from asyncmoe.predict.predictors import gate_scores
+    from asyncmoe.prefetch.predictors import gate_scores
 
     gate_scores(
-        torch.randn(3, 64, dtype=dtype), torch.randn(40, 64, dtype=dtype), None, 4, torch.zeros(40), use_kernel=True
+        torch.randn(3, 64, dtype=dtype),
+        torch.randn(40, 64, dtype=dtype),
+        None,
+        4,
+        torch.zeros(40),
+        use_kernel=True,
     )
 
 
 def _recorded_scores():
-    from asyncmoe.predict.predictors import recorded_gate_scores
+    from asyncmoe.prefetch.predictors import recorded_gate_scores
 
     # a trace's [N, L, g] arrays, one layer's slice, as the replay holds them (integrations/replay.py)
     ids, probs = torch.randint(0, 40, (7, 2, 8))[:, 0], torch.rand(7, 2, 8)[:, 0]
@@ -86,22 +99,24 @@ def _recorded_scores():
 
 
 def _observe():
-    from asyncmoe.predict.predictors import observe
+    from asyncmoe.prefetch.predictors import observe
 
     observe(torch.rand(24) < 0.2, torch.rand(40) < 0.2, torch.zeros(24, 40), use_kernel=True)
 
 
 def _slot_gemv(dtype: torch.dtype):
-    from asyncmoe.kernels.slot_gemv import slot_gemv_triton
+    from asyncmoe.compute.slot_gemv import slot_gemv_triton
 
     slot_gemv_triton(
-        torch.randn(5, 384, dtype=dtype), torch.randn(4, 96, 384, dtype=dtype), torch.tensor([0, 3, -1, 2, 1])
+        torch.randn(5, 384, dtype=dtype),
+        torch.randn(4, 96, 384, dtype=dtype),
+        torch.tensor([0, 3, -1, 2, 1]),
     )
 
 
 def _fp8_gemv(transposed: bool, block: tuple[int, int]):
+    from asyncmoe.compute.fp8_gemv import fp8_gemv_triton
     from asyncmoe.formats import quantize_fp8
-    from asyncmoe.kernels.fp8_gemv import fp8_gemv_triton
 
     q, scale = quantize_fp8(torch.randn((4, 256, 128) if transposed else (4, 128, 256)), block)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
@@ -115,14 +130,20 @@ def _formats(kind: str):
 
 
 def _gemv4(kind: str):
-    from asyncmoe.kernels.gemv4 import gemv4_triton
+    from asyncmoe.compute.gemv4 import gemv4_triton
 
     packed, scales = _formats(kind).quantize(torch.randn(4, 96, 256), transposed=False)
-    gemv4_triton(torch.randn(5, 256, dtype=torch.bfloat16), packed, scales, torch.tensor([0, 3, -1, 2, 1]), kind)
+    gemv4_triton(
+        torch.randn(5, 256, dtype=torch.bfloat16),
+        packed,
+        scales,
+        torch.tensor([0, 3, -1, 2, 1]),
+        kind,
+    )
 
 
 def _dequant_mm(kind: str, dtype: torch.dtype):
-    from asyncmoe.kernels.dequant_mm import dequant_mm_triton
+    from asyncmoe.compute.dequant_mm import dequant_mm_triton
 
     w, scales = _formats(kind).quantize(torch.randn(3, 128, 256), transposed=False)
     offs = torch.tensor([5, 70, 79], dtype=torch.int32)
@@ -130,25 +151,41 @@ def _dequant_mm(kind: str, dtype: torch.dtype):
 
 
 def _gather_copy():
-    from asyncmoe.kernels.gather_copy import gather_copy_triton
+    from asyncmoe.cache.gather_copy import gather_copy_triton
 
     # four tensors, as an expert with biases has, of 8-, 4-, 2- and 1-byte words
-    rows = [((2, 4000), torch.bfloat16), ((2, 3), torch.float32), ((3,), torch.bfloat16), ((5, 3), torch.float8_e4m3fn)]
+    rows = [
+        ((2, 4000), torch.bfloat16),
+        ((2, 3), torch.float32),
+        ((3,), torch.bfloat16),
+        ((5, 3), torch.float8_e4m3fn),
+    ]
     hosts = [torch.randn(7, *row).to(dtype) for row, dtype in rows]
     slots = [torch.zeros(5, *row).to(dtype) for row, dtype in rows]
-    gather_copy_triton(hosts, slots, torch.tensor([3, 0, 6]), torch.tensor([1, 4, 0]), torch.tensor(2), programs=8)
+    gather_copy_triton(
+        hosts, slots, torch.tensor([3, 0, 6]), torch.tensor([1, 4, 0]), torch.tensor(2), programs=8
+    )
 
 
 def _clock():
-    from asyncmoe.kernels import clock
+    from asyncmoe.cache import clock
 
-    times, pace = torch.zeros(clock.TIMER_SIZE, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    times, pace = (
+        torch.zeros(clock.TIMER_SIZE, dtype=torch.int64),
+        torch.zeros(3, dtype=torch.int64),
+    )
     clock.stamp(times, clock.START)
     clock.lap(times)
     clock.window(pace)
 
 
-SOURCES = [("gate",), ("temporal",), ("transition",), ("temporal", "transition"), ("gate", "temporal", "transition")]
+SOURCES = [
+    ("gate",),
+    ("temporal",),
+    ("transition",),
+    ("temporal", "transition"),
+    ("gate", "temporal", "transition"),
+]
 CASES: dict[str, Callable[[], None]] = {
     **{f"cache_step-ensure-{p}": (lambda p=p: _ensure(p)) for p in POLICIES},
     **{f"cache_step-prefetch-{p}": (lambda p=p: _prefetch(p)) for p in POLICIES},
@@ -165,7 +202,9 @@ CASES: dict[str, Callable[[], None]] = {
     "gemv4-int4": lambda: _gemv4("int4"),
     "dequant_mm-mxfp4-bf16": lambda: _dequant_mm("mxfp4", torch.bfloat16),
     "dequant_mm-int4-bf16": lambda: _dequant_mm("int4", torch.bfloat16),
-    "dequant_mm-int4-fp32": lambda: _dequant_mm("int4", torch.float32),  # float32 activations: tl.dot in ieee
+    "dequant_mm-int4-fp32": lambda: _dequant_mm(
+        "int4", torch.float32
+    ),  # float32 activations: tl.dot in ieee
     "gather_copy": _gather_copy,
     "clock": _clock,
 }
@@ -175,17 +214,26 @@ CASES: dict[str, Callable[[], None]] = {
 
 
 def _jit_functions(triton) -> dict[str, object]:
-    """Every @triton.jit function defined in asyncmoe.kernels' modules, by qualified name."""
-    import asyncmoe.kernels
+    """Every @triton.jit function defined in the package's modules, by qualified name."""
+    import asyncmoe
 
     found = {}
-    for info in pkgutil.iter_modules(asyncmoe.kernels.__path__):
-        module = importlib.import_module(f"asyncmoe.kernels.{info.name}")
+    for info in pkgutil.walk_packages(asyncmoe.__path__, "asyncmoe."):
+        if info.ispkg or info.name.endswith("__main__"):  # __main__ runs the command
+            continue
+        module = importlib.import_module(info.name)
         for name, value in vars(module).items():
-            if not isinstance(value, triton.runtime.KernelInterface) or value.fn.__module__ != module.__name__:
+            if (
+                not isinstance(value, triton.runtime.KernelInterface)
+                or value.fn.__module__ != module.__name__
+            ):
                 continue
-            if not isinstance(value, triton.runtime.JITFunction):  # @triton.autotune, @triton.heuristics: no CASES yet
-                raise TypeError(f"{module.__name__}.{name} is a {type(value).__name__}: compile it here as one")
+            if not isinstance(
+                value, triton.runtime.JITFunction
+            ):  # @triton.autotune, @triton.heuristics: no CASES yet
+                raise TypeError(
+                    f"{module.__name__}.{name} is a {type(value).__name__}: compile it here as one"
+                )
             found[f"{module.__name__}.{name}"] = value
     return found
 
@@ -206,7 +254,9 @@ def _called(fn, jit_type) -> list:
 def _compile(triton, kernel, args, kwargs, target, backend):
     """Compile one recorded launch for `target` as the launch would: the JIT's own specialization of each argument
     (type; an int equal to 1 as a constexpr unless do_not_specialize; 16-byte divisibility), its options."""
-    from triton._C.libtriton import native_specialize_impl  # what a launch specializes its arguments with
+    from triton._C.libtriton import (
+        native_specialize_impl,
+    )  # what a launch specializes its arguments with
 
     options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
@@ -216,14 +266,19 @@ def _compile(triton, kernel, args, kwargs, target, backend):
         if param.is_constexpr:
             ty, spec = "constexpr", None
         else:
-            specialize, align = not param.do_not_specialize, not param.do_not_specialize_on_alignment
+            specialize, align = (
+                not param.do_not_specialize,
+                not param.do_not_specialize_on_alignment,
+            )
             ty, spec = native_specialize_impl(backend, value, param.is_const, specialize, align)
         signature[param.name] = ty
         if ty == "constexpr":
             constexprs[param.name] = value
         elif isinstance(spec, str) and spec:
             attrs[(i,)] = backend.parse_attr(spec)
-    src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = triton.compiler.ASTSource(
+        fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs
+    )
     return triton.compile(src, target=target, options=options)
 
 
@@ -245,12 +300,19 @@ def _child(out: Path) -> None:
         return run
 
     for kernel in kernels.values():
-        kernel.run = recorder(kernel)  # kernel[grid](...) calls it: nothing runs, nothing needs a GPU
+        kernel.run = recorder(
+            kernel
+        )  # kernel[grid](...) calls it: nothing runs, nothing needs a GPU
     names = {id(k): name for name, k in kernels.items()}
     covered, results = set(), {}
     for case, launch in CASES.items():
         launches.clear()
-        result = results[case] = {"kernels": [], "cubin_bytes": [], "ptx_targets": [], "error": None}
+        result = results[case] = {
+            "kernels": [],
+            "cubin_bytes": [],
+            "ptx_targets": [],
+            "error": None,
+        }
         try:
             launch()
             if not launches:
@@ -260,12 +322,18 @@ def _child(out: Path) -> None:
                 compiled = _compile(triton, kernel, args, dict(kwargs), target, backend)
                 result["cubin_bytes"].append(len(compiled.asm["cubin"]))
                 ptx = compiled.asm["ptx"].splitlines()
-                result["ptx_targets"].append(next((line for line in ptx if line.startswith(".target")), None))
-                covered |= {id(kernel)} | {id(f) for f in _called(kernel, triton.runtime.JITFunction)}
+                result["ptx_targets"].append(
+                    next((line for line in ptx if line.startswith(".target")), None)
+                )
+                covered |= {id(kernel)} | {
+                    id(f) for f in _called(kernel, triton.runtime.JITFunction)
+                }
         except Exception as e:  # reported per case by the test
             result["error"] = f"{type(e).__name__}: {e}"
     uncovered = sorted(name for name, k in kernels.items() if id(k) not in covered)
-    out.write_text(json.dumps({"triton": triton.__version__, "cases": results, "uncovered": uncovered}))
+    out.write_text(
+        json.dumps({"triton": triton.__version__, "cases": results, "uncovered": uncovered})
+    )
 
 
 # --- the tests, in this process: one child compiles every case ---
@@ -273,14 +341,18 @@ def _child(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict:
-    triton = pytest.importorskip("triton", reason="triton is not installed (a Linux-only dependency)")
+    triton = pytest.importorskip(
+        "triton", reason="triton is not installed (a Linux-only dependency)"
+    )
     if "nvidia" not in triton.backends.backends:
         pytest.skip(f"triton {triton.__version__} has no NVIDIA backend to compile for sm_90 with")
     tmp = tmp_path_factory.mktemp("compile")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # compile afresh, not from an earlier run's cache
     out = tmp / "results.json"
-    child = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800)
+    child = subprocess.run(
+        [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800
+    )
     assert child.returncode == 0, f"the compiling process failed:\n{child.stdout}\n{child.stderr}"
     return json.loads(out.read_text())
 
@@ -290,11 +362,13 @@ def test_kernel_compiles_for_sm90(compiled, case):
     result = compiled["cases"][case]
     assert result["error"] is None, f"triton {compiled['triton']}: {case}: {result['error']}"
     assert all(n > 0 for n in result["cubin_bytes"]), result
-    assert all(t is not None and t.split()[1].startswith("sm_90") for t in result["ptx_targets"]), result
+    assert all(t is not None and t.split()[1].startswith("sm_90") for t in result["ptx_targets"]), (
+        result
+    )
 
 
 def test_every_jit_function_is_compiled(compiled):
-    """Each @triton.jit function in asyncmoe/kernels is launched by a case or called from a launched kernel."""
+    """Each @triton.jit function of the package is launched by a case or called from a launched kernel."""
     assert not compiled["uncovered"], (
         f"no case in tests/test_kernels_compile.py launches {compiled['uncovered']}: add the launch to CASES"
     )
