@@ -7,6 +7,8 @@ import functools
 import itertools
 import json
 import re
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 
@@ -390,3 +392,28 @@ def test_cli_simulate_takes_a_budget(tmp_path, capsys):
             json.loads(out)["cache"] == slots
             and f"cache='20KB' gives {slots} slots per MoE layer" in err
         )
+
+
+def test_the_command_speaks_within_a_second_of_starting(tmp_path):
+    """`asyncmoe simulate` says what it is doing before it imports torch (seconds): the first line reaches stderr
+    within a second of the process starting, whatever the machine takes to load torch after it."""
+    random_trace(0).save(tmp_path / "t.npz")
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncmoe",
+        "simulate",
+        str(tmp_path / "t.npz"),
+        "--cache",
+        "4",
+        "--no-compile",
+    ]
+    start = time.perf_counter()
+    with subprocess.Popen(
+        argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    ) as child:
+        first = child.stderr.readline()
+        took = time.perf_counter() - start
+        child.communicate(timeout=600)
+    assert first.startswith("asyncmoe simulate: loading torch") and took < 1.0, (first, took)
+    assert child.returncode == 0
