@@ -19,6 +19,7 @@ import torch
 
 import asyncmoe
 from asyncmoe.trace import Trace
+from asyncmoe.trace.simulate import belady_misses
 
 from baselines import accelerate_offload, seed_lru
 from oracle import oracle
@@ -202,3 +203,17 @@ def gpu_events(prof) -> list[dict]:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     ]
     return sorted(gpu, key=lambda e: e["start"])
+
+
+def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:
+    """The fewest expert copies per decode step and MoE layer any `cache`-slot cache makes on the
+    replayed trace: a step routes `batch` consecutive trace tokens (`Replay`), so their experts form
+    one request."""
+    k, steps = trace.top_k, trace.tokens // batch
+    ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k)  # [steps, B, L, k]
+    step_ids = ids.transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
+    return (
+        sum(belady_misses(step_ids[:, layer], cache) for layer in range(trace.layers))
+        / trace.layers
+        / steps
+    )

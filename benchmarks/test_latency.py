@@ -49,8 +49,6 @@ import asyncmoe
 from asyncmoe.integrations.replay import replay_routing, rewind_replay
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.providers import CachedProvider
-from asyncmoe.trace import Trace
-from asyncmoe.trace.simulate import belady_misses
 
 from baselines import accelerate_offload, seed_lru
 from harness import (
@@ -59,6 +57,7 @@ from harness import (
     DTYPE,
     FORMATS,
     PROMPT,
+    belady_misses_per_step,
     build,
     decoder_for,
     h2d_bandwidth,
@@ -325,20 +324,6 @@ def seed_raises(shape: str, batch: int, cache: int) -> bool:
     slots: it raises there, as the original does, so no profile holds such a case."""
     experts, k = routing_shape(shape)
     return cache < min(experts, batch * k)
-
-
-def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:
-    """The fewest expert copies per decode step and MoE layer any `cache`-slot cache makes on the
-    replayed trace: a step routes `batch` consecutive trace tokens (`Replay`), so their experts form
-    one request."""
-    k, steps = trace.top_k, trace.tokens // batch
-    ids = trace.ids[: steps * batch].reshape(steps, batch, trace.layers, k)  # [steps, B, L, k]
-    step_ids = ids.transpose(0, 2, 1, 3).reshape(steps, trace.layers, batch * k)
-    return (
-        sum(belady_misses(step_ids[:, layer], cache) for layer in range(trace.layers))
-        / trace.layers
-        / steps
-    )
 
 
 def model_key(case: tuple) -> tuple:

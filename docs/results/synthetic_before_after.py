@@ -8,10 +8,9 @@ prefetches, and the Belady floor in misses per layer and decode step at batches 
 `belady_misses_per_step`); then the Belady floor at batch 1 over seeds 0-2, the seed-to-seed spread.
 """
 
-from test_latency import belady_misses_per_step as belady_per_step
-
 from asyncmoe.trace.simulate import simulate
 
+from harness import belady_misses_per_step as belady_per_step
 from synthetic import stats, synthetic
 
 BEFORE = dict(keep=0.215, skew=0.70, follow=0.0)  # independent layers: no cross-layer lift
