@@ -13,10 +13,10 @@ from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
 from .integrations.transformers import PROVIDER, check_model, find_experts
+from .layer_stats import Stats, read_stats
 from .prefetch import Prefetch
 from .providers import CachedProvider, ResidentProvider
 from .settings import AutoCache, Settings
-from .stats import Stats, read_stats
 from .trace import Trace
 
 

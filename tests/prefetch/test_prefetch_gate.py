@@ -9,6 +9,7 @@ from asyncmoe.cache import algorithm
 from asyncmoe.cache import ops as cache_ops
 from asyncmoe.cache.expert_cache import ExpertCache, num_waves
 from asyncmoe.cache.state import GATE, Counter
+from asyncmoe.layer_stats import read_stats
 from asyncmoe.prefetch import ops as prefetch_ops
 from asyncmoe.prefetch.predictors import top_scores
 from asyncmoe.prefetch.prefetch import Request, predict_and_prefetch
@@ -22,7 +23,6 @@ from asyncmoe.prefetch.prefetch_gate import (
     ranks_in_window,
 )
 from asyncmoe.prefetch.state import PAID, PREFETCHES, WASTED, PrefetchBuffers
-from asyncmoe.stats import read_stats
 
 
 def one_hot(expert: int, E: int, device="cpu") -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""asyncmoe.stats: per-layer rows and totals, read on request, printable."""
+"""asyncmoe.stats (layer_stats.py): per-layer rows and totals, read on request, printable."""
 
 import pytest
 import torch

@@ -1,0 +1,1089 @@
+/*
+ * asyncmoe's CPU expert kernels and the request worker: the host as a second executor.
+ *
+ * The expert MLP of a set of (token, expert) pairs, computed from the host store where the experts live:
+ *     out[p] = down_e(gate(up_e(x[t])))     for pair p = (t, e)
+ * in float32 accumulation, for every format of asyncmoe/formats.py (dense f32/bf16/f16 in either layout, fp8
+ * block-wise in either layout, mxfp4 and int4 stored [N, K/2]). Pairs are grouped by expert so that each weight
+ * is read once for all of its tokens; each projection is split over output rows across a persistent thread pool,
+ * so that one token uses every thread (at batch 1 the work is a stream of weights from DRAM).
+ *
+ * The worker is a C thread that polls a request block in (pinned) host memory, written by the GPU inside a
+ * captured decode step: it never takes the Python GIL and never calls the CUDA driver.
+ *
+ * Dims: E experts, T tokens, P pairs, H hidden, I intermediate; a projection maps K inputs to N outputs, stored
+ * as R rows of Q columns ([N, K], or [K, N] when transposed).
+ * Plain-torch definitions of the same math: reference.py; the ctypes side: kernels.py and worker.py.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The interface shared with kernels.py and worker.py (ctypes mirrors these structs field by field).
+ */
+
+enum { AMC_F32 = 0, AMC_BF16 = 1, AMC_F16 = 2, AMC_FP8 = 3, AMC_MXFP4 = 4, AMC_INT4 = 5 };
+enum { AMC_GATE_NONE = 0, AMC_GATE_HALVES = 1, AMC_GATE_GPT_OSS = 2 };
+enum { AMC_SILU = 0, AMC_GELU = 1, AMC_GELU_TANH = 2, AMC_RELU = 3, AMC_RELU2 = 4 };
+enum {
+    AMC_OK = 0,
+    AMC_ERR_SEQUENCE = 1,  /* a request number other than the last one + 1; detail: the number expected */
+    AMC_ERR_LAYER = 2,     /* a layer index out of range or never registered; detail: the index */
+    AMC_ERR_PAIRS = 3,     /* pairs < 0 or above the channel's capacity; detail: pairs */
+    AMC_ERR_TOKENS = 4,    /* tokens < 0 or above the channel's capacity; detail: tokens */
+    AMC_ERR_TOKEN_ID = 5,  /* a token id outside [0, T); detail: the pair */
+    AMC_ERR_EXPERT_ID = 6, /* an expert id outside [0, E); detail: the pair */
+    AMC_ERR_MEMORY = 7,    /* the workspace could not be allocated */
+    AMC_ERR_DESCRIPTOR = 8 /* a layer descriptor the kernels cannot compute; detail: which check failed */
+};
+
+/* One weight matrix of every expert, as the host store holds it (contiguous [E, ...]). */
+typedef struct {
+    const void *weight; /* [E, N, K]; transposed: [E, K, N]; mxfp4 and int4: [E, N, K/2] uint8 */
+    const void *scales; /* fp8: float32 [E, ceil(R/block_rows), ceil(Q/block_cols)]; mxfp4: uint8 e8m0 [E, N, K/group];
+                           int4: bf16 [E, N, K/group]; dense: NULL */
+    const void *bias;   /* [E, N] in bias_format, or NULL */
+    int64_t n, k;
+    int32_t format, bias_format, transposed;
+    int32_t block_rows, block_cols; /* fp8: the scale block of the stored [R, Q]; 4-bit: the group in block_cols */
+} amc_matrix;
+
+typedef struct {
+    amc_matrix up;   /* gate_up_proj (N = 2I, K = H) or, without a gate, up_proj (N = I) */
+    amc_matrix down; /* down_proj (N = H, K = I) */
+    int64_t experts;
+    int32_t gate, act;
+    float alpha, limit; /* GPT-OSS's gate */
+} amc_layer;
+
+/* mxfp4 code -> value: e2m1, the sign in bit 3 */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Vector primitives: VL floats at a time, AVX-512 where the compiler targets it, else AVX2, else scalar.
+ */
+
+#if defined(__AVX512F__) && !defined(AMC_SCALAR)
+#define AMC_ISA "avx512"
+#define VL 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vset1(float a) { return _mm512_set1_ps(a); }
+static inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+/* bf16 is the top half of a float32: widen and shift */
+static inline vf vbf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline vf vf16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* e4m3 to float32 in the integer domain, never through float arithmetic on a denormal (each would cost a microcode
+ * assist): a normal code's exponent is rebiased from 7 to 127; a subnormal one (exponent 0) is its mantissa * 2^-9;
+ * 0x7F and 0xFF are NaN */
+static inline vf vfp8(const uint8_t *p) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
+    vf subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+    __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+    vf v = _mm512_mask_mov_ps(_mm512_castsi512_ps(normal), is_subnormal, subnormal);
+    v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    return _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
+}
+/* 32 4-bit codes (16 bytes) -> dst[0:16] the even inputs' values (low nibbles), dst[16:32] the odd ones' (high) */
+static inline void vmxfp4_32(const uint8_t *p, vf scale, float *dst) {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    vf e2m1 = _mm512_loadu_ps(E2M1);
+    vstore(dst, vmul(_mm512_permutexvar_ps(bytes, e2m1), scale)); /* the lookup reads an index's low 4 bits */
+    vstore(dst + 16, vmul(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), e2m1), scale));
+}
+/* scale_lo for inputs 0..15 of the 32, scale_hi for 16..31 (groups of 16) */
+static inline void vint4_32(const uint8_t *p, float scale_lo, float scale_hi, float *dst) {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    vf scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_lo), _mm512_set1_ps(scale_hi));
+    __m512i eight = _mm512_set1_epi32(8);
+    __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), high = _mm512_srli_epi32(bytes, 4);
+    vstore(dst, vmul(_mm512_cvtepi32_ps(_mm512_sub_epi32(low, eight)), scale));
+    vstore(dst + 16, vmul(_mm512_cvtepi32_ps(_mm512_sub_epi32(high, eight)), scale));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(AMC_SCALAR)
+#define AMC_ISA "avx2"
+#define VL 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vset1(float a) { return _mm256_set1_ps(a); }
+static inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline vf vbf16(const uint16_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline vf vf16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vfp8(const uint8_t *p) { /* as the AVX-512 version */
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    vf subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+    vf v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), subnormal, is_subnormal);
+    v = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
+    __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), nan);
+}
+/* as the AVX-512 versions, 8 bytes (16 codes) at a time: inputs 16h..16h+15 of the 32 go to lanes 8h.. of the
+ * even and odd halves */
+static inline vf vmxfp4_8(__m256i codes) { /* the magnitude from e2m1's first 8 values, the sign from bit 3 */
+    vf magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1), codes);
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+    return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+}
+static inline void vmxfp4_32(const uint8_t *p, vf scale, float *dst) {
+    for (int h = 0; h < 2; h++) {
+        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        vstore(dst + 8 * h, vmul(vmxfp4_8(bytes), scale));
+        vstore(dst + 16 + 8 * h, vmul(vmxfp4_8(_mm256_srli_epi32(bytes, 4)), scale));
+    }
+}
+static inline void vint4_32(const uint8_t *p, float scale_lo, float scale_hi, float *dst) {
+    for (int h = 0; h < 2; h++) {
+        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        __m256i eight = _mm256_set1_epi32(8);
+        __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)), high = _mm256_srli_epi32(bytes, 4);
+        vf scale = vset1(h ? scale_hi : scale_lo);
+        vstore(dst + 8 * h, vmul(_mm256_cvtepi32_ps(_mm256_sub_epi32(low, eight)), scale));
+        vstore(dst + 16 + 8 * h, vmul(_mm256_cvtepi32_ps(_mm256_sub_epi32(high, eight)), scale));
+    }
+}
+
+#else
+#define AMC_ISA "scalar"
+#define VL 1
+typedef float vf;
+static inline vf vzero(void) { return 0.0f; }
+static inline vf vload(const float *p) { return *p; }
+static inline void vstore(float *p, vf v) { *p = v; }
+static inline vf vset1(float a) { return a; }
+static inline vf vmul(vf a, vf b) { return a * b; }
+static inline vf vadd(vf a, vf b) { return a + b; }
+static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+static inline float vsum(vf v) { return v; }
+#endif
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Scalar conversions: the tails of vector loops, biases, and the scalar build.
+ */
+
+static float E4M3[256];  /* fp8 e4m3fn code -> float */
+static float E8M0[256];  /* mxfp4 scale code s -> 2^(s - 127), as formats.dequantize_mxfp4's ldexp */
+
+__attribute__((constructor)) static void build_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        int exponent = (b >> 3) & 0xF, mantissa = b & 7;
+        float v = exponent ? ldexpf((float)(8 + mantissa), exponent - 10) : ldexpf((float)mantissa, -9);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        E4M3[b] = (b & 0x80) ? -v : v;
+        E8M0[b] = ldexpf(1.0f, b - 127);
+    }
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    int exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+    float v;
+    if (exponent == 0) v = ldexpf((float)mantissa, -24); /* zero and subnormals */
+    else if (exponent == 31) v = mantissa ? NAN : INFINITY;
+    else v = ldexpf((float)(mantissa | 0x400), exponent - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
+/* element i of a dense f32 / bf16 / f16 array */
+static inline float dense_at(const void *p, int32_t format, int64_t i) {
+    switch (format) {
+    case AMC_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+    case AMC_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decoding a run of stored weights to float32: `len` values, scaled as their format says.
+ */
+
+static void decode_bf16(const uint16_t *src, int64_t len, float *dst) {
+    int64_t i = 0;
+#if VL > 1
+    for (; i + VL <= len; i += VL) vstore(dst + i, vbf16(src + i));
+#endif
+    for (; i < len; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+static void decode_f16(const uint16_t *src, int64_t len, float *dst) {
+    int64_t i = 0;
+#if VL > 1
+    for (; i + VL <= len; i += VL) vstore(dst + i, vf16(src + i));
+#endif
+    for (; i < len; i++) dst[i] = f16_to_f32(src[i]);
+}
+
+static void decode_fp8(const uint8_t *src, int64_t len, float scale, float *dst) {
+    int64_t i = 0;
+#if VL > 1
+    vf s = vset1(scale);
+    for (; i + VL <= len; i += VL) vstore(dst + i, vmul(vfp8(src + i), s));
+#endif
+    for (; i < len; i++) dst[i] = E4M3[src[i]] * scale;
+}
+
+/* 4-bit runs start on a multiple of 32 inputs and span whole 32s (K is a multiple of the group, segments of
+ * SEGMENT). Each 32 inputs' weights are written as the 16 even inputs' then the 16 odd ones' (the low nibbles, then
+ * the high: no interleaving shuffle); the inputs they multiply are put in the same order (split_even_odd). */
+static void decode_mxfp4(const uint8_t *src, const uint8_t *scales, int64_t len, float *dst) {
+    for (int64_t b = 0; b < len / 32; b++, src += 16, dst += 32) {
+        float scale = E8M0[scales[b]];
+#if VL > 1
+        vmxfp4_32(src, vset1(scale), dst);
+#else
+        for (int i = 0; i < 16; i++) {
+            dst[i] = E2M1[src[i] & 0xF] * scale;
+            dst[16 + i] = E2M1[src[i] >> 4] * scale;
+        }
+#endif
+    }
+}
+
+static void decode_int4(const uint8_t *src, const uint16_t *scales, int64_t group, int64_t len, float *dst) {
+    const int shift = __builtin_ctzll((unsigned long long)group); /* groups are powers of two: no division per 32 */
+    for (int64_t b = 0; b < len / 32; b++, src += 16, dst += 32) {
+        float scale_lo = bf16_to_f32(scales[(b * 32) >> shift]);
+        float scale_hi = bf16_to_f32(scales[(b * 32 + 16) >> shift]);
+#if VL > 1
+        vint4_32(src, scale_lo, scale_hi, dst);
+#else
+        for (int i = 0; i < 16; i++) {
+            float scale = i < 8 ? scale_lo : scale_hi;
+            dst[i] = (float)((src[i] & 0xF) - 8) * scale;
+            dst[16 + i] = (float)((src[i] >> 4) - 8) * scale;
+        }
+#endif
+    }
+}
+
+/* where input k sits in the order the 4-bit decoders write */
+static inline int64_t split_position(int64_t k) { return (k & ~(int64_t)31) | ((k & 1) << 4) | ((k & 31) >> 1); }
+
+/* v[0:len] (len a multiple of 32) reordered as the 4-bit decoders write their weights */
+static void split_even_odd(float *v, int64_t len) {
+    for (int64_t b = 0; b < len; b += 32) {
+        float t[32];
+        memcpy(t, v + b, sizeof(t));
+        for (int i = 0; i < 32; i++) v[b + split_position(i)] = t[i];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Where a matrix's bytes are: stored rows R x columns Q, per expert.
+ */
+
+static inline int is_4bit(const amc_matrix *m) { return m->format == AMC_MXFP4 || m->format == AMC_INT4; }
+static inline int64_t stored_rows(const amc_matrix *m) { return m->transposed ? m->k : m->n; }
+static inline int64_t stored_cols(const amc_matrix *m) { return m->transposed ? m->n : m->k; }
+
+static int64_t format_bytes(int32_t format) {
+    return format == AMC_F32 ? 4 : (format == AMC_BF16 || format == AMC_F16) ? 2 : 1;
+}
+
+static inline int64_t row_bytes(const amc_matrix *m) {
+    return is_4bit(m) ? m->k / 2 : stored_cols(m) * format_bytes(m->format);
+}
+
+static inline const uint8_t *expert_weight(const amc_matrix *m, int64_t e) {
+    return (const uint8_t *)m->weight + e * stored_rows(m) * row_bytes(m);
+}
+
+static inline const uint8_t *expert_scales(const amc_matrix *m, int64_t e) {
+    int64_t bytes;
+    if (m->format == AMC_FP8)
+        bytes = cdiv(stored_rows(m), m->block_rows) * cdiv(stored_cols(m), m->block_cols) * 4;
+    else
+        bytes = m->n * (m->k / m->block_cols) * (m->format == AMC_INT4 ? 2 : 1);
+    return (const uint8_t *)m->scales + e * bytes;
+}
+
+#define SEGMENT 2048 /* values of a stored row decoded at a time: an 8 KB buffer per thread, in L1 */
+
+/* Stored row r of expert e, columns [c0, c0 + len) (len <= SEGMENT), as float32: in `buf`, or the weights
+ * themselves when they are float32. */
+static const float *stored_row(const amc_matrix *m, int64_t e, int64_t r, int64_t c0, int64_t len, float *buf) {
+    const uint8_t *row = expert_weight(m, e) + r * row_bytes(m);
+    switch (m->format) {
+    case AMC_F32: return (const float *)row + c0;
+    case AMC_BF16: decode_bf16((const uint16_t *)row + c0, len, buf); return buf;
+    case AMC_F16: decode_f16((const uint16_t *)row + c0, len, buf); return buf;
+    case AMC_FP8: { /* one scale per (block_rows, block_cols) block: runs split at block edges */
+        const int64_t blocks_per_row = cdiv(stored_cols(m), m->block_cols);
+        const float *scales = (const float *)expert_scales(m, e) + (r / m->block_rows) * blocks_per_row;
+        for (int64_t c = c0; c < c0 + len;) {
+            int64_t end = min64(c0 + len, (c / m->block_cols + 1) * m->block_cols);
+            decode_fp8(row + c, end - c, scales[c / m->block_cols], buf + (c - c0));
+            c = end;
+        }
+        return buf;
+    }
+    case AMC_MXFP4: {
+        const uint8_t *scales = expert_scales(m, e) + r * (m->k / 32);
+        decode_mxfp4(row + c0 / 2, scales + c0 / 32, len, buf);
+        return buf;
+    }
+    default: { /* AMC_INT4 */
+        const uint16_t *scales = (const uint16_t *)expert_scales(m, e) + r * (m->k / m->block_cols);
+        decode_int4(row + c0 / 2, scales + c0 / m->block_cols, m->block_cols, len, buf);
+        return buf;
+    }
+    }
+}
+
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 3 /* __builtin_prefetch's: into every cache level (prefetcht0) */
+#endif
+
+/* ask for the cache lines of [p, p + bytes) */
+static inline void prefetch(const uint8_t *p, int64_t bytes) {
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)(p + bytes); a += 64)
+        __builtin_prefetch((const void *)a, 0, PREFETCH_LOCALITY);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Projections: y[t, n] = sum_k w_e[n, k] x[t, k] (+ bias) for n in [n0, n1) and every token t of one expert.
+ */
+
+#define TOKENS_PER_READ 8   /* tokens multiplied by each decoded weight vector while it is in registers */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096 /* how far ahead of the row being read a thread asks for its weights */
+#endif
+#define TILE 512            /* columns of a transposed matrix accumulated at a time */
+#define ROWS_PER_PASS 4     /* rows of a transposed matrix added into the outputs per pass over them */
+_Static_assert(ROWS_PER_PASS * TILE <= SEGMENT, "a transposed pass decodes its rows into one decode buffer");
+
+/* out[t] = sum_k w[k] x[t * ldx + k] for t < tb; tb a constant once inlined, so the accumulators stay in registers.
+ * Each token keeps `u` partial sums, so that at least four FMA chains are in flight even for one token (a single
+ * chain waits out the FMA's latency at every step, slower than a thread's share of DRAM bandwidth for 4-bit). */
+static inline __attribute__((always_inline)) void dot_fixed(const float *w, const float *x, int64_t ldx, int64_t len,
+                                                            int tb, float *out) {
+    const int u = tb == 1 ? 4 : tb == 2 ? 2 : 1;
+    vf acc[4][TOKENS_PER_READ];
+    for (int j = 0; j < u; j++)
+        for (int t = 0; t < tb; t++) acc[j][t] = vzero();
+    int64_t k = 0;
+    for (; k + u * VL <= len; k += u * VL) {
+        for (int j = 0; j < u; j++) {
+            vf wv = vload(w + k + j * VL);
+            for (int t = 0; t < tb; t++) acc[j][t] = vfma(wv, vload(x + t * ldx + k + j * VL), acc[j][t]);
+        }
+    }
+    for (; k + VL <= len; k += VL) {
+        vf wv = vload(w + k);
+        for (int t = 0; t < tb; t++) acc[0][t] = vfma(wv, vload(x + t * ldx + k), acc[0][t]);
+    }
+    for (int t = 0; t < tb; t++) {
+        for (int j = 1; j < u; j++) acc[0][t] = vadd(acc[0][t], acc[j][t]);
+        float s = vsum(acc[0][t]);
+        for (int64_t j = k; j < len; j++) s += w[j] * x[t * ldx + j];
+        out[t] = s;
+    }
+}
+
+static void dot_tokens(const float *w, const float *x, int64_t ldx, int64_t len, int tb, float *out) {
+    switch (tb) {
+    case 1: dot_fixed(w, x, ldx, len, 1, out); break;
+    case 2: dot_fixed(w, x, ldx, len, 2, out); break;
+    case 3: dot_fixed(w, x, ldx, len, 3, out); break;
+    case 4: dot_fixed(w, x, ldx, len, 4, out); break;
+    case 5: dot_fixed(w, x, ldx, len, 5, out); break;
+    case 6: dot_fixed(w, x, ldx, len, 6, out); break;
+    case 7: dot_fixed(w, x, ldx, len, 7, out); break;
+    default: dot_fixed(w, x, ldx, len, 8, out); break;
+    }
+}
+
+/* y[0:len] += sum_r a[r] * w[r][0:len] over `rows` rows: the outputs are loaded and stored once per pass */
+static inline void axpy_rows(float *y, const float *a, const float *const *w, int rows, int64_t len) {
+    int64_t i = 0;
+    if (rows == ROWS_PER_PASS) {
+        vf a0 = vset1(a[0]), a1 = vset1(a[1]), a2 = vset1(a[2]), a3 = vset1(a[3]);
+        for (; i + VL <= len; i += VL) {
+            vf acc = vfma(a0, vload(w[0] + i), vload(y + i));
+            acc = vfma(a1, vload(w[1] + i), acc);
+            acc = vfma(a2, vload(w[2] + i), acc);
+            vstore(y + i, vfma(a3, vload(w[3] + i), acc));
+        }
+    }
+    for (; i < len; i++)
+        for (int r = 0; r < rows; r++) y[i] += a[r] * w[r][i];
+}
+
+/* [N, K] rows per output: rows n0..n1 of an expert are one contiguous stream, each row decoded once (a segment at a
+ * time) and multiplied by every token, TOKENS_PER_READ at a time. */
+static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, int64_t tokens,
+                         float *y, int64_t ldy, float *buf) {
+    const int64_t K = m->k, stride = row_bytes(m);
+    const uint8_t *first = expert_weight(m, e) + n0 * stride, *end = expert_weight(m, e) + n1 * stride;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *ahead = first + (n - n0) * stride + PREFETCH_BYTES;
+        if (ahead < end) prefetch(ahead, min64(stride, end - ahead));
+        for (int64_t t = 0; t < tokens; t++) y[t * ldy + n] = 0.0f;
+        for (int64_t k0 = 0; k0 < K; k0 += SEGMENT) {
+            int64_t len = min64(SEGMENT, K - k0);
+            const float *w = stored_row(m, e, n, k0, len, buf);
+            for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
+                float part[TOKENS_PER_READ];
+                int tb = (int)min64(TOKENS_PER_READ, tokens - t0);
+                dot_tokens(w, x + t0 * K + k0, K, len, tb, part);
+                for (int t = 0; t < tb; t++) y[(t0 + t) * ldy + n] += part[t];
+            }
+        }
+    }
+}
+
+/* [K, N] rows per input: columns n0..n1 of each input row k, decoded once and added, times x[t, k], into every
+ * token's outputs, ROWS_PER_PASS rows at a time; rows a few KB ahead are prefetched, as the hardware does not follow
+ * this strided stream. */
+static void project_cols(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, int64_t tokens,
+                         float *y, int64_t ldy, float *buf) {
+    const int64_t K = m->k, stride = row_bytes(m), bytes = format_bytes(m->format);
+    const uint8_t *weights = expert_weight(m, e);
+    for (int64_t c0 = n0; c0 < n1; c0 += TILE) {
+        int64_t len = min64(TILE, n1 - c0), ahead = max64(1, PREFETCH_BYTES / (len * bytes));
+        for (int64_t t = 0; t < tokens; t++) memset(y + t * ldy + c0, 0, len * sizeof(float));
+        for (int64_t k = 0; k < K; k += ROWS_PER_PASS) {
+            const int rows = (int)min64(ROWS_PER_PASS, K - k);
+            const float *w[ROWS_PER_PASS];
+            for (int r = 0; r < rows; r++) {
+                if (k + r + ahead < K) prefetch(weights + (k + r + ahead) * stride + c0 * bytes, len * bytes);
+                w[r] = stored_row(m, e, k + r, c0, len, buf + r * TILE);
+            }
+            for (int64_t t = 0; t < tokens; t++) axpy_rows(y + t * ldy + c0, x + t * K + k, w, rows, len);
+        }
+    }
+}
+
+static void project(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, int64_t tokens, float *y,
+                    int64_t ldy, float *buf) {
+    if (n0 >= n1) return;
+    if (m->transposed) project_cols(m, e, n0, n1, x, tokens, y, ldy, buf);
+    else project_rows(m, e, n0, n1, x, tokens, y, ldy, buf);
+    if (!m->bias) return;
+    for (int64_t n = n0; n < n1; n++) {
+        float b = dense_at(m->bias, m->bias_format, e * m->n + n);
+        for (int64_t t = 0; t < tokens; t++) y[t * ldy + n] += b;
+    }
+}
+
+/* Outputs n0..n1 of a projection, in multiples that keep threads off each other's cache lines: 16 float32 outputs,
+ * or a transposed row's 64 bytes. */
+static int64_t split_align(const amc_matrix *m) {
+    return m->transposed ? max64(16, 64 / format_bytes(m->format)) : 16;
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Activations, in float32.
+ */
+
+static inline float activation(int32_t act, float v) {
+    switch (act) {
+    case AMC_SILU: return v / (1.0f + expf(-v));
+    case AMC_GELU: return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    case AMC_GELU_TANH: return 0.5f * v * (1.0f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    case AMC_RELU: return v > 0.0f ? v : 0.0f;
+    default: return v > 0.0f ? v * v : 0.0f; /* AMC_RELU2 */
+    }
+}
+
+/* transformers' GptOssExperts._apply_gate: gate clamped above, up clamped both ways,
+ * (up + 1) * gate * sigmoid(alpha * gate); comparisons written so that NaN passes through, as torch.clamp lets it */
+static inline float gpt_oss_gate(float gate, float up, float alpha, float limit) {
+    gate = gate > limit ? limit : gate;
+    up = up > limit ? limit : (up < -limit ? -limit : up);
+    return (up + 1.0f) * (gate / (1.0f + expf(-alpha * gate)));
+}
+
+/* a[j] for j in [j0, j1), one token's up-projection row h: act(gate) * up (halves), GPT-OSS's gate, or act(up);
+ * placed where a 4-bit down-projection's decoder expects input j when `split` */
+static void activate(const amc_layer *L, const float *h, float *a, int64_t j0, int64_t j1, int split) {
+    const int64_t I = L->down.k;
+    for (int64_t j = j0; j < j1; j++) {
+        float v;
+        switch (L->gate) {
+        case AMC_GATE_HALVES: v = activation(L->act, h[j]) * h[I + j]; break;
+        case AMC_GATE_GPT_OSS: v = gpt_oss_gate(h[2 * j], h[2 * j + 1], L->alpha, L->limit); break;
+        default: v = activation(L->act, h[j]); break;
+        }
+        a[split ? split_position(j) : j] = v;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The thread pool: `threads` workers, the caller being thread 0. Between tasks a worker spins for `spin_ns`, then
+ * sleeps on a condition variable; `pool_run` wakes sleepers only when there are any.
+ */
+
+typedef void (*task_fn)(void *arg, int tid, int threads);
+
+typedef struct amc_pool amc_pool;
+typedef struct {
+    amc_pool *pool;
+    int tid;
+} worker_arg;
+
+typedef struct { /* pairs [start, start + count) of the sorted order all go to `expert` */
+    int32_t expert, start, count;
+} group;
+
+typedef struct {
+    int64_t pairs, experts, hidden, up, inter; /* capacities */
+    float *x, *h, *a, *o; /* [P, H] inputs, [P, N_up] up-projections, [P, I] activations, [P, H] outputs, sorted */
+    int32_t *order;       /* [P]: sorted position -> pair */
+    int32_t *counts;      /* [E + 1] */
+    group *groups;        /* [P] */
+} workspace;
+
+struct amc_pool {
+    int threads;
+    int64_t spin_ns;
+    pthread_t *workers;
+    worker_arg *args;
+    float *buffers; /* a SEGMENT-float decode buffer per thread, a cache line apart */
+    task_fn task;
+    void *arg;
+    uint64_t generation; /* bumped to start a task */
+    int pending;         /* workers still running it */
+    int sleepers;
+    int stop;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    pthread_mutex_t busy; /* one computation at a time owns the workspace */
+    workspace ws;
+};
+
+static float *thread_buffer(amc_pool *p, int tid) { return p->buffers + (int64_t)tid * (SEGMENT + 16); }
+
+/* Wait for a generation other than `seen`: spin, then sleep. Sleeping announces itself in `sleepers` before the
+ * last check of `generation`, and pool_run bumps `generation` before reading `sleepers` (both sequentially
+ * consistent): either the sleeper sees the new generation or pool_run sees the sleeper and broadcasts under the
+ * lock the sleeper holds until it waits. */
+static uint64_t wait_generation(amc_pool *p, uint64_t seen) {
+    int64_t start = now_ns();
+    for (int i = 1;; i++) {
+        uint64_t g = __atomic_load_n(&p->generation, __ATOMIC_ACQUIRE);
+        if (g != seen) return g;
+        cpu_relax();
+        if (i % 256 == 0 && now_ns() - start > p->spin_ns) break;
+    }
+    pthread_mutex_lock(&p->lock);
+    __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
+    uint64_t g;
+    while ((g = __atomic_load_n(&p->generation, __ATOMIC_SEQ_CST)) == seen) pthread_cond_wait(&p->wake, &p->lock);
+    __atomic_sub_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&p->lock);
+    return g;
+}
+
+static void *pool_thread(void *opaque) {
+    worker_arg *w = opaque;
+    amc_pool *p = w->pool;
+    uint64_t seen = 0;
+    for (;;) {
+        seen = wait_generation(p, seen);
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
+        p->task(p->arg, w->tid, p->threads);
+        __atomic_sub_fetch(&p->pending, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void wake_all(amc_pool *p) {
+    __atomic_add_fetch(&p->generation, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST) > 0) {
+        pthread_mutex_lock(&p->lock);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->lock);
+    }
+}
+
+/* task(arg, tid, threads) on every thread, the caller as thread 0; returns when all are done */
+static void pool_run(amc_pool *p, task_fn task, void *arg) {
+    p->task = task;
+    p->arg = arg;
+    __atomic_store_n(&p->pending, p->threads - 1, __ATOMIC_RELAXED);
+    wake_all(p); /* the generation's release publishes task and arg */
+    task(arg, 0, p->threads);
+    while (__atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0) cpu_relax();
+}
+
+static void workspace_free(workspace *ws) {
+    free(ws->x);
+    free(ws->h);
+    free(ws->a);
+    free(ws->o);
+    free(ws->order);
+    free(ws->counts);
+    free(ws->groups);
+    memset(ws, 0, sizeof(*ws));
+}
+
+static void *alloc64(int64_t bytes) { return aligned_alloc(64, (size_t)cdiv(max64(bytes, 64), 64) * 64); }
+
+/* room for P pairs of a layer (E experts, H hidden, N_up, I), kept across calls and grown as needed */
+static int workspace_reserve(workspace *ws, int64_t P, int64_t E, int64_t H, int64_t N_up, int64_t I) {
+    if (P <= ws->pairs && E <= ws->experts && H <= ws->hidden && N_up <= ws->up && I <= ws->inter) return AMC_OK;
+    workspace grown = {.pairs = max64(P, ws->pairs), .experts = max64(E, ws->experts), .hidden = max64(H, ws->hidden),
+                       .up = max64(N_up, ws->up), .inter = max64(I, ws->inter)};
+    workspace_free(ws);
+    *ws = grown;
+    int64_t f = sizeof(float);
+    ws->x = alloc64(ws->pairs * ws->hidden * f);
+    ws->h = alloc64(ws->pairs * ws->up * f);
+    ws->a = alloc64(ws->pairs * ws->inter * f);
+    ws->o = alloc64(ws->pairs * ws->hidden * f);
+    ws->order = alloc64(ws->pairs * 4);
+    ws->counts = alloc64((ws->experts + 1) * 4);
+    ws->groups = alloc64(ws->pairs * (int64_t)sizeof(group));
+    if (ws->x && ws->h && ws->a && ws->o && ws->order && ws->counts && ws->groups) return AMC_OK;
+    workspace_free(ws);
+    return AMC_ERR_MEMORY;
+}
+
+void amc_pool_destroy(amc_pool *p);
+
+amc_pool *amc_pool_create(int32_t threads, int64_t spin_ns) {
+    amc_pool *p = calloc(1, sizeof(amc_pool));
+    if (!p) return NULL;
+    p->threads = threads < 1 ? 1 : threads;
+    p->spin_ns = spin_ns;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    pthread_mutex_init(&p->busy, NULL);
+    p->buffers = alloc64((int64_t)p->threads * (SEGMENT + 16) * sizeof(float));
+    p->workers = calloc(p->threads, sizeof(pthread_t));
+    p->args = calloc(p->threads, sizeof(worker_arg));
+    if (!p->buffers || !p->workers || !p->args) {
+        amc_pool_destroy(p);
+        return NULL;
+    }
+    for (int i = 1; i < p->threads; i++) {
+        p->args[i] = (worker_arg){p, i};
+        if (pthread_create(&p->workers[i], NULL, pool_thread, &p->args[i]) != 0) {
+            p->threads = i; /* destroy joins the ones started */
+            amc_pool_destroy(p);
+            return NULL;
+        }
+    }
+    return p;
+}
+
+void amc_pool_destroy(amc_pool *p) {
+    if (!p) return;
+    __atomic_store_n(&p->stop, 1, __ATOMIC_RELEASE);
+    wake_all(p);
+    for (int i = 1; i < p->threads; i++)
+        if (p->workers && p->workers[i]) pthread_join(p->workers[i], NULL);
+    workspace_free(&p->ws);
+    free(p->buffers);
+    free(p->workers);
+    free(p->args);
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->wake);
+    pthread_mutex_destroy(&p->busy);
+    free(p);
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The expert MLP of P pairs: check, sort by expert, convert the inputs, then two parallel phases (up-projection
+ * with the activation, down-projection), each thread taking the same slice of every expert's outputs.
+ */
+
+typedef struct {
+    const amc_layer *layer;
+    amc_pool *pool;
+    const group *groups;
+    int64_t ngroups, pairs;
+    float *out; /* [P, H], in the caller's pair order */
+} step;
+
+/* this thread's share [lo, hi) of `total` outputs, in multiples of `align` */
+static void share(int64_t total, int64_t align, int tid, int threads, int64_t *lo, int64_t *hi) {
+    int64_t chunks = cdiv(total, align);
+    *lo = min64(total, chunks * tid / threads * align);
+    *hi = min64(total, chunks * (tid + 1) / threads * align);
+}
+
+static void up_task(void *arg, int tid, int threads) {
+    const step *s = arg;
+    const amc_layer *L = s->layer;
+    const workspace *ws = &s->pool->ws;
+    const int64_t H = L->up.k, N = L->up.n, I = L->down.k;
+    const int interleaved = L->gate == AMC_GATE_GPT_OSS; /* unit j: columns 2j, 2j+1 */
+    const int split = is_4bit(&L->down);                 /* activations in the 4-bit decoders' order */
+    int64_t j0, j1, align = max64(1, split_align(&L->up) / (interleaved ? 2 : 1));
+    share(I, split ? max64(align, 32) : align, tid, threads, &j0, &j1);
+    if (j0 >= j1) return;
+    float *buf = thread_buffer(s->pool, tid);
+    for (int64_t g = 0; g < s->ngroups; g++) {
+        const group *G = &s->groups[g];
+        const float *x = ws->x + G->start * H;
+        float *h = ws->h + G->start * N, *a = ws->a + G->start * I;
+        if (interleaved) {
+            project(&L->up, G->expert, 2 * j0, 2 * j1, x, G->count, h, N, buf);
+        } else {
+            project(&L->up, G->expert, j0, j1, x, G->count, h, N, buf);
+            if (L->gate == AMC_GATE_HALVES) project(&L->up, G->expert, I + j0, I + j1, x, G->count, h, N, buf);
+        }
+        for (int64_t t = 0; t < G->count; t++) activate(L, h + t * N, a + t * I, j0, j1, split);
+    }
+}
+
+static void down_task(void *arg, int tid, int threads) {
+    const step *s = arg;
+    const amc_layer *L = s->layer;
+    const workspace *ws = &s->pool->ws;
+    const int64_t H = L->down.n, I = L->down.k;
+    int64_t n0, n1;
+    share(H, split_align(&L->down), tid, threads, &n0, &n1);
+    if (n0 >= n1) return;
+    float *buf = thread_buffer(s->pool, tid);
+    for (int64_t g = 0; g < s->ngroups; g++) {
+        const group *G = &s->groups[g];
+        project(&L->down, G->expert, n0, n1, ws->a + G->start * I, G->count, ws->o + G->start * H, H, buf);
+    }
+    for (int64_t i = 0; i < s->pairs; i++)
+        memcpy(s->out + ws->order[i] * H + n0, ws->o + i * H + n0, (n1 - n0) * sizeof(float));
+}
+
+static int check_pairs(const amc_layer *L, int64_t P, const int32_t *token_ids, const int32_t *expert_ids,
+                       int64_t T, int64_t *detail) {
+    for (int64_t p = 0; p < P; p++) {
+        if (token_ids[p] < 0 || token_ids[p] >= T) return *detail = p, AMC_ERR_TOKEN_ID;
+        if (expert_ids[p] < 0 || expert_ids[p] >= L->experts) return *detail = p, AMC_ERR_EXPERT_ID;
+    }
+    return AMC_OK;
+}
+
+/* counting sort of the pairs by expert (stable): ws->order, ws->groups; returns the number of groups */
+static int64_t sort_by_expert(workspace *ws, int64_t E, int64_t P, const int32_t *expert_ids) {
+    int32_t *counts = ws->counts;
+    memset(counts, 0, (E + 1) * sizeof(int32_t));
+    for (int64_t p = 0; p < P; p++) counts[expert_ids[p] + 1]++;
+    int64_t ngroups = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (counts[e + 1]) ws->groups[ngroups++] = (group){(int32_t)e, counts[e], counts[e + 1]};
+        counts[e + 1] += counts[e]; /* counts[e]: the first sorted position of expert e */
+    }
+    for (int64_t p = 0; p < P; p++) ws->order[counts[expert_ids[p]]++] = (int32_t)p;
+    return ngroups;
+}
+
+static void convert_row(const void *x, int32_t format, int64_t row, int64_t H, float *dst) {
+    switch (format) {
+    case AMC_BF16: decode_bf16((const uint16_t *)x + row * H, H, dst); break;
+    case AMC_F16: decode_f16((const uint16_t *)x + row * H, H, dst); break;
+    default: memcpy(dst, (const float *)x + row * H, H * sizeof(float)); break;
+    }
+}
+
+static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
+                       const int32_t *expert_ids, const void *x, int32_t x_format, int64_t T, float *out,
+                       int64_t *detail) {
+    const int64_t H = L->up.k;
+    if (P < 0) return *detail = P, AMC_ERR_PAIRS;
+    int err = check_pairs(L, P, token_ids, expert_ids, T, detail);
+    if (err || P == 0) return err;
+    workspace *ws = &pool->ws;
+    if ((err = workspace_reserve(ws, P, L->experts, H, L->up.n, L->down.k))) return err;
+    int64_t ngroups = sort_by_expert(ws, L->experts, P, expert_ids);
+    for (int64_t i = 0; i < P; i++) {
+        convert_row(x, x_format, token_ids[ws->order[i]], H, ws->x + i * H);
+        if (is_4bit(&L->up)) split_even_odd(ws->x + i * H, H);
+    }
+    step s = {L, pool, ws->groups, ngroups, P, out};
+    pool_run(pool, up_task, &s);
+    pool_run(pool, down_task, &s);
+    return AMC_OK;
+}
+
+/* Which check a layer descriptor fails (a positive number), or 0: the Python side refuses with a clear message
+ * first; this keeps a bad descriptor from reading out of bounds. */
+static int matrix_problem(const amc_matrix *m) {
+    if (!m->weight || m->n <= 0 || m->k <= 0) return 1;
+    if (m->format < AMC_F32 || m->format > AMC_INT4) return 2;
+    if (m->bias && (m->bias_format < AMC_F32 || m->bias_format > AMC_F16)) return 3;
+    if (m->format == AMC_FP8 && (!m->scales || m->block_rows <= 0 || m->block_cols <= 0)) return 4;
+    if (is_4bit(m)) {
+        int group_ok = m->format == AMC_MXFP4 ? m->block_cols == 32
+                                              : (m->block_cols == 16 || m->block_cols == 32 || m->block_cols == 64 ||
+                                                 m->block_cols == 128);
+        if (!m->scales || m->transposed || !group_ok || m->k % m->block_cols) return 5;
+    }
+    return 0;
+}
+
+static int32_t layer_problem(const amc_layer *L) {
+    int p;
+    if ((p = matrix_problem(&L->up))) return 10 + p;
+    if ((p = matrix_problem(&L->down))) return 20 + p;
+    if (L->experts <= 0) return 31;
+    if (L->gate < AMC_GATE_NONE || L->gate > AMC_GATE_GPT_OSS || L->act < AMC_SILU || L->act > AMC_RELU2) return 32;
+    if (L->down.n != L->up.k || L->up.n != (L->gate == AMC_GATE_NONE ? 1 : 2) * L->down.k) return 33;
+    return 0;
+}
+
+/* The expert MLP of P pairs (token_ids[p], expert_ids[p]) of x [T, H] (f32, bf16 or f16): out [P, H] float32.
+ * Returns AMC_OK or an AMC_ERR_* code with `detail` (out is then untouched). One call at a time per pool. */
+int32_t amc_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
+                    const int32_t *expert_ids, const void *x, int32_t x_format, int64_t T, float *out,
+                    int64_t *detail) {
+    int64_t problem = layer_problem(L);
+    if (problem) return *detail = problem, AMC_ERR_DESCRIPTOR;
+    pthread_mutex_lock(&pool->busy);
+    int err = run_experts(pool, L, P, token_ids, expert_ids, x, x_format, T, out, detail);
+    pthread_mutex_unlock(&pool->busy);
+    return err;
+}
+
+const char *amc_isa(void) { return AMC_ISA; }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The request channel: one block of host memory, written by a producer (the GPU) and a worker (below).
+ *
+ *   offset  0: int64 request     the producer's sequence number, stored last (release) after the payload
+ *   offset 64: int64 done        the worker's: the number of the request served, stored last (release)
+ *   offset 72: int32 error       AMC_OK, or what was wrong with request `done` (nothing was computed)
+ *   offset 80: int64 detail      the offending value or pair
+ *   offset 128: int32 layer, int32 pairs (P), int32 tokens (T)
+ *   then, each 64-byte aligned: int32 token_ids[max_pairs], int32 expert_ids[max_pairs],
+ *   x [max_tokens, hidden] in x_format, out [max_pairs, hidden] float32
+ * `request` and `done` sit on cache lines of their own: each has one writer.
+ */
+
+typedef struct {
+    int64_t request;
+    int64_t pad0[7];
+    int64_t done;
+    int32_t error, pad1;
+    int64_t detail;
+    int64_t pad2[5];
+    int32_t layer, pairs, tokens;
+} amc_header;
+
+typedef struct {
+    int64_t max_pairs, max_tokens, hidden;
+    int32_t x_format, pad;
+    int64_t request, done, error, detail, layer, pairs, tokens; /* byte offsets of the header's fields */
+    int64_t token_ids, expert_ids, x, out, nbytes;              /* byte offsets of the arrays; the block's size */
+} amc_channel_layout;
+
+static int64_t align64(int64_t n) { return cdiv(n, 64) * 64; }
+
+int32_t amc_channel_layout_init(amc_channel_layout *l, int64_t max_pairs, int64_t max_tokens, int64_t hidden,
+                                int32_t x_format) {
+    if (max_pairs < 0 || max_tokens < 0 || hidden <= 0 || x_format < AMC_F32 || x_format > AMC_F16) return -1;
+    memset(l, 0, sizeof(*l));
+    l->max_pairs = max_pairs, l->max_tokens = max_tokens, l->hidden = hidden, l->x_format = x_format;
+    l->request = offsetof(amc_header, request), l->done = offsetof(amc_header, done);
+    l->error = offsetof(amc_header, error), l->detail = offsetof(amc_header, detail);
+    l->layer = offsetof(amc_header, layer), l->pairs = offsetof(amc_header, pairs);
+    l->tokens = offsetof(amc_header, tokens);
+    l->token_ids = align64(sizeof(amc_header));
+    l->expert_ids = align64(l->token_ids + max_pairs * 4);
+    l->x = align64(l->expert_ids + max_pairs * 4);
+    l->out = align64(l->x + max_tokens * hidden * format_bytes(x_format));
+    l->nbytes = align64(l->out + max_pairs * hidden * 4);
+    return 0;
+}
+
+/* the producer's last store: the payload written before it is visible to a worker that sees `seq` */
+void amc_request_publish(void *channel, int64_t seq) {
+    __atomic_store_n(&((amc_header *)channel)->request, seq, __ATOMIC_RELEASE);
+}
+
+/* Wait until `done` is `seq`: the request's error code, or -1 after timeout_ns. Spins, then yields the core
+ * between polls after YIELD_AFTER_NS (a host waiter must not starve the worker it waits for). */
+#define YIELD_AFTER_NS 100000
+int32_t amc_done_wait(void *channel, int64_t seq, int64_t timeout_ns) {
+    amc_header *h = channel;
+    int64_t start = now_ns(), waited = 0;
+    for (int i = 1;; i++) {
+        if (__atomic_load_n(&h->done, __ATOMIC_ACQUIRE) == seq) return h->error;
+        if (waited > YIELD_AFTER_NS) sched_yield();
+        else cpu_relax();
+        if (i % 256 == 0 && (waited = now_ns() - start) > timeout_ns) return -1;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * The worker: a thread polling `request`. Layers are registered before it starts and never change afterwards.
+ * A request numbered other than the last + 1 is answered with AMC_ERR_SEQUENCE (and the worker takes its number
+ * as the last), so a producer waiting for its number never waits forever and never reads garbage as outputs.
+ */
+
+typedef struct {
+    uint8_t *channel;
+    amc_channel_layout layout;
+    amc_layer *layers;
+    uint8_t *registered;
+    int32_t num_layers;
+    amc_pool *pool;
+    int64_t idle_spin_ns, idle_sleep_ns;
+    int64_t first_seen; /* `request` when started: the next one is first_seen + 1 */
+    pthread_t thread;
+    int started, stop;
+} amc_worker;
+
+static int32_t serve(amc_worker *w, int64_t *detail) {
+    const amc_channel_layout *l = &w->layout;
+    const amc_header *h = (const amc_header *)w->channel;
+    int32_t layer = h->layer, P = h->pairs, T = h->tokens;
+    if (layer < 0 || layer >= w->num_layers || !w->registered[layer]) return *detail = layer, AMC_ERR_LAYER;
+    if (P < 0 || P > l->max_pairs) return *detail = P, AMC_ERR_PAIRS;
+    if (T < 0 || T > l->max_tokens) return *detail = T, AMC_ERR_TOKENS;
+    uint8_t *c = w->channel;
+    return run_experts(w->pool, &w->layers[layer], P, (const int32_t *)(c + l->token_ids),
+                       (const int32_t *)(c + l->expert_ids), c + l->x, l->x_format, T, (float *)(c + l->out),
+                       detail);
+}
+
+static void *worker_thread(void *opaque) {
+    amc_worker *w = opaque;
+    amc_header *h = (amc_header *)w->channel;
+    int64_t seen = w->first_seen, last_active = now_ns();
+    int napping = 0; /* idle for longer than idle_spin_ns: sleep between polls */
+    for (int i = 1; !__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE); i++) {
+        int64_t seq = __atomic_load_n(&h->request, __ATOMIC_ACQUIRE); /* the payload's reads come after this */
+        if (seq == seen) {
+            if (napping) {
+                struct timespec nap = {0, w->idle_sleep_ns};
+                nanosleep(&nap, NULL);
+            } else {
+                cpu_relax();
+                napping = i % 256 == 0 && now_ns() - last_active > w->idle_spin_ns;
+            }
+            continue;
+        }
+        int64_t detail = 0;
+        int32_t err = seq == seen + 1 ? serve(w, &detail) : (detail = seen + 1, AMC_ERR_SEQUENCE);
+        h->error = err;
+        h->detail = detail;
+        __atomic_store_n(&h->done, seq, __ATOMIC_RELEASE); /* outputs and error before it */
+        seen = seq;
+        last_active = now_ns();
+        napping = 0;
+    }
+    return NULL;
+}
+
+void amc_worker_destroy(amc_worker *w);
+
+amc_worker *amc_worker_create(void *channel, const amc_channel_layout *layout, int32_t num_layers, int32_t threads,
+                              int64_t pool_spin_ns, int64_t idle_spin_ns, int64_t idle_sleep_ns) {
+    amc_worker *w = calloc(1, sizeof(amc_worker));
+    if (!w) return NULL;
+    w->channel = channel;
+    w->layout = *layout;
+    w->num_layers = num_layers;
+    w->idle_spin_ns = idle_spin_ns;
+    w->idle_sleep_ns = idle_sleep_ns < 1 ? 1 : (idle_sleep_ns > 999999999 ? 999999999 : idle_sleep_ns);
+    w->layers = calloc(num_layers > 0 ? num_layers : 1, sizeof(amc_layer));
+    w->registered = calloc(num_layers > 0 ? num_layers : 1, 1);
+    w->pool = amc_pool_create(threads, pool_spin_ns);
+    if (!w->layers || !w->registered || !w->pool) {
+        amc_worker_destroy(w);
+        return NULL;
+    }
+    return w;
+}
+
+/* 0, or which check failed: -1 the worker runs already, -2 index out of range, -3 hidden size differs from the
+ * channel's, a positive number: layer_problem's */
+int32_t amc_worker_set_layer(amc_worker *w, int32_t index, const amc_layer *layer) {
+    if (w->started) return -1;
+    if (index < 0 || index >= w->num_layers) return -2;
+    int32_t problem = layer_problem(layer);
+    if (problem) return problem;
+    if (layer->up.k != w->layout.hidden) return -3;
+    w->layers[index] = *layer;
+    w->registered[index] = 1;
+    return 0;
+}
+
+/* Start polling, with the workspace already sized for the channel's largest request. */
+int32_t amc_worker_start(amc_worker *w) {
+    if (w->started) return -1;
+    for (int32_t i = 0; i < w->num_layers; i++) {
+        const amc_layer *L = &w->layers[i];
+        if (w->registered[i] &&
+            workspace_reserve(&w->pool->ws, w->layout.max_pairs, L->experts, L->up.k, L->up.n, L->down.k))
+            return AMC_ERR_MEMORY;
+    }
+    w->first_seen = __atomic_load_n(&((amc_header *)w->channel)->request, __ATOMIC_ACQUIRE);
+    if (pthread_create(&w->thread, NULL, worker_thread, w) != 0) return -2;
+    w->started = 1;
+    return 0;
+}
+
+void amc_worker_destroy(amc_worker *w) {
+    if (!w) return;
+    if (w->started) {
+        __atomic_store_n(&w->stop, 1, __ATOMIC_RELEASE);
+        pthread_join(w->thread, NULL);
+    }
+    amc_pool_destroy(w->pool);
+    free(w->layers);
+    free(w->registered);
+    free(w);
+}

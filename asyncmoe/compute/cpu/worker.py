@@ -1,0 +1,186 @@
+"""The CPU worker: a C thread that serves expert requests written to host memory by a producer (the GPU).
+
+The producer writes a request's payload (layer, pairs, tokens, the pairs' token and expert ids, the hidden rows)
+into a `Channel`, then bumps its `request` number; the worker, which polls that number without the GIL and never
+calls the CUDA driver, computes the pairs' expert outputs into the channel and then stores the same number as
+`done` (with an error code, AMC_OK when it computed). The channel's layout is experts.c's; `Channel.submit` and
+`Channel.wait` play the producer from Python (tests, and a CPU-only caller).
+
+Dims: P pairs, T tokens, H hidden.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from .kernels import DENSE, ERRORS, ChannelLayout, CpuExperts, default_threads, library
+
+
+class Channel:
+    """The shared request block: `buffer` (uint8, pinned or ordinary host memory, zeroed) and typed views of its
+    fields. Capacity: `max_pairs` pairs of `max_tokens` rows of `hidden` values in `x_dtype`. One request is in
+    flight at a time: the producer writes the next one only once the last is done."""
+
+    def __init__(
+        self,
+        max_pairs: int,
+        max_tokens: int,
+        hidden: int,
+        x_dtype: torch.dtype = torch.bfloat16,
+        buffer: torch.Tensor | None = None,
+        isa: str = "native",
+    ):
+        if x_dtype not in DENSE:
+            raise ValueError(
+                f"x_dtype={x_dtype}: the worker reads hidden rows in float32, bfloat16 or float16"
+            )
+        self.lib = library(isa)
+        layout = ChannelLayout()
+        if self.lib.amc_channel_layout_init(
+            ctypes.byref(layout), max_pairs, max_tokens, hidden, DENSE[x_dtype]
+        ):
+            raise ValueError(
+                f"a channel needs max_pairs, max_tokens >= 0 and hidden > 0, got {max_pairs}, {max_tokens}, {hidden}"
+            )
+        if buffer is None:
+            buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        if (
+            buffer.dtype != torch.uint8
+            or buffer.device.type != "cpu"
+            or buffer.numel() < layout.nbytes
+        ):
+            raise ValueError(
+                f"a channel's buffer is a CPU uint8 tensor of at least {layout.nbytes} bytes"
+            )
+        if buffer.data_ptr() % 64:
+            raise ValueError(
+                "a channel's buffer must start on a 64-byte boundary (its fields sit on cache lines)"
+            )
+        self.layout, self.buffer, self.x_dtype, self.seq = layout, buffer, x_dtype, 0
+
+        def view(offset: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+            return (
+                buffer[offset : offset + dtype.itemsize * math.prod(shape)]
+                .view(dtype)
+                .view(*shape or (1,))
+            )
+
+        P, T, H = max_pairs, max_tokens, hidden
+        self.request, self.done = view(layout.request, torch.int64), view(layout.done, torch.int64)
+        self.error, self.detail = view(layout.error, torch.int32), view(layout.detail, torch.int64)
+        self.layer, self.pairs = view(layout.layer, torch.int32), view(layout.pairs, torch.int32)
+        self.tokens = view(layout.tokens, torch.int32)
+        self.token_ids = view(layout.token_ids, torch.int32, P)
+        self.expert_ids = view(layout.expert_ids, torch.int32, P)
+        self.x, self.out = view(layout.x, x_dtype, T, H), view(layout.out, torch.float32, P, H)
+
+    def write(
+        self, layer: int, token_ids: torch.Tensor, expert_ids: torch.Tensor, x: torch.Tensor
+    ) -> None:
+        """The payload of the next request (not yet published)."""
+        P, T = token_ids.numel(), x.shape[0]
+        if P > self.token_ids.numel() or T > self.x.shape[0]:
+            raise ValueError(
+                f"{P} pairs of {T} tokens: this channel holds {self.token_ids.numel()} of {self.x.shape[0]}"
+            )
+        self.layer[0], self.pairs[0], self.tokens[0] = layer, P, T
+        self.token_ids[:P] = token_ids
+        self.expert_ids[:P] = expert_ids
+        self.x[:T] = x
+
+    def publish(self, seq: int) -> None:
+        """Store `seq` as the request number, after everything written before (a release store)."""
+        self.lib.amc_request_publish(self.buffer.data_ptr(), seq)
+
+    def submit(
+        self, layer: int, token_ids: torch.Tensor, expert_ids: torch.Tensor, x: torch.Tensor
+    ) -> int:
+        """Write a request and publish it under the next number; returns that number."""
+        self.write(layer, token_ids, expert_ids, x)
+        self.seq += 1
+        self.publish(self.seq)
+        return self.seq
+
+    def wait(self, seq: int, timeout: float = 5.0) -> int:
+        """Wait (without the GIL) until request `seq` is done: its error code (0: computed; ERRORS says what the
+        others mean). Raises TimeoutError after `timeout` seconds."""
+        err = self.lib.amc_done_wait(self.buffer.data_ptr(), seq, int(timeout * 1e9))
+        if err < 0:
+            raise TimeoutError(
+                f"CPU worker: request {seq} not done after {timeout} s (done is {int(self.done)})"
+            )
+        return err
+
+    def result(self, seq: int, timeout: float = 5.0) -> torch.Tensor:
+        """The outputs [P, H] float32 of request `seq` (a view of the channel, valid until the next request);
+        raises if the worker refused the request."""
+        err = self.wait(seq, timeout)
+        if err:
+            raise ValueError(
+                f"CPU worker refused request {seq}: {ERRORS[err].format(detail=int(self.detail))}"
+            )
+        return self.out[: int(self.pairs)]
+
+
+class Worker:
+    """A C thread serving `channel`'s requests for `layers` (index = the request's layer; None: a layer the CPU
+    never serves) with `threads` threads in all (default: all but one core).
+
+    While idle it polls with a pause instruction for `idle_spin_ms`, then sleeps `idle_sleep_us` between polls
+    (a request then waits up to that long). Its pool's threads spin `pool_spin_us` after each phase, then sleep.
+    `close()` stops and joins it; so do garbage collection and interpreter exit. The channel's buffer and the
+    layers' tensors stay alive until then."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        layers: Sequence[CpuExperts | None],
+        threads: int | None = None,
+        pool_spin_us: float = 1000.0,
+        idle_spin_ms: float = 20.0,
+        idle_sleep_us: float = 50.0,
+    ):
+        lib, H = channel.lib, channel.layout.hidden
+        threads = default_threads() if threads is None else threads
+        if threads < 1:
+            raise ValueError(
+                f"threads={threads}: the worker needs at least its own thread (threads >= 1)"
+            )
+        handle = lib.amc_worker_create(
+            channel.buffer.data_ptr(), ctypes.byref(channel.layout), len(layers), threads,
+            int(pool_spin_us * 1e3), int(idle_spin_ms * 1e6), int(idle_sleep_us * 1e3),
+        )  # fmt: skip
+        if not handle:
+            raise MemoryError(f"could not start a CPU worker of {threads} threads")
+        # the finalizer holds what the thread reads, so none of it is freed before the thread is joined
+        self._close = weakref.finalize(self, _destroy, lib, handle, (channel.buffer, list(layers)))
+        for i, layer in enumerate(layers):
+            if layer is None:
+                continue
+            if layer.hidden != H:
+                self.close()
+                raise ValueError(
+                    f"layer {i} has hidden size {layer.hidden}; the channel's rows hold {H}"
+                )
+            if rc := lib.amc_worker_set_layer(handle, i, ctypes.byref(layer._descriptor)):
+                self.close()
+                raise ValueError(f"layer {i}: the kernels refused its descriptor (check {rc})")
+        if lib.amc_worker_start(handle):
+            self.close()
+            raise MemoryError(
+                f"could not start the CPU worker thread (workspace for {channel.layout.max_pairs} pairs)"
+            )
+        self.channel, self.threads = channel, threads
+
+    def close(self) -> None:
+        """Stop the thread and join it (idempotent)."""
+        self._close()
+
+
+def _destroy(lib, handle, keepalive) -> None:
+    lib.amc_worker_destroy(handle)
