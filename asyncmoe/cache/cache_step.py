@@ -245,6 +245,20 @@ if triton is not None:
         return victim, valid, old, old_used
 
     @triton.jit
+    def _book(e2s_ptr, s2e_ptr, born_ptr, last_use_ptr, freq_ptr, used_ptr, victim, valid, old, new, clock,
+              BC: tl.constexpr):  # fmt: skip
+        """The tables after the planned experts `new` take the victims' slots: mapped both ways, born and last
+        used now, no uses yet."""
+        tl.store(e2s_ptr + old, -1, mask=valid & (old >= 0))
+        tl.store(e2s_ptr + new, victim.to(tl.int64), mask=valid)
+        tl.store(s2e_ptr + victim, new, mask=valid)
+        now = clock + tl.zeros([BC], dtype=tl.int64)
+        tl.store(born_ptr + victim, now, mask=valid)
+        tl.store(last_use_ptr + victim, now, mask=valid)
+        tl.store(freq_ptr + victim, tl.zeros([BC], dtype=tl.int64), mask=valid)
+        tl.store(used_ptr + victim, tl.zeros([BC], dtype=tl.int1), mask=valid)
+
+    @triton.jit
     def _count_ensure(
         k,
         now,
@@ -334,43 +348,15 @@ if triton is not None:
     # tensor scalar
     @triton.jit(do_not_specialize=["wave", "n_pairs", "E", "C", "M"])
     def _cache_step(
-        ids_ptr,
-        n_pairs,
-        out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
-        pred_ptr,
-        nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
-        e2s_ptr,
-        s2e_ptr,
-        last_use_ptr,
-        born_ptr,
-        freq_ptr,
-        used_ptr,
-        clock_ptr,
-        source_ptr,
-        routed_ptr,
-        evicted_at_ptr,
-        wave_of_ptr,
-        explored_ptr,
-        runners_up_ptr,
-        counters_ptr,
-        scratch_ptr,
-        follows_ptr,
-        src_ptr,
-        dst_ptr,
-        count_ptr,  # the planned copies
-        wave,
-        E,
-        C,
-        M,
-        expert_bytes,
-        POLICY: tl.constexpr,
-        PREFETCH: tl.constexpr,
-        BE: tl.constexpr,
-        BC: tl.constexpr,
-        BP: tl.constexpr,
-        BK: tl.constexpr,
-        BR: tl.constexpr,
-    ):
+        ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
+        pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
+        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr,
+        evicted_at_ptr, wave_of_ptr, explored_ptr, runners_up_ptr, counters_ptr, scratch_ptr, follows_ptr,
+        src_ptr, dst_ptr, count_ptr,  # the planned copies
+        wave, E, C, M, expert_bytes,
+        POLICY: tl.constexpr, PREFETCH: tl.constexpr,
+        BE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    ):  # fmt: skip
         e = tl.arange(0, BE)
         emask = e < E
         c = tl.arange(0, BC)
@@ -409,10 +395,8 @@ if triton is not None:
         likely = tl.zeros([BC], dtype=tl.int64)
         if POLICY == _MARKOV:
             likely = _markov_likely(follows_ptr, routed_ptr, s2e, e, emask, cmask, E, BE, BC, BR)
-        born, freq = (
-            tl.load(born_ptr + c, mask=cmask, other=0),
-            tl.load(freq_ptr + c, mask=cmask, other=0),
-        )
+        born = tl.load(born_ptr + c, mask=cmask, other=0)
+        freq = tl.load(freq_ptr + c, mask=cmask, other=0)
         score = _policy_score(last_use, born, freq, clock, likely, POLICY)
         victim, valid, old, old_used = _evict(
             s2e_ptr, used_ptr, scratch_ptr, c, cmask, score, count, BC
@@ -421,17 +405,23 @@ if triton is not None:
         new = tl.load(src_ptr + i, mask=valid, other=0)
         evicted = valid & (old >= 0)
         wasted = evicted & (old_used == 0)
-        tl.store(e2s_ptr + old, -1, mask=evicted)
-        tl.store(e2s_ptr + new, victim.to(tl.int64), mask=valid)
-        tl.store(s2e_ptr + victim, new, mask=valid)
-        tl.store(born_ptr + victim, clock + tl.zeros([BC], dtype=tl.int64), mask=valid)
-        tl.store(last_use_ptr + victim, clock + tl.zeros([BC], dtype=tl.int64), mask=valid)
-        tl.store(freq_ptr + victim, tl.zeros([BC], dtype=tl.int64), mask=valid)
-        tl.store(used_ptr + victim, tl.zeros([BC], dtype=tl.int1), mask=valid)
+        _book(
+            e2s_ptr,
+            s2e_ptr,
+            born_ptr,
+            last_use_ptr,
+            freq_ptr,
+            used_ptr,
+            victim,
+            valid,
+            old,
+            new,
+            clock,
+            BC,
+        )
         if PREFETCH:
-            tl.store(
-                source_ptr + victim, tl.load(nominated_ptr + new, mask=valid, other=0), mask=valid
-            )
+            nominated = tl.load(nominated_ptr + new, mask=valid, other=0)
+            tl.store(source_ptr + victim, nominated, mask=valid)
             tl.store(evicted_at_ptr + old, clock + tl.zeros([BC], dtype=tl.int64), mask=evicted)
         else:
             tl.store(source_ptr + victim, tl.zeros([BC], dtype=tl.int8), mask=valid)
@@ -440,10 +430,8 @@ if triton is not None:
         tl.debug_barrier()
 
         # counters; ensure also records the uses and each pair's slot
-        evictions, n_wasted = (
-            tl.sum(evicted.to(tl.int64), axis=0),
-            tl.sum(wasted.to(tl.int64), axis=0),
-        )
+        evictions = tl.sum(evicted.to(tl.int64), axis=0)
+        n_wasted = tl.sum(wasted.to(tl.int64), axis=0)
         k = tl.arange(0, BK)
         add = tl.where(k == _EVICTIONS, evictions, 0) + tl.where(
             k == _BYTES_H2D, count.to(tl.int64) * expert_bytes, 0
@@ -451,33 +439,15 @@ if triton is not None:
         if PREFETCH:
             add += tl.where(k == _PREFETCHED, count, 0) + tl.where(k == _WASTED, n_wasted, 0)
         else:
+            # fmt: off
             first_use, timely, source = _record_uses(
-                s2e_ptr,
-                scratch_ptr,
-                used_ptr,
-                source_ptr,
-                born_ptr,
-                last_use_ptr,
-                freq_ptr,
-                c,
-                cmask,
-                clock,
+                s2e_ptr, scratch_ptr, used_ptr, source_ptr, born_ptr, last_use_ptr, freq_ptr, c, cmask, clock
             )
             add += _count_ensure(
-                k,
-                now,
-                count,
-                n_wasted,
-                first_use,
-                timely,
-                source,
-                victims,
-                explored,
-                explored_paid,
-                n_runners_up,
-                runners_up_paid,
-                wave,
+                k, now, count, n_wasted, first_use, timely, source, victims, explored, explored_paid,
+                n_runners_up, runners_up_paid, wave,
             )
+            # fmt: on
             _pair_slots(ids_ptr, n_pairs, scratch_ptr, e2s_ptr, out_ptr, E, BP)
         counters = tl.load(counters_ptr + k, mask=k < _N_COUNTERS, other=0)
         tl.store(counters_ptr + k, counters + add, mask=k < _N_COUNTERS)

@@ -111,18 +111,6 @@ class Markov(LFRU):
 POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU(), Markov())}
 # the fewest copies on every trace measured (docs/decisions.md#default-policy)
 DEFAULT_POLICY = "markov"
-# what the fused kernel receives as constexprs: each policy's id by name, and the integer scales
-POLICY_CONSTANTS = {
-    **{f"POLICY_{p.name.upper()}": p.id for p in POLICIES.values()},
-    "FREQ_UNIT": FREQ_UNIT,
-    "FREQ_SHIFT": FREQ_DECAY_SHIFT,
-    "LFRU_SHIFT": LFRU_SHIFT,
-    "FOLLOW_UNIT": FOLLOW_UNIT,
-    "FOLLOW_SHIFT": FOLLOW_SHIFT,
-    "LIKELY_SHIFT": LIKELY_SHIFT,
-    "LIKELY_MAX": LIKELY_MAX,
-    "LFRU_MAX": LFRU_MAX,
-}
 
 
 def get_policy(name: str) -> Policy:
