@@ -290,11 +290,20 @@ def test_room_left_for_the_kv_cache_grows_with_length_and_batch():
 
 
 @pytest.mark.cuda
-def test_auto_fits_free_gpu_memory():
-    """cache='auto' takes the slots that fit in the share of free memory it states; a Decoder of the given size
-    then runs within what it left."""
+def test_auto_fits_free_gpu_memory(capsys):
+    """cache=AutoCache(...) takes the slots that fit in free GPU memory less the Decoder's room (here every
+    expert, resident), says so in slots and GiB, and the model runs as before."""
     model = tiny("mixtral", dtype=torch.bfloat16)
-    free, _ = torch.cuda.mem_get_info()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        want = model.to("cuda")(ids.cuda()).logits
     asyncmoe.compile(model, cache=asyncmoe.AutoCache(max_length=64), device="cuda")
+    said = capsys.readouterr().out
+    assert (
+        "gives 16 slots per MoE layer" in said
+        and "GiB free on cuda" in said
+        and "max_length=64" in said
+    )
     assert all(isinstance(m.asyncmoe, ResidentProvider) for _, m in find_experts(model))
-    assert torch.cuda.mem_get_info()[0] < free
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids.cuda()).logits, want)
