@@ -51,7 +51,7 @@ def budget_text(nbytes: int) -> str:
     return f"{nbytes}B"
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -68,12 +68,12 @@ class AutoCache:
     share: float = 0.8
 
     def __post_init__(self):
-        if self.max_length is not None and (not _is_int(self.max_length) or self.max_length < 1):
+        if self.max_length is not None and (not is_int(self.max_length) or self.max_length < 1):
             raise ValueError(
                 f"AutoCache(max_length={self.max_length!r}): give the Decoder's "
                 "max_length, an int >= 1"
             )
-        if not _is_int(self.batch_size) or self.batch_size < 1:
+        if not is_int(self.batch_size) or self.batch_size < 1:
             raise ValueError(
                 f"AutoCache(batch_size={self.batch_size!r}): give the Decoder's "
                 "batch_size, an int >= 1"
@@ -88,7 +88,7 @@ class AutoCache:
 def parse_cache(cache) -> int | AutoCache:
     """`cache=` -> slots per MoE layer (an int), a budget in bytes (an int, as `Settings.budget`) or
     an AutoCache."""
-    if isinstance(cache, AutoCache) or _is_int(cache):
+    if isinstance(cache, AutoCache) or is_int(cache):
         return cache
     if isinstance(cache, str) and cache.strip().lower() == "auto":
         return AutoCache()
@@ -118,7 +118,7 @@ class Settings:
         asked = parse_cache(self.cache)
         if isinstance(self.cache, str) and not isinstance(asked, AutoCache) and asked <= 0:
             raise ValueError(f"cache={self.cache!r}: a budget must be more than 0 bytes")
-        if _is_int(self.cache) and self.cache <= 0:
+        if is_int(self.cache) and self.cache <= 0:
             raise ValueError(
                 f"cache={self.cache}: must be at least the model's top_k (slots per MoE layer)"
             )
@@ -144,7 +144,7 @@ class Settings:
     @property
     def slots(self) -> int | None:
         """Slots per MoE layer where `cache` gives them."""
-        return self.cache if _is_int(self.cache) else None
+        return self.cache if is_int(self.cache) else None
 
     @property
     def budget(self) -> int | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import numbers
 import time
 import warnings
 from collections import deque
@@ -29,6 +28,7 @@ from transformers.cache_utils import StaticLayer
 from ..integrations.transformers import PROVIDER, check_model, find_experts, top_k_of
 from ..prefetch.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
+from ..settings import is_int
 from .sampling import check_sampling, sample
 
 
@@ -47,14 +47,10 @@ class Generation:
         return 1e3 / self.decode_ms_per_token if self.decode_ms_per_token else float("inf")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _token_ids(value, name: str) -> list[int]:
     """An id or a list of ids, each an int >= 0."""
-    ids = [value] if _is_int(value) else value
-    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+    ids = [value] if is_int(value) else value
+    if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
         raise TypeError(f"{name} must be an int or a list of ints, got {value!r}")
     if any(t < 0 for t in ids):
         raise ValueError(f"{name} must hold token ids >= 0, got {value!r}")
@@ -83,7 +79,7 @@ def stop_tokens(model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int]
         name = "pad_token_id"
     if pad_token_id is None:
         return eos, eos[0] if eos else None
-    if not _is_int(pad_token_id):
+    if not is_int(pad_token_id):
         raise TypeError(f"{name} must be an int, got {pad_token_id!r}")
     return eos, _token_ids(pad_token_id, name)[0]
 
@@ -268,14 +264,14 @@ class Decoder:
         waves: bool = False,
     ):
         check_model(model)
-        if not _is_int(batch_size) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(
                 "batch_size must be an int >= 1, the number of prompts per call; got "
                 f"{batch_size!r}"
             )
         if max_length is None:  # the model's positions, up to a KV cache of 4096
             max_length = min(4096, getattr(model.config, "max_position_embeddings", None) or 4096)
-        if not _is_int(max_length) or max_length < 2:
+        if not is_int(max_length) or max_length < 2:
             raise ValueError(
                 f"max_length must be an int >= 2, room for prompt + new tokens; got {max_length!r}"
             )
@@ -485,7 +481,7 @@ class Decoder:
         the loop then ends right at the last EOS.
         """
         _, L = check_prompts(input_ids, self.batch_size, self.vocab)
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if L + max_new_tokens > self.max_length:
             raise ValueError(
