@@ -13,9 +13,9 @@ from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
 from .integrations.transformers import PROVIDER, check_model, find_experts
-from .layer_stats import Stats, read_stats
+from .layer_stats import Stats, cpu_layer_stats, read_stats
 from .prefetch import Prefetch
-from .providers import CachedProvider, ResidentProvider
+from .providers import CachedProvider, CpuProvider, ResidentProvider
 from .settings import AutoCache, Settings
 from .trace import Trace
 
@@ -29,6 +29,7 @@ def compile(
     replay: Trace | str | os.PathLike | None = None,
     time_stalls: bool = False,
     quantize: str | None = None,
+    cpu_threads: int | None = None,
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots
     per MoE layer.
@@ -38,27 +39,32 @@ def compile(
     the slots that fit in the GPU memory free now, leaving a share for the KV cache and activations
     (`asyncmoe.AutoCache(max_length=, batch_size=)` leaves what a Decoder of that size needs
     instead). `cache >= num_experts` keeps every expert resident and runs the model's own
-    implementation. `quantize="fp8"`: store the experts as block-wise fp8 (transformers'
-    fine-grained FP8 layout, 128x128 blocks), quantized layer by layer on the way to host memory: a
-    miss copies about half of bf16's bytes and the same GPU memory holds twice the experts. None
-    keeps the model's dtype (or its fp8 experts). `device` is where the model runs (default: where
-    its experts are now); a model loaded on the CPU can be compiled straight onto the GPU without
-    its experts ever going there. `policy`: eviction policy, one of "markov" (the default: LFRU
-    behind a prediction of the next call from the experts that followed the current ones; an [E, E]
-    table a layer), "lfru", "lru", "lfu", "fifo". `prefetch`: predict the next layers' experts and
-    copy them on a side stream while a layer computes (True: `Prefetch()`, the gate predictor for
-    the next layer; a `Prefetch` to choose). The default, None, turns it on where the model runs on
-    a CUDA device and off elsewhere: on the CPU nothing runs beside the copies, so prefetch can only
-    cost. `replay`: a routing trace (or its .npz path) to route by instead of the routers, whose
-    work still runs: realistic routing for random-weight models of real shapes (docs/traces.md).
-    `time_stalls`: time, on the GPU clock, how long each layer waits for its prefetch and for its
-    own decision and copies (`stats` reports them); three one-thread kernels per layer call, so off
-    by default (docs/decisions.md#stall-timing-off). Returns the same model.
+    implementation. `cache=0` computes every routed expert on the host's CPU from the host store,
+    with `cpu_threads` threads (default: all but one core); the rest of the model runs on `device`
+    (on a CUDA device, inside the same graphs: the GPU sends each layer's pairs to a CPU worker
+    through pinned memory and waits for its outputs). `quantize="fp8"`: store the experts as
+    block-wise fp8 (transformers' fine-grained FP8 layout, 128x128 blocks), quantized layer by layer
+    on the way to host memory: a miss copies about half of bf16's bytes and the same GPU memory
+    holds twice the experts. None keeps the model's dtype (or its fp8 experts). `device` is where
+    the model runs (default: where its experts are now); a model loaded on the CPU can be compiled
+    straight onto the GPU without its experts ever going there. `policy`: eviction policy, one of
+    "markov" (the default: LFRU behind a prediction of the next call from the experts that followed
+    the current ones; an [E, E] table a layer), "lfru", "lru", "lfu", "fifo". `prefetch`: predict
+    the next layers' experts and copy them on a side stream while a layer computes (True:
+    `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose). The default, None,
+    turns it on where the model runs on a CUDA device and off elsewhere: on the CPU nothing runs
+    beside the copies, so prefetch can only cost. `replay`: a routing trace (or its .npz path) to
+    route by instead of the routers, whose work still runs: realistic routing for random-weight
+    models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock, how long each
+    layer waits for its prefetch and for its own decision and copies (`stats` reports them); three
+    one-thread kernels per layer call, so off by default (docs/decisions.md#stall-timing-off).
+    Returns the same model.
     """
     check_model(model)
     if isinstance(replay, (str, os.PathLike)):
         replay = Trace.load(replay, what="replay=")
-    return install(model, Settings(cache, policy, device, prefetch, replay, time_stalls, quantize))
+    settings = Settings(cache, policy, device, prefetch, replay, time_stalls, quantize, cpu_threads)
+    return install(model, settings)
 
 
 def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
@@ -78,6 +84,7 @@ def from_pretrained(
     prefetch: bool | Prefetch | None = None,
     time_stalls: bool = False,
     quantize: str | None = None,
+    cpu_threads: int | None = None,
     **kwargs,
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
@@ -97,7 +104,7 @@ def from_pretrained(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return load(
         path,
-        Settings(cache, policy, device, prefetch, None, time_stalls, quantize),
+        Settings(cache, policy, device, prefetch, None, time_stalls, quantize, cpu_threads),
         dtype,
         **kwargs,
     )
@@ -118,6 +125,9 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
         )
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
     resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
+    cpu = [(name, p) for name, p in providers if isinstance(p, CpuProvider)]
+    if cpu:  # cache=0: every MoE layer on the CPU
+        return Stats(cpu_layer_stats(cpu, reset), resident)
     return read_stats(caches, resident, reset, group)
 
 

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
 from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
+from .compute.cpu.kernels import STATS
+from .compute.cpu.request import WAITED_NS
 from .prefetch.prefetch_gate import MIN_PRECISION, gate_precision
 
 
@@ -46,6 +48,12 @@ class LayerStats:
     # None):
     wait_ns: int | None = None  # waiting for the prefetch into this layer to finish its copies
     ensure_ns: int | None = None  # `ensure`'s decision and its copies of the misses
+    # experts computed by the host's CPU (cache=0: every routed expert, once per call that routes
+    # to it), the bytes of weights it read, its compute time, and the GPU's wait for it (CUDA only)
+    cpu_experts: int = 0
+    cpu_bytes: int = 0
+    cpu_ns: int = 0
+    cpu_wait_ns: int | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -107,11 +115,16 @@ class Stats:
             "wasted_bytes",
             "gpu_bytes",
             "host_bytes",
+            "cpu_experts",
+            "cpu_bytes",
+            "cpu_ns",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]
         for k in ("wait_ns", "ensure_ns", "stall_ns"):
             self.totals[k] = sum(getattr(r, k) for r in timed) if timed else None
+        waited = [r.cpu_wait_ns for r in self.layers if r.cpu_wait_ns is not None]
+        self.totals["cpu_wait_ns"] = sum(waited) if waited else None
         looked_up = self.totals["hits"] + self.totals["misses"]
         self.totals["hit_rate"] = self.totals["hits"] / looked_up if looked_up else float("nan")
         self.totals["prefetch_recall"] = (
@@ -129,6 +142,9 @@ class Stats:
         widths |= {"prefetch": 8, "pf-recall%": 10, "wasted": 7} if prefetched else {}
         widths |= {"MB h2d": 9}
         widths |= {"wait us": 8, "ensure us": 9} if timed else {}
+        cpu = t["cpu_experts"] > 0
+        widths |= {"cpu exp": 8, "cpu MB": 9, "cpu us": 8} if cpu else {}
+        widths |= {"gpu wait us": 11} if cpu and t["cpu_wait_ns"] is not None else {}
 
         def line(cells: dict) -> str:
             return " ".join(f"{cells[name]:>{w}}" for name, w in widths.items())
@@ -150,6 +166,12 @@ class Stats:
                     "MB h2d": f"{r['bytes_h2d'] / 1e6:.1f}",
                     "wait us": f"{r['wait_ns'] / 1e3 / calls:.1f}" if timed else "",
                     "ensure us": f"{r['ensure_ns'] / 1e3 / calls:.1f}" if timed else "",
+                    "cpu exp": r["cpu_experts"],
+                    "cpu MB": f"{r['cpu_bytes'] / 1e6:.1f}",
+                    "cpu us": f"{r['cpu_ns'] / 1e3 / calls:.1f}",
+                    "gpu wait us": "-"
+                    if r["cpu_wait_ns"] is None
+                    else f"{r['cpu_wait_ns'] / 1e3 / calls:.1f}",
                 }
             )
 
@@ -210,6 +232,12 @@ class Stats:
             rows.append(
                 "wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; "
                 "deciding and copying misses"
+            )
+        if cpu:
+            waits = "; gpu wait us: the GPU's wait for it" if "gpu wait us" in widths else ""
+            rows.append(
+                "cpu exp, cpu MB, cpu us: experts the host's CPU computed, the weights it read, its "
+                f"time a call{waits}"
             )
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
@@ -292,3 +320,28 @@ def read_stats(
         window_ns=window,
         min_precision=gate_precision(pace).item(),
     )
+
+
+def cpu_layer_stats(layers: list[tuple[str, object]], reset: bool = False) -> list[LayerStats]:
+    """Rows for layers computed on the host's CPU (`CpuProvider`s, in MoE-layer order): the
+    executor's counters, read once per executor (a host sync on CUDA, on request only)."""
+    read = {}
+    for _, p in layers:
+        if p.executor.id not in read:
+            read[p.executor.id] = p.executor.stats(reset)
+    rows = []
+    for i, (name, p) in enumerate(layers):
+        counts, waited = read[p.executor.id]
+        c = dict(zip(STATS, counts[p.layer].tolist()))
+        cpu = p.executor.layers[p.layer]
+        host = cpu.num_experts * cpu.expert_bytes
+        cache = dict.fromkeys(COUNTERS, 0) | dict(calls=c["requests"], misses=c["experts"])
+        rows.append(
+            LayerStats(
+                layer=i, name=name, slots=0, experts=cpu.num_experts, **cache,
+                expert_bytes=cpu.expert_bytes, gpu_bytes=0, host_bytes=host,
+                cpu_experts=c["experts"], cpu_bytes=c["bytes"], cpu_ns=c["ns"],
+                cpu_wait_ns=None if waited is None else int(waited[p.layer, WAITED_NS]),
+            )
+        )  # fmt: skip
+    return rows

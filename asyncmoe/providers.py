@@ -7,6 +7,7 @@ the model put them and the model's own implementation runs (no tables, no copies
 asyncmoe's dequantizing kernels (the model's own implementations take no fp8 weights).
 `CachedProvider` asks the layer's `ExpertCache` for slot ids, computes from the slot buffers, and
 (with prefetch) predicts and prefetches the experts of the next layers while this one computes.
+`CpuProvider` (`cache=0`) has the host's CPU compute every routed expert from the host store.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .cache import ops as cache_ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .cache.gather_copy import gather_copy
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
+from .compute.cpu import ops as cpu_ops
+from .compute.cpu.executor import CpuExecutor
 from .compute.experts import absent_zeroed, combine, routed_outputs
 from .formats import Format
 from .prefetch import ops as prefetch_ops
@@ -70,6 +73,20 @@ class QuantizedResidentProvider(ExpertWeightProvider):
         out = routed_outputs(experts, hidden_states, ids, weights, self.fmt)
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
+
+
+class CpuProvider(ExpertWeightProvider):
+    """Every routed expert of the layer computed by the host's CPU from the host store (`cache=0`):
+    the model's `executor` computes each pair's output, which is rounded to the model's dtype as the
+    slot path's is, then weighted and summed here on the model's device."""
+
+    def __init__(self, executor: CpuExecutor, layer: int):
+        super().__init__()
+        self.executor, self.layer = executor, layer  # the layer's number in the executor's requests
+
+    def forward(self, experts, hidden_states, top_k_index, top_k_weights):
+        out = cpu_ops.cpu_experts(hidden_states, top_k_index, self.executor.id, self.layer)
+        return combine(out.to(hidden_states.dtype), top_k_weights, hidden_states.dtype)
 
 
 @dataclass

@@ -31,7 +31,10 @@ UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-CACHE_FORMS = "slots per MoE layer as an int (cache=16), a GPU-memory budget such as cache='6GiB', or cache='auto'"
+CACHE_FORMS = (
+    "slots per MoE layer as an int (cache=16, or 0: every routed expert on the CPU), a GPU-memory "
+    "budget such as cache='6GiB', or cache='auto'"
+)
 
 
 def parse_budget(cache: str) -> int:
@@ -113,14 +116,37 @@ class Settings:
     replay: Trace | None = None
     time_stalls: bool = False
     quantize: str | Format | None = None
+    cpu_threads: int | None = None  # cache=0: the CPU executor's threads (None: all but one core)
 
     def __post_init__(self):
         asked = parse_cache(self.cache)
         if isinstance(self.cache, str) and not isinstance(asked, AutoCache) and asked <= 0:
             raise ValueError(f"cache={self.cache!r}: a budget must be more than 0 bytes")
-        if is_int(self.cache) and self.cache <= 0:
+        if is_int(self.cache) and self.cache < 0:
             raise ValueError(
-                f"cache={self.cache}: must be at least the model's top_k (slots per MoE layer)"
+                f"cache={self.cache}: give slots per MoE layer (at least the model's top_k), or 0 "
+                "to compute every routed expert on the host's CPU"
+            )
+        if self.cpu_threads is not None and (not is_int(self.cpu_threads) or self.cpu_threads < 1):
+            raise ValueError(
+                f"cpu_threads={self.cpu_threads!r}: the CPU threads computing experts, an int >= 1 "
+                "(None: all but one core)"
+            )
+        if self.cpu_threads is not None and self.cache != 0:
+            raise ValueError(
+                f"cpu_threads={self.cpu_threads} sets the threads of the CPU executor, which only "
+                f"cache=0 uses (cache={self.cache!r} computes every expert on the GPU): pass cache=0 "
+                "or leave cpu_threads out"
+            )
+        if self.cache == 0 and self.prefetch not in (None, False):
+            raise ValueError(
+                "prefetch copies experts into GPU slots, and cache=0 has none (the CPU computes "
+                "every routed expert): leave prefetch out"
+            )
+        if self.cache == 0 and self.time_stalls:
+            raise ValueError(
+                "time_stalls times the waits of the GPU cache, and cache=0 has none; stats always "
+                "report how long the GPU waited for the CPU: leave time_stalls out"
             )
         get_policy(self.policy)
         # from_pretrained's: an fp8 checkpoint's experts read in the model's dtype

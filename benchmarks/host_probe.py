@@ -1,5 +1,6 @@
 """What this host's CPU can do with experts kept in its memory: how fast its cores read that memory, and what one
-expert's MLP costs on them at decode sizes, in bf16 and int4; what computing a cold expert on the CPU, instead of
+expert's MLP costs on them at decode sizes, in bf16 and int4 through torch, and through asyncmoe's own CPU kernels in
+every format the host store holds; what computing a cold expert on the CPU, instead of
 copying it to the GPU, would cost here. No GPU needed; on a CUDA host the copy engine's bandwidth comes last.
 
     python benchmarks/host_probe.py --out host.json
@@ -10,7 +11,8 @@ process may use). bf16: x [T, D] through gate_up [2I, D], silu(gate) * up [T, I]
 D and I of `--shapes` (shapes.py). A sample runs `--experts` experts in turn, so their weights come from memory, not
 a cache: ms is per expert, GB/s its weights' bytes over that. int4: the same through torch's CPU int4 matmul (groups
 of 32 along K, bf16 scales and zeros, random values: the time does not depend on them), GB/s over the packed weights
-and their scales. Each figure is the median of `--repeats` samples.
+and their scales. asyncmoe: the same MLP through compute/cpu's kernels (bf16, fp8, mxfp4, int4), GB/s over the
+stored weights and scales. Each figure is the median of `--repeats` samples.
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ import time
 import torch
 import torch.nn.functional as F
 
+from asyncmoe.compute.cpu import CpuExperts, Pool, Projection, experts_mlp
+from asyncmoe.formats import FP8, Fp8, Int4, Mxfp4
+
 from harness import h2d_bandwidth
 from shapes import expert_dims
 
 GROUP = 32  # int4 scales and zeros: one pair per 32 weights along K
 INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+CPU_FORMATS = (
+    "bf16",
+    "fp8",
+    "mxfp4",
+    "int4",
+)  # asyncmoe's CPU kernels, from the host store's layouts
 
 
 @contextlib.contextmanager
@@ -133,6 +144,56 @@ def expert_mlp(
     return rows
 
 
+def cpu_layer(fmt: str, n: int, D: int, I: int) -> CpuExperts:
+    """`n` random experts (gate_up [2I, D], down [D, I]) as asyncmoe's host store holds them in
+    `fmt`: bf16, block-wise fp8, mxfp4 or int4 (random codes and scales: the time does not depend
+    on them)."""
+
+    def projection(N: int, K: int) -> Projection:
+        if fmt == "bf16":
+            return Projection(torch.empty(n, N, K, dtype=torch.bfloat16).normal_(std=0.02))
+        if fmt == "fp8":
+            w = torch.empty(n, N, K).normal_(std=0.02).to(FP8)
+            return Projection(w, torch.full((n, -(-N // 128), -(-K // 128)), 0.01), fmt=Fp8())
+        packed = torch.randint(0, 256, (n, N, K // 2), dtype=torch.uint8)
+        if fmt == "mxfp4":
+            scales = torch.randint(118, 122, (n, N, K // 32), dtype=torch.uint8)
+            return Projection(packed, scales, fmt=Mxfp4())
+        scales = torch.full((n, N, K // 32), 0.01, dtype=torch.bfloat16)
+        return Projection(packed, scales, fmt=Int4())
+
+    return CpuExperts(projection(2 * I, D), projection(D, I))
+
+
+def asyncmoe_mlp(
+    shape: str, fmt: str, threads: list[int], tokens: list[int], n: int, repeats: int
+) -> list[dict]:
+    """asyncmoe's CPU kernels (compute/cpu): ms per expert MLP of `shape` in `fmt`, every token of
+    a sample through each of `n` experts, and GB/s of the weights (scales included) they read."""
+    D, I = expert_dims(shape)
+    layer = cpu_layer(fmt, n, D, I)
+    rows = []
+    for t in threads:
+        pool = Pool(t)
+        for T in tokens:
+            x = torch.randn(T, D, dtype=torch.bfloat16)
+            token_ids = torch.arange(T).repeat(n)
+            expert_ids = torch.arange(n).repeat_interleave(T)
+            ms = median_ms(repeats, experts_mlp, layer, x, token_ids, expert_ids, pool) / n
+            rows.append(
+                dict(
+                    probe=f"asyncmoe {fmt} expert MLP",
+                    shape=shape,
+                    threads=t,
+                    tokens=T,
+                    ms=ms,
+                    GB_per_s=layer.expert_bytes / ms / 1e6,
+                )
+            )
+        pool.close()
+    return rows
+
+
 def probe(
     shapes: list[str], threads: list[int], tokens: list[int], experts: int, gib: float, repeats: int
 ):
@@ -140,6 +201,8 @@ def probe(
     for shape in shapes:
         for fmt in ["bf16", "int4"] if INT4 else ["bf16"]:
             rows += expert_mlp(shape, fmt, threads, tokens, experts, repeats)
+        for fmt in CPU_FORMATS:
+            rows += asyncmoe_mlp(shape, fmt, threads, tokens, experts, repeats)
     if torch.cuda.is_available():
         rows.append(dict(probe="copy engine: pinned host -> GPU", GB_per_s=h2d_bandwidth()))
     return rows

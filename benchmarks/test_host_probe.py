@@ -3,7 +3,7 @@
 import math
 
 import torch
-from host_probe import INT4, probe, table
+from host_probe import CPU_FORMATS, INT4, probe, table
 
 
 def test_every_probe_gives_a_positive_finite_time_and_bandwidth():
@@ -11,6 +11,7 @@ def test_every_probe_gives_a_positive_finite_time_and_bandwidth():
     rows = probe(shapes=["tiny"], threads=[1, 2], tokens=[1, 4], experts=2, gib=1 / 64, repeats=2)
     assert torch.get_num_threads() == before
     probes = {"read", "bf16 expert MLP"} | ({"int4 expert MLP"} if INT4 else set())
+    probes |= {f"asyncmoe {fmt} expert MLP" for fmt in CPU_FORMATS}
     assert probes <= {r["probe"] for r in rows}
     assert len([r for r in rows if r["probe"] == "bf16 expert MLP"]) == 2 * 2  # threads x tokens
     for r in rows:

@@ -183,6 +183,12 @@ FORMAT_RUNS = {
         (["gpt-oss-20b"], ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph-prefetch-mxfp4": [0.25]}),
     ],
 }
+# The host's CPU as the executor of every routed expert (`cache=0`, the llama.cpp --cpu-moe
+# strategy) against GPU-only at a quarter of the experts cached and fully resident, batch-1 decode
+CPU = "asyncmoe-graph-cpu"
+CPU_RUNS = [
+    (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph-prefetch": [0.25], CPU: [0.0]}),
+]
 # decode (steps, rounds) by batch: above batch 1 a step copies most of each layer's experts (0.1-1.1
 # s a step here)
 FULL_TIMING = {1: (32, 5), 8: (8, 3), 32: (8, 3)}
@@ -229,6 +235,7 @@ PROFILES = {
                 {"asyncmoe-eager-fp8": [MEM], "asyncmoe-eager-mxfp4": [1.0]},
             ),
             (["tiny"], ["trace"], ["prompt32"], {"asyncmoe-eager-int4": [0.25]}),
+            (["tiny"], ["trace"], ["b1"], {CPU: [0.0], f"{CPU}-int4": [0.0]}),
         ],
         {1: (4, 2)},
         2,
@@ -244,6 +251,7 @@ PROFILES = {
     **{name: expand(groups, FULL_TIMING, 5) for name, groups in FULL_RUNS.items()},
     **{name: expand(groups, {1: (32, 5)}, 3) for name, groups in FORMAT_RUNS.items()},
     "full": expand([group for groups in FULL_RUNS.values() for group in groups], FULL_TIMING, 5),
+    "cpu": expand(CPU_RUNS, {1: (32, 5)}, 3),
     "link": expand(link(), FULL_TIMING, 5),
     "link-fp8": expand(link("-fp8"), FULL_TIMING, 5),
 }
@@ -288,7 +296,7 @@ def slots(shape: str, fraction: float | str) -> int:
     memory it gets."""
     experts, k = routing_shape(shape)
     f = float(fraction.removeprefix("mem")) if isinstance(fraction, str) else fraction
-    return max(k, round(f * experts))
+    return 0 if f == 0 else max(k, round(f * experts))  # 0: every routed expert on the CPU
 
 
 def cache_arg(shape: str, fraction: float | str) -> int | str:
@@ -569,7 +577,13 @@ def test_decode(benchmark, case, request):
         )  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
-    if routing != "router" and cache < experts:
+    if cached and cache == 0:
+        info.update(
+            cpu_bytes_per_token=s.totals["cpu_bytes"] / steps,
+            cpu_ms_per_token=s.totals["cpu_ns"] / 1e6 / steps,
+            gpu_wait_ms_per_token=(s.totals["cpu_wait_ns"] or 0) / 1e6 / steps,
+        )
+    if routing != "router" and 0 < cache < experts:
         info["belady_bytes_per_token"] = (
             belady_misses_per_step(trace_for(shape), batch, cache)
             * len(find_experts(model))

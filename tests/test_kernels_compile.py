@@ -179,6 +179,18 @@ def _clock():
     clock.window(pace)
 
 
+def _cpu_request():
+    from asyncmoe.compute.cpu import request
+    from asyncmoe.compute.cpu.worker import Channel
+
+    channel = Channel(8, 4, 32, torch.bfloat16)
+    fields, seq = channel.fields(channel.buffer), torch.zeros(1, dtype=torch.int64)
+    x, ids = torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 8, (3, 2))
+    request.send(x, ids, seq, fields, 1)
+    out, fault = torch.zeros(6, 32), torch.zeros(4, dtype=torch.int64)
+    request.receive(seq, fields, out, fault, torch.zeros(2, 2, dtype=torch.int64), 1, 10**9)
+
+
 SOURCES = [
     ("gate",),
     ("temporal",),
@@ -207,6 +219,7 @@ CASES: dict[str, Callable[[], None]] = {
     ),  # float32 activations: tl.dot in ieee
     "gather_copy": _gather_copy,
     "clock": _clock,
+    "cpu_request": _cpu_request,
 }
 
 

@@ -12,11 +12,13 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils.logging import tqdm
 
 from ..cache.host import block_bytes, check_host_memory, human_bytes
+from ..compute.cpu.executor import CpuExecutor, CpuSettings
+from ..compute.cpu.kernels import CpuExperts
 from ..formats import FP8, QUANTIZE_METHODS, Format, Fp8, parse_quantize
 from ..prefetch.predictors import Prefetch
-from ..providers import CachedProvider, ExpertWeightProvider, ResidentProvider, link
+from ..providers import CachedProvider, CpuProvider, ExpertWeightProvider, ResidentProvider, link
 from ..settings import AutoCache, Settings, budget_text
-from .offload import CacheSpec, expert_size, offload, resident, stored_quantized
+from .offload import CacheSpec, expert_size, host_store, offload, resident, stored_quantized
 from .replay import feed_replayed_gate, install_replay
 from .transformers import (
     PROVIDER,
@@ -137,6 +139,8 @@ def _slots(
     (given, or what fits in free GPU memory for `cache="auto"`); at least top_k."""
     top_k = max(min(top_k_of(m.config) or 1, num_experts(m)) for _, m in experts)
     cache = settings.cache
+    if cache == 0:  # the CPU computes every routed expert
+        return 0
     if settings.slots is not None:
         if cache < top_k:
             raise ValueError(
@@ -299,9 +303,14 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
     _check(model, experts)
     fmt = _format(model, experts, settings.quantize)
     device = _device(settings.device, experts)
-    if fmt is not None:
+    if fmt is not None and settings.cache != 0:  # cache=0: the CPU computes every format
         _check_device(fmt, device)
     parallel = any(is_expert_parallel(m) for _, m in experts)
+    if parallel and settings.cache == 0:
+        raise ValueError(
+            "cache=0 under expert parallelism is not supported: each rank would compute its own "
+            "experts on a CPU its ranks share; give each rank slots (cache=16 or a budget)"
+        )
     if parallel and settings.replay is not None:
         raise ValueError(
             "replay routes by a trace's expert ids, but under expert parallelism each rank holds "
@@ -335,20 +344,18 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
     _own_config(model)
 
     spec = CacheSpec(num_slots, settings.policy, device, settings.time_stalls, fmt)
+    top_k = max((top_k_of(m.config) or 1) for _, m in experts)
+    if num_slots == 0:
+        _install_cpu(model, experts, spec, top_k, CpuSettings(threads=settings.cpu_threads))
+        return _switch(model, experts, settings, device)
     # one for every linked layer (providers.link)
     pace = torch.zeros(3, dtype=torch.int64, device=device)
     cached = []
     for name, m in tqdm(
         experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2
     ):
+        _refuse_asyncmoe_config(name, m)
         implementation = m.config._experts_implementation or "eager"
-        if implementation == "asyncmoe":
-            raise ValueError(
-                f"{name}'s config names the 'asyncmoe' experts implementation, but the module was "
-                "never compiled: "
-                "build the model from a config that asyncmoe.compile has not switched (or set "
-                "model.set_experts_implementation('eager') first)"
-            )
         if num_slots >= num_experts(m) and fmt is not None:
             provider = resident(m, fmt, device)
             provider.expert_parallel = is_expert_parallel(m)
@@ -364,8 +371,46 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
             cached.append(provider)
         setattr(m, PROVIDER, provider)
     model.to(device)
-    top_k = max((top_k_of(m.config) or 1) for _, m in experts)
     link(cached, prefetch, top_k)
+    return _switch(model, experts, settings, device)
+
+
+def _install_cpu(model: nn.Module, experts, spec: CacheSpec, top_k: int, cpu: CpuSettings) -> None:
+    """`cache=0`: every experts module's tensors to the host store, one executor computing them all
+    on the host's CPU, a `CpuProvider` per module."""
+    layers, blocks = [], []
+    for name, m in tqdm(
+        experts, desc="asyncmoe: experts to host memory", unit="layer", disable=len(experts) < 2
+    ):
+        _refuse_asyncmoe_config(name, m)
+        hosts, _, block = host_store(m, spec)
+        try:
+            layers.append(CpuExperts.from_module(m, hosts, spec.fmt))
+        except ValueError as e:
+            raise ValueError(f"cache=0 computes {name} on the CPU, which cannot: {e}") from None
+        blocks.append(block)
+    model.to(spec.device)
+    dtype = getattr(model, "dtype", None) or next(
+        p.dtype for p in model.parameters() if p.is_floating_point()
+    )
+    executor = CpuExecutor(layers, spec.device, dtype, top_k, cpu)
+    for i, ((_, m), block) in enumerate(zip(experts, blocks)):
+        provider = CpuProvider(executor, i)
+        provider.pinned_block = block  # the host store stays pinned as long as the provider lives
+        setattr(m, PROVIDER, provider)
+
+
+def _refuse_asyncmoe_config(name: str, m: nn.Module) -> None:
+    if m.config._experts_implementation == "asyncmoe":
+        raise ValueError(
+            f"{name}'s config names the 'asyncmoe' experts implementation, but the module was "
+            "never compiled: build the model from a config that asyncmoe.compile has not switched "
+            "(or set model.set_experts_implementation('eager') first)"
+        )
+
+
+def _switch(model: nn.Module, experts, settings: Settings, device: torch.device) -> nn.Module:
+    """Replay's routers, then the experts modules switched to the "asyncmoe" implementation."""
     if settings.replay is not None:
         install_replay(experts, settings.replay, device)
     for _, m in experts:  # replayed before compile

@@ -100,6 +100,18 @@ def expert_size(m: nn.Module, fmt: Format | None) -> int:
 def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor) -> ExpertCache:
     """Move the module's expert tensors to the host store, in `spec.fmt`, and give it a cache built
     as `spec` says."""
+    hosts, views, block = host_store(m, spec)
+    cache = ExpertCache(views, spec.num_slots, spec.policy, spec.time_stalls, pace)
+    cache.pinned_block = block  # keeps the registration alive as long as the cache
+    return cache
+
+
+def host_store(
+    m: nn.Module, spec: CacheSpec
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], PinnedBlock | None]:
+    """Move the module's expert tensors to the host store, in `spec.fmt`: by name, the host tensors,
+    the views a device reads them through (the same tensors on the CPU), and the pinned block that
+    holds them (None on the CPU)."""
     specs = host_specs(m, spec.fmt)
     shapes = [(shape, dtype) for _, shape, dtype in specs]
     nbytes = block_bytes(shapes)
@@ -109,10 +121,12 @@ def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor) -> ExpertCache:
         block = PinnedBlock(nbytes)
         hosts = carve(block.data, shapes)
         views = carve(uva_view(block, spec.device), shapes)
-    elif spec.fmt is None:  # a CPU cache reads the parameters where they already are
-        check_host_memory(
-            block_bytes([(s[1:], d) for s, d in shapes]) * spec.num_slots, "the CPU expert slots"
-        )
+    elif spec.fmt is None:  # the CPU reads the parameters where they already are
+        if spec.num_slots:
+            check_host_memory(
+                block_bytes([(s[1:], d) for s, d in shapes]) * spec.num_slots,
+                "the CPU expert slots",
+            )
         hosts = [p.detach() for p in expert_params(m).values()]
         views = hosts
     else:
@@ -129,12 +143,9 @@ def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor) -> ExpertCache:
         m._parameters.pop(name, None)
         setattr(m, name, host)
     _keep_shard_mark(m, sharded)
-    hosts = dict(zip(names, views))
-    cache = ExpertCache(hosts, spec.num_slots, spec.policy, spec.time_stalls, pace)
-    cache.pinned_block = block  # keeps the registration alive as long as the cache
     m._asyncmoe_offloaded = tuple(names)
     m._register_state_dict_hook(_add_offloaded_to_state_dict)
-    return cache
+    return dict(zip(names, hosts)), dict(zip(names, views)), block
 
 
 def resident(m: nn.Module, fmt: Format, device: torch.device) -> QuantizedResidentProvider:

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
+from ..compute.cpu.executor import explains_cpu_faults
 from ..integrations.transformers import PROVIDER, check_model, find_experts, top_k_of
 from ..prefetch.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
@@ -456,6 +457,7 @@ class Decoder:
         hit = self.is_eos[new]
         return prompt_length + torch.where(hit.any(1), hit.int().argmax(1) + 1, new.shape[1])
 
+    @explains_cpu_faults
     @torch.no_grad()
     def generate(
         self,

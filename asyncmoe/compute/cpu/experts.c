@@ -358,6 +358,14 @@ static inline const uint8_t *expert_scales(const amc_matrix *m, int64_t e) {
     return (const uint8_t *)m->scales + e * bytes;
 }
 
+/* bytes one expert of `m` occupies in the host store: weights, scales and bias */
+static int64_t matrix_bytes(const amc_matrix *m) {
+    int64_t bytes = stored_rows(m) * row_bytes(m);
+    if (m->scales) bytes += expert_scales(m, 1) - expert_scales(m, 0);
+    if (m->bias) bytes += m->n * format_bytes(m->bias_format);
+    return bytes;
+}
+
 #define SEGMENT 2048 /* values of a stored row decoded at a time: an 8 KB buffer per thread, in L1 */
 
 /* Stored row r of expert e, columns [c0, c0 + len) (len <= SEGMENT), as float32: in `buf`, or the weights
@@ -837,9 +845,10 @@ static void convert_row(const void *x, int32_t format, int64_t row, int64_t H, f
     }
 }
 
+/* ... and the number of distinct experts computed in `groups` */
 static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
                        const int32_t *expert_ids, const void *x, int32_t x_format, int64_t T, float *out,
-                       int64_t *detail) {
+                       int64_t *detail, int64_t *groups) {
     const int64_t H = L->up.k;
     if (P < 0) return *detail = P, AMC_ERR_PAIRS;
     int err = check_pairs(L, P, token_ids, expert_ids, T, detail);
@@ -847,6 +856,7 @@ static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int3
     workspace *ws = &pool->ws;
     if ((err = workspace_reserve(ws, P, L->experts, H, L->up.n, L->down.k))) return err;
     int64_t ngroups = sort_by_expert(ws, L->experts, P, expert_ids);
+    *groups = ngroups;
     for (int64_t i = 0; i < P; i++) {
         convert_row(x, x_format, token_ids[ws->order[i]], H, ws->x + i * H);
         if (is_4bit(&L->up)) split_even_odd(ws->x + i * H, H);
@@ -884,14 +894,16 @@ static int32_t layer_problem(const amc_layer *L) {
 }
 
 /* The expert MLP of P pairs (token_ids[p], expert_ids[p]) of x [T, H] (f32, bf16 or f16): out [P, H] float32.
- * Returns AMC_OK or an AMC_ERR_* code with `detail` (out is then untouched). One call at a time per pool. */
+ * Returns AMC_OK or an AMC_ERR_* code with `detail` (out is then untouched); `groups`: the distinct experts computed.
+ * One call at a time per pool. */
 int32_t amc_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
                     const int32_t *expert_ids, const void *x, int32_t x_format, int64_t T, float *out,
-                    int64_t *detail) {
+                    int64_t *detail, int64_t *groups) {
     int64_t problem = layer_problem(L);
     if (problem) return *detail = problem, AMC_ERR_DESCRIPTOR;
     pthread_mutex_lock(&pool->busy);
-    int err = run_experts(pool, L, P, token_ids, expert_ids, x, x_format, T, out, detail);
+    *groups = 0;
+    int err = run_experts(pool, L, P, token_ids, expert_ids, x, x_format, T, out, detail, groups);
     pthread_mutex_unlock(&pool->busy);
     return err;
 }
@@ -980,10 +992,16 @@ typedef struct {
     int32_t num_layers;
     amc_pool *pool;
     int64_t idle_spin_ns, idle_sleep_ns;
+    int64_t *stats;     /* [num_layers, AMC_STATS]: what each layer's requests computed (amc_worker_stats) */
     int64_t first_seen; /* `request` when started: the next one is first_seen + 1 */
     pthread_t thread;
     int started, stop;
 } amc_worker;
+
+/* per layer, counted by the worker over the requests it computed */
+enum { AMC_STAT_REQUESTS, AMC_STAT_PAIRS, AMC_STAT_EXPERTS, AMC_STAT_BYTES, AMC_STAT_NS, AMC_STATS };
+
+static void count(int64_t *row, int stat, int64_t n) { __atomic_add_fetch(&row[stat], n, __ATOMIC_RELAXED); }
 
 static int32_t serve(amc_worker *w, int64_t *detail) {
     const amc_channel_layout *l = &w->layout;
@@ -993,9 +1011,18 @@ static int32_t serve(amc_worker *w, int64_t *detail) {
     if (P < 0 || P > l->max_pairs) return *detail = P, AMC_ERR_PAIRS;
     if (T < 0 || T > l->max_tokens) return *detail = T, AMC_ERR_TOKENS;
     uint8_t *c = w->channel;
-    return run_experts(w->pool, &w->layers[layer], P, (const int32_t *)(c + l->token_ids),
-                       (const int32_t *)(c + l->expert_ids), c + l->x, l->x_format, T, (float *)(c + l->out),
-                       detail);
+    const amc_layer *L = &w->layers[layer];
+    int64_t start = now_ns(), groups = 0;
+    int32_t err = run_experts(w->pool, L, P, (const int32_t *)(c + l->token_ids), (const int32_t *)(c + l->expert_ids),
+                              c + l->x, l->x_format, T, (float *)(c + l->out), detail, &groups);
+    if (err) return err;
+    int64_t *row = w->stats + (int64_t)layer * AMC_STATS;
+    count(row, AMC_STAT_REQUESTS, 1);
+    count(row, AMC_STAT_PAIRS, P);
+    count(row, AMC_STAT_EXPERTS, groups);
+    count(row, AMC_STAT_BYTES, groups * (matrix_bytes(&L->up) + matrix_bytes(&L->down)));
+    count(row, AMC_STAT_NS, now_ns() - start);
+    return AMC_OK;
 }
 
 static void *worker_thread(void *opaque) {
@@ -1040,8 +1067,9 @@ amc_worker *amc_worker_create(void *channel, const amc_channel_layout *layout, i
     w->idle_sleep_ns = idle_sleep_ns < 1 ? 1 : (idle_sleep_ns > 999999999 ? 999999999 : idle_sleep_ns);
     w->layers = calloc(num_layers > 0 ? num_layers : 1, sizeof(amc_layer));
     w->registered = calloc(num_layers > 0 ? num_layers : 1, 1);
+    w->stats = calloc((num_layers > 0 ? num_layers : 1) * AMC_STATS, sizeof(int64_t));
     w->pool = amc_pool_create(threads, pool_spin_ns);
-    if (!w->layers || !w->registered || !w->pool) {
+    if (!w->layers || !w->registered || !w->stats || !w->pool) {
         amc_worker_destroy(w);
         return NULL;
     }
@@ -1085,5 +1113,14 @@ void amc_worker_destroy(amc_worker *w) {
     amc_pool_destroy(w->pool);
     free(w->layers);
     free(w->registered);
+    free(w->stats);
     free(w);
+}
+
+/* The counters of every layer into out [num_layers, AMC_STATS] (a consistent row only while no request is being
+ * served); then zero them if `reset`. */
+void amc_worker_stats(amc_worker *w, int64_t *out, int32_t reset) {
+    for (int64_t i = 0; i < (int64_t)w->num_layers * AMC_STATS; i++)
+        out[i] = reset ? __atomic_exchange_n(&w->stats[i], 0, __ATOMIC_RELAXED)
+                       : __atomic_load_n(&w->stats[i], __ATOMIC_RELAXED);
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -44,6 +45,11 @@ ERRORS = {
     7: "out of memory for the kernels' workspace",
     8: "layer descriptor refused by the kernels (check {detail})",
 }
+
+
+# a layer's counters, as the worker keeps them (experts.c's AMC_STAT_*): requests served, (token, expert) pairs,
+# distinct experts computed (each read once per request), bytes of weights read, ns computing
+STATS = ("requests", "pairs", "experts", "bytes", "ns")
 
 
 class _Matrix(ctypes.Structure):
@@ -102,7 +108,19 @@ def library(isa: str = "native") -> ctypes.CDLL:
         "amc_pool_destroy": (None, [p]),
         "amc_experts": (
             i32,
-            [p, ctypes.POINTER(_Layer), i64, p, p, p, i32, i64, p, ctypes.POINTER(i64)],
+            [
+                p,
+                ctypes.POINTER(_Layer),
+                i64,
+                p,
+                p,
+                p,
+                i32,
+                i64,
+                p,
+                ctypes.POINTER(i64),
+                ctypes.POINTER(i64),
+            ],
         ),
         "amc_channel_layout_init": (i32, [ctypes.POINTER(ChannelLayout), i64, i64, i64, i32]),
         "amc_request_publish": (None, [p, i64]),
@@ -111,6 +129,7 @@ def library(isa: str = "native") -> ctypes.CDLL:
         "amc_worker_set_layer": (i32, [p, i32, ctypes.POINTER(_Layer)]),
         "amc_worker_start": (i32, [p]),
         "amc_worker_destroy": (None, [p]),
+        "amc_worker_stats": (None, [p, p, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -305,6 +324,12 @@ class CpuExperts:
     def hidden(self) -> int:
         return self.up.shape[2]
 
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert in the host store: what computing it reads."""
+        tensors = (t for p in (self.up, self.down) for t in (p.weight, p.scales, p.bias))
+        return sum(t[0].nbytes for t in tensors if t is not None)
+
     @classmethod
     def from_module(
         cls, experts, weights: dict[str, torch.Tensor], fmt: Format | None = None
@@ -399,9 +424,11 @@ def experts_mlp(
     token_ids: torch.Tensor,
     expert_ids: torch.Tensor,
     pool: Pool | None = None,
+    stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each pair's expert output before routing weights, float32 [P, H]: pair p is (token_ids[p], expert_ids[p])
-    of x [T, H] (float32, bfloat16 or float16). `pool`: the threads (None: default_pool(), all but one core)."""
+    of x [T, H] (float32, bfloat16 or float16). `pool`: the threads (None: default_pool(), all but one core).
+    `stats`: an int64 [len(STATS)] row this call's counts are added to, as the worker counts its requests."""
     pool = default_pool() if pool is None else pool
     if pool.handle is None:
         raise ValueError("this Pool was closed: make another")
@@ -419,13 +446,17 @@ def experts_mlp(
         )
     P = token_ids.numel()
     out = torch.empty(P, layer.hidden, dtype=torch.float32)
-    detail = ctypes.c_int64(0)
+    detail, groups = ctypes.c_int64(0), ctypes.c_int64(0)
+    start = time.perf_counter_ns()
     err = pool.lib.amc_experts(
         pool.handle, ctypes.byref(layer._descriptor), P, token_ids.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
-        x_code, x.shape[0], out.data_ptr(), ctypes.byref(detail),
+        x_code, x.shape[0], out.data_ptr(), ctypes.byref(detail), ctypes.byref(groups),
     )  # fmt: skip
     if err:
         raise ValueError(
             f"CPU experts: {ERRORS.get(err, 'error {err}').format(detail=detail.value, err=err)}"
         )
+    if stats is not None:
+        n = groups.value
+        stats += torch.tensor([1, P, n, n * layer.expert_bytes, time.perf_counter_ns() - start])
     return out

@@ -15,10 +15,27 @@ import ctypes
 import math
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from .kernels import DENSE, ERRORS, ChannelLayout, CpuExperts, default_threads, library
+from .kernels import DENSE, ERRORS, STATS, ChannelLayout, CpuExperts, default_threads, library
+
+
+class Fields(NamedTuple):
+    """A channel's fields as tensors (experts.c says what each holds)."""
+
+    request: torch.Tensor  # int64 [1]
+    done: torch.Tensor  # int64 [1]
+    error: torch.Tensor  # int32 [1]
+    detail: torch.Tensor  # int64 [1]
+    layer: torch.Tensor  # int32 [1]
+    pairs: torch.Tensor  # int32 [1]
+    tokens: torch.Tensor  # int32 [1]
+    token_ids: torch.Tensor  # int32 [max_pairs]
+    expert_ids: torch.Tensor  # int32 [max_pairs]
+    x: torch.Tensor  # [max_tokens, H] in x_dtype
+    out: torch.Tensor  # float32 [max_pairs, H]
 
 
 class Channel:
@@ -62,22 +79,28 @@ class Channel:
                 "a channel's buffer must start on a 64-byte boundary (its fields sit on cache lines)"
             )
         self.layout, self.buffer, self.x_dtype, self.seq = layout, buffer, x_dtype, 0
+        (
+            self.request, self.done, self.error, self.detail, self.layer, self.pairs, self.tokens,
+            self.token_ids, self.expert_ids, self.x, self.out,
+        ) = self.fields(buffer)  # fmt: skip
+
+    def fields(self, buffer: torch.Tensor) -> Fields:
+        """Typed views of the channel's fields in `buffer`: this channel's, or a device's view of the same
+        memory (a CUDA tensor over the pinned block), through which a kernel writes requests."""
+        layout = self.layout
 
         def view(offset: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-            return (
-                buffer[offset : offset + dtype.itemsize * math.prod(shape)]
-                .view(dtype)
-                .view(*shape or (1,))
-            )
+            end = offset + dtype.itemsize * math.prod(shape)
+            return buffer[offset:end].view(dtype).view(*shape or (1,))
 
-        P, T, H = max_pairs, max_tokens, hidden
-        self.request, self.done = view(layout.request, torch.int64), view(layout.done, torch.int64)
-        self.error, self.detail = view(layout.error, torch.int32), view(layout.detail, torch.int64)
-        self.layer, self.pairs = view(layout.layer, torch.int32), view(layout.pairs, torch.int32)
-        self.tokens = view(layout.tokens, torch.int32)
-        self.token_ids = view(layout.token_ids, torch.int32, P)
-        self.expert_ids = view(layout.expert_ids, torch.int32, P)
-        self.x, self.out = view(layout.x, x_dtype, T, H), view(layout.out, torch.float32, P, H)
+        P, T, H = layout.max_pairs, layout.max_tokens, layout.hidden
+        i32, i64 = torch.int32, torch.int64
+        return Fields(
+            view(layout.request, i64), view(layout.done, i64), view(layout.error, i32),
+            view(layout.detail, i64), view(layout.layer, i32), view(layout.pairs, i32),
+            view(layout.tokens, i32), view(layout.token_ids, i32, P), view(layout.expert_ids, i32, P),
+            view(layout.x, self.x_dtype, T, H), view(layout.out, torch.float32, P, H),
+        )  # fmt: skip
 
     def write(
         self, layer: int, token_ids: torch.Tensor, expert_ids: torch.Tensor, x: torch.Tensor
@@ -176,6 +199,17 @@ class Worker:
                 f"could not start the CPU worker thread (workspace for {channel.layout.max_pairs} pairs)"
             )
         self.channel, self.threads = channel, threads
+
+        self.handle, self.num_layers = handle, len(layers)
+
+    def stats(self, reset: bool = False) -> torch.Tensor:
+        """int64 [layers, len(STATS)]: what each layer's requests computed, counted by the worker (then zeroed
+        where `reset`)."""
+        if not self._close.alive:
+            raise ValueError("this Worker was closed: its counters went with it")
+        out = torch.zeros(self.num_layers, len(STATS), dtype=torch.int64)
+        self.channel.lib.amc_worker_stats(self.handle, out.data_ptr(), int(reset))
+        return out
 
     def close(self) -> None:
         """Stop the thread and join it (idempotent)."""

@@ -1,0 +1,168 @@
+"""The CPU executor of a model: every layer whose routed experts the host's CPU computes
+(`cache=0`), and how a forward reaches it.
+
+Model on CUDA: one channel in pinned memory and its worker thread (worker.py) serve every layer; a
+layer's call sends its pairs and hidden rows and receives the outputs through two kernels
+(request.py), in chunks of at most `max_tokens` tokens, all inside whatever graph is being captured.
+Model on the CPU: the same kernels run in-line on a thread pool.
+
+The custom op `asyncmoe::cpu_experts` names its executor by an id (ops.py), so a compiled graph
+holds an int, not the executor.
+
+Dims: T tokens, k experts a token, P = T*k pairs, H hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ...cache.host import PinnedBlock, device_view, uva_view
+from . import request
+from .kernels import STATS, CpuExperts, Pool, default_threads, experts_mlp
+from .worker import Channel, Worker
+
+_executors: weakref.WeakValueDictionary[int, CpuExecutor] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class CpuSettings:
+    """`threads`: the CPU threads computing experts (None: all but one core). `max_tokens`: rows in
+    one request; a longer call is sent in chunks. `timeout_s`: how long the GPU waits for one chunk
+    before it fails."""
+
+    threads: int | None = None
+    max_tokens: int = 256
+    timeout_s: float = 60.0
+
+
+class CpuExecutor:
+    """The host's CPU computing `layers` (index: the layer's number in requests) for a model running
+    on `device`, whose hidden states are `x_dtype`; at most `top_k` experts a token."""
+
+    def __init__(
+        self,
+        layers: list[CpuExperts],
+        device: torch.device,
+        x_dtype: torch.dtype,
+        top_k: int,
+        settings: CpuSettings = CpuSettings(),
+    ):
+        self.layers, self.device, self.x_dtype, self.top_k = layers, device, x_dtype, top_k
+        self.settings = settings
+        self.threads = default_threads() if settings.threads is None else settings.threads
+        self.hidden = layers[0].hidden
+        self.id = next(_ids)
+        _executors[self.id] = self
+        if device.type == "cuda":
+            self._start_worker()
+        else:
+            self.pool = Pool(self.threads)
+            self.counts = torch.zeros(len(layers), len(STATS), dtype=torch.int64)
+
+    def _start_worker(self) -> None:
+        T, H = self.settings.max_tokens, self.hidden
+        probe = Channel(T * self.top_k, T, H, self.x_dtype)  # its layout sizes the pinned block
+        self.block = PinnedBlock(probe.layout.nbytes)
+        self.block.data.zero_()
+        self.channel = Channel(T * self.top_k, T, H, self.x_dtype, buffer=self.block.data)
+        self.gpu = self.channel.fields(uva_view(self.block, self.device))
+        self.worker = Worker(self.channel, self.layers, self.threads)
+        self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # the last request sent
+        host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
+        self.fault, self.fault_view = host, device_view(host, self.device)
+        # per layer: requests received, ns the GPU waited for them (request.WAITS, WAITED_NS)
+        self.waited = torch.zeros(len(self.layers), 2, dtype=torch.int64, device=self.device)
+
+    def compute(self, x: torch.Tensor, top_k_index: torch.Tensor, layer: int) -> torch.Tensor:
+        """Every pair's expert output of `layer`, float32 [T*k, H]: pair t*k + j is token t's j-th
+        routed expert, as `top_k_index` [T, k] says."""
+        T, k = top_k_index.shape
+        if x.dtype != self.x_dtype or x.shape != (T, self.hidden) or x.device != self.device:
+            raise ValueError(
+                f"the CPU executor of this model takes hidden states [T, {self.hidden}] "
+                f"{self.x_dtype} on {self.device}, got {tuple(x.shape)} {x.dtype} on {x.device}: "
+                "run the model in the dtype and on the device it was compiled for"
+            )
+        if self.device.type != "cuda":
+            token_ids = torch.arange(T).repeat_interleave(k)
+            return experts_mlp(
+                self.layers[layer], x, token_ids, top_k_index.flatten(), self.pool,
+                self.counts[layer],
+            )  # fmt: skip
+        x, ids = x.contiguous(), top_k_index.contiguous()
+        out = torch.empty(T * k, self.hidden, dtype=torch.float32, device=self.device)
+        chunk, timeout_ns = self.settings.max_tokens, int(self.settings.timeout_s * 1e9)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            request.send(x[t0:t1], ids[t0:t1], self.seq, self.gpu, layer)
+            request.receive(
+                self.seq, self.gpu, out[t0 * k : t1 * k], self.fault_view, self.waited, layer,
+                timeout_ns,
+            )  # fmt: skip
+        return out
+
+    def stats(self, reset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per layer: the worker's counters [layers, len(STATS)] and, on CUDA, the GPU's waits
+        [layers, 2] (requests, ns); a host sync, on request only."""
+        if self.device.type != "cuda":
+            counts = self.counts.clone()
+            if reset:
+                self.counts.zero_()
+            return counts, None
+        waited = self.waited.cpu()
+        if reset:
+            self.waited.zero_()
+        return self.worker.stats(reset), waited
+
+    def check(self) -> None:
+        """Raise if a GPU wait for this executor failed (its kernel then ended the CUDA context)."""
+        if self.device.type != "cuda" or not int(self.fault[request.FAULT_KIND]):
+            return
+        seq, layer, seen, kind = self.fault.tolist()
+        if kind == request.TIMED_OUT:
+            why = (
+                f"the GPU waited more than {self.settings.timeout_s:g} s for the CPU's outputs of "
+                f"request {seq} (layer {layer}); the worker had answered up to request {seen}. "
+                "The worker thread is stalled or far slower than expected: check that this "
+                "process has CPU cores to itself (cpu_threads=) and is not being stopped"
+            )
+        else:
+            why = (
+                f"the CPU worker refused request {seq} of layer {layer} with error {seen} "
+                "(asyncmoe.compute.cpu.kernels.ERRORS)"
+            )
+        raise RuntimeError(f"asyncmoe CPU executor: {why}. The CUDA context is lost.")
+
+
+def executor(id: int) -> CpuExecutor:
+    """The live executor of that id (the custom op's argument)."""
+    found = _executors.get(id)
+    if found is None:
+        raise ValueError(f"no live CPU executor {id}: its model was freed")
+    return found
+
+
+def check_all() -> None:
+    """Raise for the first executor whose GPU wait failed (see `CpuExecutor.check`)."""
+    for ex in list(_executors.values()):
+        ex.check()
+
+
+def explains_cpu_faults(fn):
+    """`fn`, whose CUDA errors are preceded by the reason where a CPU executor's wait failed."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError:
+            check_all()
+            raise
+
+    return wrapped

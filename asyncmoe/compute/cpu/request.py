@@ -1,0 +1,183 @@
+"""The GPU's side of the channel: two Triton kernels that send a layer's pairs to the CPU worker and
+take its outputs back, from inside a captured step.
+
+`send` writes the request's payload (layer, pairs, tokens, each pair's token and expert id, the
+hidden rows) into the pinned channel through its device view, then publishes the next request number
+with a system-scope release store: the worker, polling that number, sees the payload. The number
+lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without the host.
+
+`receive` spins on the worker's `done` with system-scope acquire loads until it holds that number,
+then copies the outputs to the GPU. It never hangs: after `timeout_ns` on the GPU clock it records
+what it waited for in `fault` (pinned: the host reads it after the error) and traps, which ends the
+CUDA context with an error at the host's next sync, so no forward returns a result computed without
+the CPU's outputs. A request the worker refused (its error code) traps the same way. It also adds the
+ns it waited to the layer's counters.
+
+Dims: T tokens, k experts a token, P = T*k pairs, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...cache.clock import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from ...cache.clock import _now
+
+# fault [4]: the request number, its layer, what was seen (`done`, or the worker's error code), why
+FAULT_SEQ, FAULT_LAYER, FAULT_SEEN, FAULT_KIND = range(4)
+TIMED_OUT, REFUSED = 1, 2
+# waited [layers, 2]: requests received, ns the GPU waited for them
+WAITS, WAITED_NS = 0, 1
+BLOCK = 1024
+RECEIVE_PROGRAMS = 32  # enough loads in flight to read the outputs over the link in a few us
+
+if triton is not None:
+    _FAULT_SEQ, _FAULT_LAYER = tl.constexpr(FAULT_SEQ), tl.constexpr(FAULT_LAYER)
+    _FAULT_SEEN, _FAULT_KIND = tl.constexpr(FAULT_SEEN), tl.constexpr(FAULT_KIND)
+    _TIMED_OUT, _REFUSED = tl.constexpr(TIMED_OUT), tl.constexpr(REFUSED)
+    _WAITS, _WAITED_NS = tl.constexpr(WAITS), tl.constexpr(WAITED_NS)
+
+    @triton.jit
+    def _fault(fault_ptr, seq, layer, seen, kind):
+        """Record what the wait was for, make it visible to the host, and end the context."""
+        tl.store(fault_ptr + _FAULT_SEQ, seq)
+        tl.store(fault_ptr + _FAULT_LAYER, layer)
+        tl.store(fault_ptr + _FAULT_SEEN, seen)
+        tl.store(fault_ptr + _FAULT_KIND, kind)
+        _fence_system()
+        _trap()
+
+    @triton.jit
+    def _fence_system():
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _store_release(ptr, value):
+        tl.inline_asm_elementwise(
+            "st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;",
+            "=r,l,l",
+            [ptr, value],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _load_acquire(ptr):
+        return tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b64 $0, [$1];",
+            "=l,l",
+            [ptr],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _trap():
+        tl.inline_asm_elementwise(
+            "trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+    @triton.jit
+    def _send_kernel(
+        x_ptr,  # [T, H], the rows of this request
+        ids_ptr,  # [T, k] expert ids of those rows
+        seq_ptr,  # int64 [1] on the device: the last request number sent
+        request_ptr,
+        header_ptr,  # int32 [3] at the channel's `layer`: layer, pairs, tokens
+        token_ids_ptr,
+        expert_ids_ptr,
+        chan_x_ptr,
+        layer,
+        T,
+        k,
+        H,
+        BLOCK: tl.constexpr,
+    ):
+        P = T * k
+        offs = tl.arange(0, BLOCK)
+        for p0 in range(0, P, BLOCK):
+            p = p0 + offs
+            tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
+            ids = tl.load(ids_ptr + p, mask=p < P)
+            tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
+        for i0 in range(0, T * H, BLOCK):
+            i = i0 + offs
+            tl.store(chan_x_ptr + i, tl.load(x_ptr + i, mask=i < T * H), mask=i < T * H)
+        tl.store(header_ptr, layer)
+        tl.store(header_ptr + 1, P)
+        tl.store(header_ptr + 2, T)
+        seq = tl.load(seq_ptr) + 1
+        tl.store(seq_ptr, seq)
+        _fence_system()  # this thread's payload stores reach host memory first
+        tl.debug_barrier()  # ... and every other thread's
+        _store_release(request_ptr, seq)
+
+    @triton.jit
+    def _receive_kernel(
+        seq_ptr,
+        done_ptr,
+        error_ptr,
+        chan_out_ptr,  # float32 [P, H] in the channel
+        out_ptr,  # float32 [P, H] on the GPU
+        fault_ptr,
+        waited_ptr,  # int64 [layers, 2]
+        layer,
+        n,  # P * H
+        timeout_ns,
+        BLOCK: tl.constexpr,
+    ):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        seq = tl.load(seq_ptr)
+        start = _now()
+        done = _load_acquire(done_ptr)
+        while done < seq:
+            if _now() - start > timeout_ns:
+                _fault(fault_ptr, seq, layer, done, _TIMED_OUT)
+            done = _load_acquire(done_ptr)
+        error = tl.load(error_ptr, volatile=True)
+        if error != 0:
+            _fault(fault_ptr, seq, layer, error.to(tl.int64), _REFUSED)
+        if pid == 0:
+            count = waited_ptr + layer * 2
+            tl.store(count + _WAITS, tl.load(count + _WAITS) + 1)
+            tl.store(count + _WAITED_NS, tl.load(count + _WAITED_NS) + (_now() - start))
+        offs = tl.arange(0, BLOCK)
+        for i0 in range(pid * BLOCK, n, programs * BLOCK):
+            i = i0 + offs
+            tl.store(out_ptr + i, tl.load(chan_out_ptr + i, mask=i < n, volatile=True), mask=i < n)
+
+
+def send(x: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, gpu, layer: int) -> None:
+    """Write rows `x` [T, H] and their expert ids [T, k] as the next request of `layer` into the
+    channel whose device-side fields are `gpu` (worker.Fields), and publish it."""
+    T, k = ids.shape
+    _send_kernel[(1,)](
+        x, ids, seq, gpu.request, gpu.layer, gpu.token_ids, gpu.expert_ids, gpu.x,
+        layer, T, k, x.shape[1], BLOCK=BLOCK, num_warps=8,
+    )  # fmt: skip
+
+
+def receive(
+    seq: torch.Tensor,
+    gpu,
+    out: torch.Tensor,
+    fault: torch.Tensor,
+    waited: torch.Tensor,
+    layer: int,
+    timeout_ns: int,
+) -> None:
+    """Wait for the last request sent, then copy its outputs into `out` [P, H] float32."""
+    n = out.numel()
+    programs = max(1, min(RECEIVE_PROGRAMS, triton.cdiv(n, BLOCK)))
+    _receive_kernel[(programs,)](
+        seq, gpu.done, gpu.error, gpu.out, out, fault, waited, layer, n, timeout_ns,
+        BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,268 @@
+"""`cache=0`: every routed expert computed by the host's CPU (compute/cpu/executor.py).
+
+On the CPU the kernels run in-line; on CUDA the GPU sends each layer's pairs to the worker through
+pinned memory and waits for its outputs, inside the captured step. Either way the model must compute
+what the slot path computes: greedy tokens equal over 64 steps in float32 activations (eager,
+`generate`, the Decoder; its graph on CUDA), logits within the format's tolerance in bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import asyncmoe
+from asyncmoe.compute.cpu import request
+from asyncmoe.compute.cpu.executor import CpuExecutor
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
+
+from models import TOP_K, tiny
+
+STEPS = 64
+GREEDY = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+
+
+def prompt(device="cpu") -> torch.Tensor:
+    return torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def executor_of(model) -> CpuExecutor:
+    return getattr(find_experts(model)[0][1], PROVIDER).executor
+
+
+def assert_same_greedy(ours, theirs, ids, graph: bool = False) -> None:
+    """64 greedy tokens of `ours` equal `theirs`'s, under generate and the Decoder (and its graph)."""
+    want = theirs.generate(ids, **GREEDY)
+    assert torch.equal(ours.generate(ids, **GREEDY), want)
+    assert torch.equal(asyncmoe.Decoder(ours, 1, 80, graph=False).generate(ids, STEPS).tokens, want)
+    if graph:
+        assert torch.equal(
+            asyncmoe.Decoder(ours, 1, 80, graph=True).generate(ids, STEPS).tokens, want
+        )
+
+
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3"])
+@torch.no_grad()
+def test_cache_0_computes_what_the_model_does(family):
+    """SiLU-GLU, GPT-OSS's transposed clamped gate with biases, shared experts beside the routed."""
+    model = tiny(family)
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, cpu_threads=2)
+    ids = prompt()
+    torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert_same_greedy(ours, model, ids)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp4", "int4"])
+@torch.no_grad()
+def test_cache_0_quantized_equals_the_slot_path(quantize):
+    model = tiny("olmoe")
+    slots = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize)
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, cpu_threads=2)
+    ids = prompt()
+    torch.testing.assert_close(ours(ids).logits, slots(ids).logits, atol=1e-4, rtol=1e-4)
+    want = slots.generate(ids, **GREEDY)
+    assert torch.equal(ours.generate(ids, **GREEDY), want)
+
+
+@torch.no_grad()
+def test_cache_0_bf16_within_tolerance():
+    model = tiny("qwen3_moe", dtype=torch.bfloat16)
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, cpu_threads=2)
+    ids = prompt()
+    got, want = ours(ids).logits.float(), model(ids).logits.float()
+    assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 2e-2
+
+
+@torch.no_grad()
+def test_cache_0_under_torch_compile_fullgraph():
+    model = tiny("olmoe")
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, cpu_threads=2)
+    ids = prompt()
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_op_passes_opcheck():
+    ours = asyncmoe.compile(tiny("olmoe"), cache=0, cpu_threads=1)
+    ex = executor_of(ours)
+    x = torch.randn(3, 32)
+    idx = torch.tensor([[0, 5], [7, 1], [15, 0]])
+    torch.library.opcheck(torch.ops.asyncmoe.cpu_experts, (x, idx, ex.id, 1))
+
+
+@torch.no_grad()
+def test_stats_count_what_the_cpu_computed():
+    ours = asyncmoe.compile(tiny("olmoe"), cache=0, cpu_threads=2)
+    ids = prompt()
+    ours(ids)
+    s = asyncmoe.stats(ours, reset=True)
+    T = ids.shape[1]
+    for layer in s.layers:
+        assert layer.slots == 0 and layer.calls == 1 and layer.hits == 0
+        assert 1 <= layer.cpu_experts <= min(16, T * TOP_K) and layer.misses == layer.cpu_experts
+        assert layer.cpu_bytes == layer.cpu_experts * layer.expert_bytes
+        assert layer.cpu_ns > 0 and layer.cpu_wait_ns is None  # nothing waits on the CPU
+        assert layer.bytes_h2d == 0 and layer.host_bytes == 16 * layer.expert_bytes
+    assert "cpu exp" in str(s)
+    assert asyncmoe.stats(ours).totals["cpu_experts"] == 0  # reset
+
+
+def test_settings_refuse_what_cache_0_cannot_do():
+    model = tiny("olmoe")
+    with pytest.raises(ValueError, match="or 0 to compute every routed expert"):
+        asyncmoe.compile(model, cache=-1)
+    with pytest.raises(ValueError, match="only cache=0 uses"):
+        asyncmoe.compile(model, cache=4, cpu_threads=2)
+    with pytest.raises(ValueError, match="an int >= 1"):
+        asyncmoe.compile(model, cache=0, cpu_threads=0)
+    with pytest.raises(ValueError, match="cache=0 has none"):
+        asyncmoe.compile(model, cache=0, prefetch=True)
+    with pytest.raises(ValueError, match="leave time_stalls out"):
+        asyncmoe.compile(model, cache=0, time_stalls=True)
+    assert not hasattr(find_experts(model)[0][1], PROVIDER)  # refused before any change
+
+
+@torch.no_grad()
+def test_wrong_hidden_dtype_is_refused():
+    ours = asyncmoe.compile(tiny("olmoe"), cache=0, cpu_threads=1)
+    m = find_experts(ours)[0][1]
+    idx, w = torch.tensor([[0, 1]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="run the model in the dtype"):
+        m(torch.randn(1, 32, dtype=torch.float64), idx, w)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: the worker behind the captured step
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantize", [None, "fp8", "mxfp4", "int4"])
+@torch.no_grad()
+def test_cache_0_on_the_gpu_equals_the_slot_path(quantize):
+    """float32 activations: 64 greedy tokens equal eager, under generate and in the Decoder's graph;
+    the reference is the model itself (dense) or the slot path in the same format."""
+    model = tiny("olmoe")
+    if quantize is None:
+        theirs = copy.deepcopy(model).cuda()
+    else:
+        theirs = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cuda")
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, device="cuda")
+    ids = prompt("cuda")
+    torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    assert_same_greedy(ours, theirs, ids, graph=True)
+    s = asyncmoe.stats(ours)
+    assert s.totals["cpu_experts"] > 0 and s.totals["cpu_wait_ns"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantize", [None, "fp8", "mxfp4"])
+@torch.no_grad()
+def test_cache_0_on_the_gpu_in_bf16(quantize):
+    model = tiny("gpt_oss", dtype=torch.bfloat16)
+    if quantize is None:
+        theirs = copy.deepcopy(model).cuda()
+    else:
+        theirs = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cuda")
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, device="cuda")
+    ids = prompt("cuda")
+    got, want = ours(ids).logits.float(), theirs(ids).logits.float()
+    assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 2e-2
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    torch.testing.assert_close(compiled(ids).logits, ours(ids).logits, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_host_syncs_streaming_and_the_profiler_do_not_stall_it():
+    """The worker never calls the driver: `.tolist()` and `.item()` right after a replay, the
+    streaming callback's sync per token and the torch profiler's CUPTI callbacks leave it running."""
+    model = tiny("olmoe")
+    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, device="cuda")
+    ids = prompt("cuda")
+    dec = asyncmoe.Decoder(ours, 1, 80, graph=True)
+    want = dec.generate(ids, STEPS).tokens
+    streamed = []
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities):
+        got = dec.generate(ids, STEPS, callback=streamed.extend).tokens
+    assert torch.equal(got, want) and streamed == want[0, ids.shape[1] :].tolist()
+    dec.prefill(ids)
+    for _ in range(16):
+        dec.decode(1)
+        dec.tok.tolist()
+        dec.pos.item()
+    assert torch.equal(dec.history[:, : ids.shape[1] + 17], want[:, : ids.shape[1] + 17])
+
+
+@pytest.mark.cuda
+def test_an_empty_round_trip_is_cheap(capsys):
+    """One layer's request with no pairs, sent and received inside a CUDA graph: the GPU writes the
+    request, the worker answers, the GPU sees it. Median over graph replays of 100 round trips."""
+    ours = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
+    ex = executor_of(ours)
+    x = torch.zeros(0, 32, device="cuda")
+    ids = torch.zeros(0, TOP_K, dtype=torch.int64, device="cuda")
+    out = torch.zeros(0, 32, device="cuda")
+
+    def trips(n: int):
+        for _ in range(n):
+            request.send(x, ids, ex.seq, ex.gpu, 0)
+            request.receive(ex.seq, ex.gpu, out, ex.fault_view, ex.waited, 0, 10**9)
+
+    trips(2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        trips(100)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 100)
+    us = statistics.median(times)
+    assert int(ex.channel.done) == int(ex.seq) == 2 + 20 * 100
+    with capsys.disabled():
+        print(f"\nempty CPU round trip in a graph: {us:.1f} us (median of 20 x 100)")
+    assert us < 30
+
+
+@pytest.mark.cuda
+def test_a_wait_past_its_timeout_fails_loudly(tmp_path):
+    """The worker stopped: the GPU's wait ends the CUDA context after its timeout, and the Decoder
+    says why. In a child process: the context does not survive."""
+    script = textwrap.dedent(
+        f"""
+        import dataclasses, sys, torch
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[2])!r})
+        import asyncmoe
+        from models import tiny
+        from asyncmoe.integrations.transformers import PROVIDER, find_experts
+        model = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
+        ex = getattr(find_experts(model)[0][1], PROVIDER).executor
+        ex.settings = dataclasses.replace(ex.settings, timeout_s=0.5)
+        ex.worker.close()
+        ids = torch.randint(3, 128, (1, 4), device="cuda")
+        try:
+            asyncmoe.Decoder(model, 1, 16).generate(ids, 4)
+        except RuntimeError as e:
+            print("RAISED", str(e)[:600])
+            sys.exit(0)
+        print("NO ERROR")
+        sys.exit(1)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the GPU waited more than 0.5 s" in result.stdout, result.stdout + result.stderr
