@@ -121,6 +121,19 @@ static inline void vint4_32(const uint8_t *p, float scale_lo, float scale_hi, fl
     vstore(dst, vmul(_mm512_cvtepi32_ps(_mm512_sub_epi32(low, eight)), scale));
     vstore(dst + 16, vmul(_mm512_cvtepi32_ps(_mm512_sub_epi32(high, eight)), scale));
 }
+/* 32 4-bit codes (16 bytes), unscaled, in registers: w[0] the even inputs' values, w[1] the odd ones' (as above) */
+static inline void v4bit_32(const uint8_t *p, int mx, vf *w) {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), high = _mm512_srli_epi32(bytes, 4);
+    if (mx) {
+        vf e2m1 = _mm512_loadu_ps(E2M1);
+        w[0] = _mm512_permutexvar_ps(low, e2m1);
+        w[1] = _mm512_permutexvar_ps(high, e2m1);
+    } else {
+        w[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(low, _mm512_set1_epi32(8)));
+        w[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(high, _mm512_set1_epi32(8)));
+    }
+}
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(AMC_SCALAR)
 #define AMC_ISA "avx2"
@@ -177,6 +190,20 @@ static inline void vint4_32(const uint8_t *p, float scale_lo, float scale_hi, fl
         vf scale = vset1(h ? scale_hi : scale_lo);
         vstore(dst + 8 * h, vmul(_mm256_cvtepi32_ps(_mm256_sub_epi32(low, eight)), scale));
         vstore(dst + 16 + 8 * h, vmul(_mm256_cvtepi32_ps(_mm256_sub_epi32(high, eight)), scale));
+    }
+}
+/* as the AVX-512 version: w[h] the even inputs 8h.., w[2 + h] the odd ones */
+static inline void v4bit_32(const uint8_t *p, int mx, vf *w) {
+    for (int h = 0; h < 2; h++) {
+        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)), high = _mm256_srli_epi32(bytes, 4);
+        if (mx) {
+            w[h] = vmxfp4_8(low);
+            w[2 + h] = vmxfp4_8(high);
+        } else {
+            w[h] = _mm256_cvtepi32_ps(_mm256_sub_epi32(low, _mm256_set1_epi32(8)));
+            w[2 + h] = _mm256_cvtepi32_ps(_mm256_sub_epi32(high, _mm256_set1_epi32(8)));
+        }
     }
 }
 
@@ -462,6 +489,118 @@ static void dot_tokens(const float *w, const float *x, int64_t ldx, int64_t len,
     }
 }
 
+#if VL > 1
+/* Fused decode and dot over one whole stored row, the decoded weights never leaving registers, each group's (or
+ * block's) scale applied once to its partial sums: out[t] = sum_k w[k] x[t * ldx + k] for t < tb. */
+
+/* a 4-bit row (K / 2 bytes) in groups of 2^shift >= 32 inputs, x in the decoders' order (split_even_odd) */
+static inline __attribute__((always_inline)) void dot4_fixed(const uint8_t *row, const void *scales, int mx, int shift,
+                                                             const float *x, int64_t ldx, int64_t K, int tb,
+                                                             float *out) {
+    enum { NW = 32 / VL };
+    const int u = tb == 1 ? NW : 1; /* independent FMA chains for one token */
+    const int64_t G = (int64_t)1 << shift;
+    vf acc[TOKENS_PER_READ], part[NW][TOKENS_PER_READ];
+    for (int t = 0; t < tb; t++) acc[t] = vzero();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        for (int j = 0; j < u; j++)
+            for (int t = 0; t < tb; t++) part[j][t] = vzero();
+        for (int64_t c = g0; c < g0 + G; c += 32) {
+            vf w[NW];
+            v4bit_32(row + c / 2, mx, w);
+            for (int j = 0; j < NW; j++)
+                for (int t = 0; t < tb; t++)
+                    part[j % u][t] = vfma(w[j], vload(x + t * ldx + c + j * VL), part[j % u][t]);
+        }
+        vf scale = vset1(mx ? E8M0[((const uint8_t *)scales)[g0 >> shift]]
+                            : bf16_to_f32(((const uint16_t *)scales)[g0 >> shift]));
+        for (int t = 0; t < tb; t++) {
+            for (int j = 1; j < u; j++) part[0][t] = vadd(part[0][t], part[j][t]);
+            acc[t] = vfma(scale, part[0][t], acc[t]);
+        }
+    }
+    for (int t = 0; t < tb; t++) out[t] = vsum(acc[t]);
+}
+
+/* an fp8 row of K bytes whose scales change every B inputs */
+static inline __attribute__((always_inline)) void dot8_fixed(const uint8_t *row, const float *scales, int64_t B,
+                                                             const float *x, int64_t ldx, int64_t K, int tb,
+                                                             float *out) {
+    const int u = tb == 1 ? 4 : tb == 2 ? 2 : 1;
+    vf acc[TOKENS_PER_READ], part[4][TOKENS_PER_READ];
+    float tail[TOKENS_PER_READ] = {0};
+    for (int t = 0; t < tb; t++) acc[t] = vzero();
+    for (int64_t b0 = 0; b0 < K; b0 += B) {
+        const int64_t end = min64(K, b0 + B);
+        const float scale = scales[b0 / B];
+        for (int j = 0; j < u; j++)
+            for (int t = 0; t < tb; t++) part[j][t] = vzero();
+        int64_t k = b0;
+        for (; k + u * VL <= end; k += u * VL)
+            for (int j = 0; j < u; j++) {
+                vf w = vfp8(row + k + j * VL);
+                for (int t = 0; t < tb; t++) part[j][t] = vfma(w, vload(x + t * ldx + k + j * VL), part[j][t]);
+            }
+        for (; k + VL <= end; k += VL) {
+            vf w = vfp8(row + k);
+            for (int t = 0; t < tb; t++) part[0][t] = vfma(w, vload(x + t * ldx + k), part[0][t]);
+        }
+        for (int t = 0; t < tb; t++) {
+            for (int j = 1; j < u; j++) part[0][t] = vadd(part[0][t], part[j][t]);
+            acc[t] = vfma(vset1(scale), part[0][t], acc[t]);
+            float rest = 0.0f;
+            for (int64_t i = k; i < end; i++) rest += E4M3[row[i]] * x[t * ldx + i];
+            tail[t] += scale * rest;
+        }
+    }
+    for (int t = 0; t < tb; t++) out[t] = vsum(acc[t]) + tail[t];
+}
+
+#define DISPATCH_TOKENS(call)                                                                                          \
+    switch (tb) {                                                                                                      \
+    case 1: call(1); break;                                                                                            \
+    case 2: call(2); break;                                                                                            \
+    case 3: call(3); break;                                                                                            \
+    case 4: call(4); break;                                                                                            \
+    case 5: call(5); break;                                                                                            \
+    case 6: call(6); break;                                                                                            \
+    case 7: call(7); break;                                                                                            \
+    default: call(8); break;                                                                                           \
+    }
+
+/* Whether rows of `m` take the fused path: fp8, mxfp4, and int4 in groups of at least 32, stored [N, K] */
+static int fused(const amc_matrix *m) {
+    if (m->transposed) return 0;
+    return m->format == AMC_FP8 || m->format == AMC_MXFP4 || (m->format == AMC_INT4 && m->block_cols >= 32);
+}
+
+/* out[t] for row n of expert e of a fused matrix, tb tokens */
+static void dot_row_fused(const amc_matrix *m, int64_t e, int64_t n, const float *x, int64_t ldx, int tb, float *out) {
+    const uint8_t *row = expert_weight(m, e) + n * row_bytes(m);
+    const int64_t K = m->k;
+    if (m->format == AMC_FP8) {
+        const float *scales = (const float *)expert_scales(m, e) + (n / m->block_rows) * cdiv(K, m->block_cols);
+#define DOT8(TB) dot8_fixed(row, scales, m->block_cols, x, ldx, K, TB, out)
+        DISPATCH_TOKENS(DOT8)
+#undef DOT8
+        return;
+    }
+    const int mx = m->format == AMC_MXFP4, shift = __builtin_ctzll((unsigned long long)m->block_cols);
+    const uint8_t *scales = expert_scales(m, e) + n * (K >> shift) * (mx ? 1 : 2);
+#define DOT4(TB) dot4_fixed(row, scales, mx, shift, x, ldx, K, TB, out)
+    DISPATCH_TOKENS(DOT4)
+#undef DOT4
+}
+#else
+static int fused(const amc_matrix *m) {
+    (void)m;
+    return 0;
+}
+static void dot_row_fused(const amc_matrix *m, int64_t e, int64_t n, const float *x, int64_t ldx, int tb, float *out) {
+    (void)m, (void)e, (void)n, (void)x, (void)ldx, (void)tb, (void)out;
+}
+#endif
+
 /* y[0:len] += sum_r a[r] * w[r][0:len] over `rows` rows: the outputs are loaded and stored once per pass */
 static inline void axpy_rows(float *y, const float *a, const float *const *w, int rows, int64_t len) {
     int64_t i = 0;
@@ -484,9 +623,19 @@ static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1,
                          float *y, int64_t ldy, float *buf) {
     const int64_t K = m->k, stride = row_bytes(m);
     const uint8_t *first = expert_weight(m, e) + n0 * stride, *end = expert_weight(m, e) + n1 * stride;
+    const int in_registers = fused(m);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ahead = first + (n - n0) * stride + PREFETCH_BYTES;
         if (ahead < end) prefetch(ahead, min64(stride, end - ahead));
+        if (in_registers) {
+            for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
+                float part[TOKENS_PER_READ];
+                int tb = (int)min64(TOKENS_PER_READ, tokens - t0);
+                dot_row_fused(m, e, n, x + t0 * K, K, tb, part);
+                for (int t = 0; t < tb; t++) y[(t0 + t) * ldy + n] = part[t];
+            }
+            continue;
+        }
         for (int64_t t = 0; t < tokens; t++) y[t * ldy + n] = 0.0f;
         for (int64_t k0 = 0; k0 < K; k0 += SEGMENT) {
             int64_t len = min64(SEGMENT, K - k0);
