@@ -381,6 +381,7 @@ class Decoder:
         self.pad.fill_(pad if live else 0)
         self.stops = bool(live)
 
+    @explains_cpu_faults
     @torch.no_grad()
     def prefill(
         self,
@@ -427,6 +428,7 @@ class Decoder:
         self.length = L + 1
         return first
 
+    @explains_cpu_faults
     def decode(self, steps: int) -> None:
         """`steps` more tokens after `prefill`: graph replays on the GPU, eager steps elsewhere. A
         sequence past its EOS gets `pad_token_id`; the steps run all the same (`generate` stops when

@@ -30,6 +30,10 @@ _executors: weakref.WeakValueDictionary[int, CpuExecutor] = weakref.WeakValueDic
 _ids = itertools.count()
 
 
+class CpuExecutorError(RuntimeError):
+    """A GPU wait for the CPU failed: what it waited for and why (the CUDA context is lost)."""
+
+
 @dataclass(frozen=True)
 class CpuSettings:
     """`threads`: the CPU threads computing experts (None: all but one core). `max_tokens`: rows in
@@ -137,7 +141,7 @@ class CpuExecutor:
                 f"the CPU worker refused request {seq} of layer {layer} with error {seen} "
                 "(asyncmoe.compute.cpu.kernels.ERRORS)"
             )
-        raise RuntimeError(f"asyncmoe CPU executor: {why}. The CUDA context is lost.")
+        raise CpuExecutorError(f"asyncmoe CPU executor: {why}. The CUDA context is lost.")
 
 
 def executor(id: int) -> CpuExecutor:
@@ -161,6 +165,8 @@ def explains_cpu_faults(fn):
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except CpuExecutorError:
+            raise
         except RuntimeError:
             check_all()
             raise
