@@ -102,6 +102,8 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         P = T * k
+        # every thread reads the number before any writes it (the barrier below): all publish the same one
+        seq = tl.load(seq_ptr) + 1
         offs = tl.arange(0, BLOCK)
         for p0 in range(0, P, BLOCK):
             p = p0 + offs
@@ -114,10 +116,9 @@ if triton is not None:
         tl.store(header_ptr, layer)
         tl.store(header_ptr + 1, P)
         tl.store(header_ptr + 2, T)
-        seq = tl.load(seq_ptr) + 1
-        tl.store(seq_ptr, seq)
         _fence_system()  # this thread's payload stores reach host memory first
         tl.debug_barrier()  # ... and every other thread's
+        tl.store(seq_ptr, seq)
         _store_release(request_ptr, seq)
 
     @triton.jit
