@@ -22,6 +22,7 @@ the trace was recorded, if the trace has it (demo_val.npz does); else by the ran
 nothing of the trace (as in the latency suite's synthetic traces; the prefetch gate then keeps it off).
 `--replay trace`, `oracle` or `oracle-q0.8` routes as the latency suite's case of that name (harness.trace_for).
 `--quantize fp8` (mxfp4, int4) keeps asyncmoe's experts in that format; the unmodified model stays bf16.
+`--caches 0` has the host's CPU compute every routed expert, once per `--cpu-threads` value.
 """
 
 from __future__ import annotations
@@ -158,6 +159,13 @@ def main():
         action="store_true",
         help="time each layer's waits on the GPU clock (adds kernels)",
     )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="cache=0 (every routed expert on the CPU): the CPU executor's thread counts to try",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -187,10 +195,13 @@ def main():
                 for b in args.budgets
                 for c in args.copy_programs
             ]
-            if cache < experts
+            if 0 < cache < experts
             else []
         )
-        for policy, plan in [(policy, plan) for policy in args.policies for plan in plans + [None]]:
+        cases = [(policy, plan, None) for policy in args.policies for plan in plans + [None]]
+        if cache == 0:  # every routed expert on the CPU: no policy, no prefetch
+            cases = [(DEFAULT_POLICY, None, threads) for threads in args.cpu_threads]
+        for policy, plan, threads in cases:
             model = asyncmoe.compile(
                 copy.deepcopy(base),
                 cache=cache,
@@ -198,15 +209,17 @@ def main():
                 prefetch=plan or False,
                 quantize=args.quantize,
                 replay=replay,
-                time_stalls=args.time_stalls and cache < experts,
+                time_stalls=args.time_stalls and 0 < cache < experts,
+                cpu_threads=threads,
             )
             label = (
                 f"asyncmoe cache={cache}"
-                + (f" {policy}" if len(args.policies) > 1 else "")
+                + (f" cpu_threads={threads or 'default'}" if cache == 0 else "")
+                + (f" {policy}" if len(args.policies) > 1 and cache else "")
                 + (
                     f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}"
                     if plan
-                    else (" no prefetch" if cache < experts else "")
+                    else (" no prefetch" if 0 < cache < experts else "")
                 )
             )
             rows += run(model, label)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -124,10 +125,17 @@ class CpuExecutor:
             self.waited.zero_()
         return self.worker.stats(reset), waited
 
-    def check(self) -> None:
-        """Raise if a GPU wait for this executor failed (its kernel then ended the CUDA context)."""
-        if self.device.type != "cuda" or not int(self.fault[request.FAULT_KIND]):
+    def check(self, patience_s: float = 0.1) -> None:
+        """Raise if a GPU wait for this executor failed (its kernel then ended the CUDA context).
+        Called after a CUDA error: the fault's writes may still be on their way, so it looks for
+        `patience_s`, reading pinned memory only."""
+        if self.device.type != "cuda":
             return
+        deadline = time.monotonic() + patience_s
+        while not int(self.fault[request.FAULT_KIND]):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
         seq, layer, seen, kind = self.fault.tolist()
         if kind == request.TIMED_OUT:
             why = (

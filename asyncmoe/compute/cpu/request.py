@@ -43,12 +43,16 @@ if triton is not None:
 
     @triton.jit
     def _fault(fault_ptr, seq, layer, seen, kind):
-        """Record what the wait was for, make it visible to the host, and end the context."""
+        """Record what the wait was for, give the writes a millisecond to reach the host (a trap can
+        drop those still on their way), and end the context."""
         tl.store(fault_ptr + _FAULT_SEQ, seq)
         tl.store(fault_ptr + _FAULT_LAYER, layer)
         tl.store(fault_ptr + _FAULT_SEEN, seen)
         tl.store(fault_ptr + _FAULT_KIND, kind)
         _fence_system()
+        start = _now()
+        while _now() - start < 1_000_000:
+            _fence_system()
         _trap()
 
     @triton.jit
