@@ -26,7 +26,7 @@ def test_nominations_are_right_with_probability_q(q):
 
 
 def test_the_oracle_gate_prefetches_more_than_a_noisy_one():
-    trace = synthetic(32, 4, layers=3, tokens=1500)
+    trace = synthetic(32, 4, layers=3, tokens=300)  # recalls 0.29 and 0.04, as at 1500 tokens
     recall = {
         q: simulate(oracle(trace, q), 8, prefetch=("gate",), budget=4, compiled=False).totals[
             "prefetch_recall"

@@ -31,8 +31,37 @@ def _interpreter_index_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpreter_scans_each_module_once() -> None:
+    """Speed alone, the same patches: on each launch, and again on each call of a @triton.jit helper inside one
+    (a tl.sort makes dozens), the interpreter's `_patch_builtin` walks every member of triton.language, of its
+    tensor class and of tl.math (`inspect.getmembers`) to wrap the builtins among them: half of an interpreted
+    kernel's time. Which members are builtins does not change, so this lists them at a module's first walk
+    (nothing has wrapped them yet: only `_patch_builtin` does) and then wraps each that is still unwrapped, as
+    the walk would."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    walk = getattr(interpreter, "_patch_builtin", None)
+    if walk is None or "inspect.getmembers(pkg)" not in inspect.getsource(walk):
+        return
+    is_builtin = interpreter.tl.core.is_builtin
+    builtins = {}  # module or class -> the names of its builtins
+
+    def patched(pkg, builder, scope):
+        if pkg not in builtins:
+            builtins[pkg] = [name for name, member in inspect.getmembers(pkg) if is_builtin(member)]
+        for name in builtins[pkg]:
+            member = getattr(pkg, name)
+            if is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patched
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_index_for_numpy_2_4()
+    _interpreter_scans_each_module_once()
 
 transformers.logging.set_verbosity_error()
 

@@ -113,17 +113,25 @@ def _prefetch_pair(E_before, E, C, device, seed):
         ("gate", "transition"),
     ],
 )  # the first: Prefetch()'s default
-@pytest.mark.parametrize("E_before, E, C, k, steps", [(20, 24, 8, 2, 70), (64, 64, 16, 8, 8)])
-def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, C, k, steps):
+@pytest.mark.parametrize(
+    "E_before, E, C, k, calls_before, steps", [(20, 24, 8, 2, 27, 40), (64, 64, 16, 8, 0, 8)]
+)
+def test_prefetch_scores_kernel_matches_reference(
+    device, sources, E_before, E, C, k, calls_before, steps
+):
     """The side stream's fused scoring + gating, then the decision and copy, against the torch chain
     over calls that route, prefetch (the runners-up too, gated apart), waste prefetches (so the gate
     closes) and reach the exploring calls, with the prefetch's pace measured (a copy 2x or 4x the
     compute) or not: the 32nd does not explore (a copy 4x the window explores every 128th call), the
-    64th does (unmeasured: every 32nd); every seventh call skips the prefetch, as a step without
-    prefetch does."""
+    64th does (unmeasured: every 32nd); every seventh step skips the prefetch, as a step without
+    prefetch does. The first case's layer has served `calls_before` calls with no prefetch before the
+    first step (a multiple of 3: the paces fall on the same calls), so its 32nd call is the fifth
+    step and its 64th the 37th: 30 fewer interpreted steps, gated shut as the ones that follow."""
     (kernel, reference), (kernel_p, reference_p), g = _prefetch_pair(
         E_before, E, C, device, E * C + len(sources)
     )
+    for c in (kernel, reference):
+        c.counters[Counter.CALLS] = calls_before
     bits = sum(BITS[s] for s in sources)
     scored = 0
     for step in range(steps):
@@ -173,6 +181,8 @@ def test_prefetch_scores_kernel_matches_reference(device, sources, E_before, E, 
             reference.counters[Counter.RUNNERS_UP] > 0
             and reference_p.outcomes[RUNNERS_UP, WASTED] > 0
         )  # k > 1
+        # the first case's 64th call explored
+        assert (reference.counters[Counter.EXPLORED] > 0) == (calls_before + steps > 64)
 
 
 @pytest.mark.parametrize("device", devices())

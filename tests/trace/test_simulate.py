@@ -151,8 +151,9 @@ def test_the_default_prefetch_is_the_gate_alone():
     are kept from eviction, so at a cache of top-k slots, which they fill, the gate's prefetch evicts by the
     policy alone, which may take one the gate nominated: more misses than the gate alone. Transition alone
     nominates nothing on this trace, and beside the gate at a budget of one it decides nothing: it would only
-    cost its update each call (predictors.Prefetch)."""
-    trace = demo_trace(512)
+    cost its update each call (predictors.Prefetch). 128 tokens: ~24 misses per token, and the margins
+    are those of 512 (temporal beside the gate: 7% more misses at 128, 5% at 512)."""
+    trace = demo_trace(128)
     misses = {}
     for sources in (
         ("gate",),
@@ -172,7 +173,7 @@ def test_the_default_prefetch_is_the_gate_alone():
 
 
 def test_simulate_the_recorded_gate():
-    trace = demo_trace(300)
+    trace = demo_trace(100)  # 18 misses per token without prefetch, as at 300, and the same ratios
     with pytest.raises(ValueError, match="did not record what it predicted"):
         simulate(Trace(trace.ids, 64), cache=16, prefetch=("gate",), compiled=False)
     with pytest.raises(ValueError, match="budget must be >= 1"):
@@ -197,8 +198,9 @@ def test_simulate_the_recorded_gate():
 def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_within_the_window():
     """With the GPU's pace the gate decides as it does there: at a bf16 expert's (a copy outlasts the window)
     budget 2 is budget 1 exactly; at an fp8 expert's (two copies start within it) it prefetches more, and the
-    nominations past the first are routed often enough to be copied."""
-    trace = demo_trace(300)
+    nominations past the first are routed often enough to be copied (1.7x as many prefetches at 100
+    tokens, 1.8x at 300)."""
+    trace = demo_trace(100)
     runs = {
         (pace, budget): simulate(
             trace, cache=16, prefetch=("gate",), budget=budget, compiled=False, pace_us=pace
@@ -234,32 +236,47 @@ def test_simulate_refuses_what_it_cannot_run(bad, message):
         simulate(random_trace(0, N=5), **{"cache": 4, "compiled": False, **bad})
 
 
-def test_the_compiled_step_counts_as_the_uncompiled_and_compiles_once():
-    """The step over every layer compiles to one graph that every token replays: no recompile as the routing, the
-    cache contents and the clock change (`error_on_recompile` makes one an error), and it counts exactly what the
-    uncompiled step counts."""
-    trace = random_trace(3, N=40, L=3, E=16, k=2)
-    eager = simulate(trace, cache=5, compiled=False)
+# with the temporal predictor, a budget of 2 and a measured pace: the whole step, prefetch and gate
+PACED = dict(cache=4, prefetch=("temporal",), budget=2, pace_us=(254.0, 210.0))
+
+
+@pytest.fixture(scope="module")
+def compiled_paced():
+    """`PACED` on random_trace(0) through the compiled step, compiled once for the module (the tests
+    that need it share the graph), after a dynamo reset, with `error_on_recompile` (a recompile is an
+    error); and the graphs compiled."""
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = simulate(trace, cache=5)
-    assert counters["stats"]["unique_graphs"] == 1
+        sim = simulate(random_trace(0), **PACED)
+    return sim, counters["stats"]["unique_graphs"]
+
+
+def test_the_compiled_step_counts_as_the_uncompiled_and_compiles_once(compiled_paced):
+    """The step over every layer compiles to one graph that every token replays: no recompile as the routing, the
+    cache contents, the predictors' state and the clock change (`error_on_recompile` makes one an error), and it
+    counts exactly what the uncompiled step counts."""
+    compiled, graphs = compiled_paced
+    eager = simulate(random_trace(0), **PACED, compiled=False)
+    assert graphs == 1
     assert compiled.layers == eager.layers and compiled.totals == eager.totals
 
 
-def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_limit():
-    trace = random_trace(0, N=20, L=2, E=16, k=2)
+def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_limit(compiled_paced):
+    trace = random_trace(0, N=40)  # the shapes of the fixture's: its graph serves the first
     with torch._dynamo.config.patch(recompile_limit=1):  # as if 8 configurations had run before
-        for cache in (4, 6):  # the second compiles a second graph of `_step`
-            sim = simulate(trace, cache=cache)
+        # the second compiles a second graph of `_step`, without prefetch
+        for config in (PACED, dict(cache=6)):
+            sim = simulate(trace, **config)
             assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"] > 0
+            eager = simulate(trace, **config, compiled=False)
+            assert sim.layers == eager.layers and sim.totals == eager.totals
         assert (
             torch._dynamo.config.recompile_limit == 1
         )  # simulate's own raise of the limit ends with it
 
 
-def test_cli_simulate_json(tmp_path, capsys):
+def test_cli_simulate_json(tmp_path, capsys, compiled_paced):
     random_trace(0).save(tmp_path / "t.npz")
     assert (
         main(
@@ -292,9 +309,7 @@ def test_cli_simulate_json(tmp_path, capsys):
         "2",
     ]
     assert main([*argv, "--pace", "254", "210", "--json", "--no-compile"]) == 0
-    paced = simulate(
-        Trace.load(tmp_path / "t.npz"), 4, prefetch=("temporal",), budget=2, pace_us=(254.0, 210.0)
-    )
+    paced, _ = compiled_paced  # PACED, compiled, on the trace the file holds
     assert json.loads(capsys.readouterr().out) == json.loads(paced.to_json())
 
 
