@@ -476,17 +476,22 @@ static inline __attribute__((always_inline)) void dot_fixed(const float *w, cons
     }
 }
 
-static void dot_tokens(const float *w, const float *x, int64_t ldx, int64_t len, int tb, float *out) {
-    switch (tb) {
-    case 1: dot_fixed(w, x, ldx, len, 1, out); break;
-    case 2: dot_fixed(w, x, ldx, len, 2, out); break;
-    case 3: dot_fixed(w, x, ldx, len, 3, out); break;
-    case 4: dot_fixed(w, x, ldx, len, 4, out); break;
-    case 5: dot_fixed(w, x, ldx, len, 5, out); break;
-    case 6: dot_fixed(w, x, ldx, len, 6, out); break;
-    case 7: dot_fixed(w, x, ldx, len, 7, out); break;
-    default: dot_fixed(w, x, ldx, len, 8, out); break;
+#define DISPATCH_TOKENS(call)                                                                                          \
+    switch (tb) {                                                                                                      \
+    case 1: call(1); break;                                                                                            \
+    case 2: call(2); break;                                                                                            \
+    case 3: call(3); break;                                                                                            \
+    case 4: call(4); break;                                                                                            \
+    case 5: call(5); break;                                                                                            \
+    case 6: call(6); break;                                                                                            \
+    case 7: call(7); break;                                                                                            \
+    default: call(8); break;                                                                                           \
     }
+
+static void dot_tokens(const float *w, const float *x, int64_t ldx, int64_t len, int tb, float *out) {
+#define DOT(TB) dot_fixed(w, x, ldx, len, TB, out)
+    DISPATCH_TOKENS(DOT)
+#undef DOT
 }
 
 #if VL > 1
@@ -556,17 +561,6 @@ static inline __attribute__((always_inline)) void dot8_fixed(const uint8_t *row,
     for (int t = 0; t < tb; t++) out[t] = vsum(acc[t]) + tail[t];
 }
 
-#define DISPATCH_TOKENS(call)                                                                                          \
-    switch (tb) {                                                                                                      \
-    case 1: call(1); break;                                                                                            \
-    case 2: call(2); break;                                                                                            \
-    case 3: call(3); break;                                                                                            \
-    case 4: call(4); break;                                                                                            \
-    case 5: call(5); break;                                                                                            \
-    case 6: call(6); break;                                                                                            \
-    case 7: call(7); break;                                                                                            \
-    default: call(8); break;                                                                                           \
-    }
 
 /* Whether rows of `m` take the fused path: fp8, mxfp4, and int4 in groups of at least 32, stored [N, K] */
 static int fused(const amc_matrix *m) {

@@ -142,18 +142,22 @@ def test_wrong_hidden_dtype_is_refused():
 # CUDA: the worker behind the captured step
 
 
+def on_the_gpu(model, quantize: str | None):
+    """The slot path's model on the GPU (the model itself where dense), and cache=0's."""
+    if quantize is None:
+        theirs = copy.deepcopy(model).cuda()
+    else:
+        theirs = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cuda")
+    return theirs, asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, device="cuda")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("quantize", [None, "fp8", "mxfp4", "int4"])
 @torch.no_grad()
 def test_cache_0_on_the_gpu_equals_the_slot_path(quantize):
     """float32 activations: 64 greedy tokens equal eager, under generate and in the Decoder's graph;
     the reference is the model itself (dense) or the slot path in the same format."""
-    model = tiny("olmoe")
-    if quantize is None:
-        theirs = copy.deepcopy(model).cuda()
-    else:
-        theirs = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cuda")
-    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, device="cuda")
+    theirs, ours = on_the_gpu(tiny("olmoe"), quantize)
     ids = prompt("cuda")
     torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
     assert_same_greedy(ours, theirs, ids, graph=True)
@@ -165,12 +169,7 @@ def test_cache_0_on_the_gpu_equals_the_slot_path(quantize):
 @pytest.mark.parametrize("quantize", [None, "fp8", "mxfp4"])
 @torch.no_grad()
 def test_cache_0_on_the_gpu_in_bf16(quantize):
-    model = tiny("gpt_oss", dtype=torch.bfloat16)
-    if quantize is None:
-        theirs = copy.deepcopy(model).cuda()
-    else:
-        theirs = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cuda")
-    ours = asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, device="cuda")
+    theirs, ours = on_the_gpu(tiny("gpt_oss", dtype=torch.bfloat16), quantize)
     ids = prompt("cuda")
     got, want = ours(ids).logits.float(), theirs(ids).logits.float()
     assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 5e-2  # bf16 through the model
