@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from ..cache.host import check_host_memory, human_bytes
 from ..formats import QUANTIZE_METHODS, parse_quantize
-from ..providers import CachedProvider
+from ..providers import CachedProvider, CpuProvider
 from ..settings import Settings
 from .install import SUPPORTED_DTYPES, install
 from .quantized_checkpoint import checkpoint_format, load_quantized
@@ -135,6 +135,12 @@ def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
         )
     model = install(model, dataclasses.replace(settings, quantize=quantize))
     providers = [getattr(m, PROVIDER) for _, m in find_experts(model)]
+    if all(isinstance(p, CpuProvider) for p in providers):
+        print(
+            f"asyncmoe: every routed expert of {len(providers)} MoE layers computed on the CPU from "
+            f"host memory; the rest of the model on {settings.device}"
+        )
+        return model
     cached = [p for p in providers if isinstance(p, CachedProvider)]
     blocks = [p.cache.pinned_block for p in cached]
     where = (

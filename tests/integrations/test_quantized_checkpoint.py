@@ -192,3 +192,14 @@ def test_a_quantized_checkpoint_is_not_requantized(tmp_path):
         ValueError, match="stores its experts in mxfp4: quantize='fp8' would re-quantize them"
     ):
         asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu", quantize="fp8")
+
+
+@torch.no_grad()
+def test_cache_0_computes_the_checkpoint_as_stored(checkpoint, capsys):
+    """fp8 experts read from the checkpoint as stored, computed by the CPU: the slot path's logits."""
+    family, _, path = checkpoint
+    ours = asyncmoe.from_pretrained(path, cache=0, dtype=torch.float32, device="cpu", cpu_threads=2)
+    assert "computed on the CPU" in capsys.readouterr().out
+    slots = asyncmoe.from_pretrained(path, cache=4, dtype=torch.float32, device="cpu")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours(ids).logits, slots(ids).logits, atol=1e-4, rtol=1e-4)

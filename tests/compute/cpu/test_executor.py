@@ -70,6 +70,22 @@ def test_cache_0_quantized_equals_the_slot_path(quantize):
     assert torch.equal(ours.generate(ids, **GREEDY), want)
 
 
+def demo_models(device: str = "cpu"):
+    """The embedded model (trained: its greedy choices are not near-ties) in float32, as itself and with
+    cache=0."""
+    from transformers import AutoModelForCausalLM
+
+    path = asyncmoe.demo_model_path()
+    load = lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # noqa: E731
+    return load().to(device), asyncmoe.compile(load(), cache=0, device=device)
+
+
+@torch.no_grad()
+def test_cache_0_on_the_embedded_model():
+    model, ours = demo_models()
+    assert_same_greedy(ours, model, torch.tensor([[1, 5, 9, 200, 33, 17]]))
+
+
 @torch.no_grad()
 def test_cache_0_bf16_within_tolerance():
     model = tiny("qwen3_moe", dtype=torch.bfloat16)
@@ -163,6 +179,14 @@ def test_cache_0_on_the_gpu_equals_the_slot_path(quantize):
     assert_same_greedy(ours, theirs, ids, graph=True)
     s = asyncmoe.stats(ours)
     assert s.totals["cpu_experts"] > 0 and s.totals["cpu_wait_ns"] > 0
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_cache_0_on_the_embedded_model_on_the_gpu():
+    model, ours = demo_models("cuda")
+    ids = torch.tensor([[1, 5, 9, 200, 33, 17]], device="cuda")
+    assert_same_greedy(ours, model, ids, graph=True)
 
 
 @pytest.mark.cuda
