@@ -332,7 +332,7 @@ def cpu_layer_stats(layers: list[tuple[str, object]], reset: bool = False) -> li
     rows = []
     for i, (name, p) in enumerate(layers):
         counts, waited = read[p.executor.id]
-        c = dict(zip(STATS, counts[p.layer].tolist()))
+        c = dict(zip(STATS, counts[p.layer].tolist()))  # a host tensor: no sync
         cpu = p.executor.layers[p.layer]
         host = cpu.num_experts * cpu.expert_bytes
         cache = dict.fromkeys(COUNTERS, 0) | dict(calls=c["requests"], misses=c["experts"])

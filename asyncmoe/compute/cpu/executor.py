@@ -25,7 +25,7 @@ import torch
 from ...cache.host import PinnedBlock, device_view, uva_view
 from . import request
 from .kernels import STATS, CpuExperts, Pool, default_threads, experts_mlp
-from .worker import Channel, Worker
+from .worker import Channel, Worker, channel_layout
 
 _executors: weakref.WeakValueDictionary[int, CpuExecutor] = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -72,8 +72,7 @@ class CpuExecutor:
 
     def _start_worker(self) -> None:
         T, H = self.settings.max_tokens, self.hidden
-        probe = Channel(T * self.top_k, T, H, self.x_dtype)  # its layout sizes the pinned block
-        self.block = PinnedBlock(probe.layout.nbytes)
+        self.block = PinnedBlock(channel_layout(T * self.top_k, T, H, self.x_dtype).nbytes)
         self.block.data.zero_()
         self.channel = Channel(T * self.top_k, T, H, self.x_dtype, buffer=self.block.data)
         self.gpu = self.channel.fields(uva_view(self.block, self.device))
@@ -120,7 +119,9 @@ class CpuExecutor:
             if reset:
                 self.counts.zero_()
             return counts, None
-        waited = self.waited.cpu()
+        waited = (
+            self.waited.cpu()
+        )  # the host sync stats are read with, on request, never in a forward
         if reset:
             self.waited.zero_()
         return self.worker.stats(reset), waited
@@ -136,7 +137,7 @@ class CpuExecutor:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.001)
-        seq, layer, seen, kind = self.fault.tolist()
+        seq, layer, seen, kind = self.fault.tolist()  # pinned host memory: no sync
         if kind == request.TIMED_OUT:
             why = (
                 f"the GPU waited more than {self.settings.timeout_s:g} s for the CPU's outputs of "

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ...cache.clock import triton
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # non-Linux: triton is a Linux-only dependency
+    triton = None
 
 if triton is not None:
-    import triton.language as tl
-
     from ...cache.clock import _now
 
 # fault [4]: the request number, its layer, what was seen (`done`, or the worker's error code), why

@@ -22,6 +22,24 @@ import torch
 from .kernels import DENSE, ERRORS, STATS, ChannelLayout, CpuExperts, default_threads, library
 
 
+def channel_layout(
+    max_pairs: int, max_tokens: int, hidden: int, x_dtype: torch.dtype, isa: str = "native"
+) -> ChannelLayout:
+    """Where a channel of that capacity keeps each field, and its size in bytes (`nbytes`)."""
+    if x_dtype not in DENSE:
+        raise ValueError(
+            f"x_dtype={x_dtype}: the worker reads hidden rows in float32, bfloat16 or float16"
+        )
+    layout = ChannelLayout()
+    if library(isa).amc_channel_layout_init(
+        ctypes.byref(layout), max_pairs, max_tokens, hidden, DENSE[x_dtype]
+    ):
+        raise ValueError(
+            f"a channel needs max_pairs, max_tokens >= 0 and hidden > 0, got {max_pairs}, {max_tokens}, {hidden}"
+        )
+    return layout
+
+
 class Fields(NamedTuple):
     """A channel's fields as tensors (experts.c says what each holds)."""
 
@@ -52,18 +70,8 @@ class Channel:
         buffer: torch.Tensor | None = None,
         isa: str = "native",
     ):
-        if x_dtype not in DENSE:
-            raise ValueError(
-                f"x_dtype={x_dtype}: the worker reads hidden rows in float32, bfloat16 or float16"
-            )
         self.lib = library(isa)
-        layout = ChannelLayout()
-        if self.lib.amc_channel_layout_init(
-            ctypes.byref(layout), max_pairs, max_tokens, hidden, DENSE[x_dtype]
-        ):
-            raise ValueError(
-                f"a channel needs max_pairs, max_tokens >= 0 and hidden > 0, got {max_pairs}, {max_tokens}, {hidden}"
-            )
+        layout = channel_layout(max_pairs, max_tokens, hidden, x_dtype, isa)
         if buffer is None:
             buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
         if (
