@@ -30,6 +30,7 @@ def compile(
     time_stalls: bool = False,
     quantize: str | None = None,
     cpu_threads: int | None = None,
+    hybrid: bool | None = None,
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots
     per MoE layer.
@@ -42,28 +43,35 @@ def compile(
     implementation. `cache=0` computes every routed expert on the host's CPU from the host store,
     with `cpu_threads` threads (default: all but one core); the rest of the model runs on `device`
     (on a CUDA device, inside the same graphs: the GPU sends each layer's pairs to a CPU worker
-    through pinned memory and waits for its outputs). `quantize="fp8"`: store the experts as
-    block-wise fp8 (transformers' fine-grained FP8 layout, 128x128 blocks), quantized layer by layer
-    on the way to host memory: a miss copies about half of bf16's bytes and the same GPU memory
-    holds twice the experts. None keeps the model's dtype (or its fp8 experts). `device` is where
-    the model runs (default: where its experts are now); a model loaded on the CPU can be compiled
-    straight onto the GPU without its experts ever going there. `policy`: eviction policy, one of
-    "markov" (the default: LFRU behind a prediction of the next call from the experts that followed
-    the current ones; an [E, E] table a layer), "lfru", "lru", "lfu", "fifo". `prefetch`: predict
-    the next layers' experts and copy them on a side stream while a layer computes (True:
-    `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose). The default, None,
-    turns it on where the model runs on a CUDA device and off elsewhere: on the CPU nothing runs
-    beside the copies, so prefetch can only cost. `replay`: a routing trace (or its .npz path) to
-    route by instead of the routers, whose work still runs: realistic routing for random-weight
-    models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock, how long each
-    layer waits for its prefetch and for its own decision and copies (`stats` reports them); three
-    one-thread kernels per layer call, so off by default (docs/decisions.md#stall-timing-off).
+    through pinned memory and waits for its outputs). `hybrid`: a cached layer's misses split
+    between the link (copied into slots) and the host's CPU (computed from the host store, while the
+    GPU copies and computes the rest), by a cost model timed on this host at compile; the default,
+    None, turns it on where the model runs on CUDA and the CPU would take any of a decode call's
+    misses; calls of more distinct experts than slots (waves) stay on the GPU. `quantize="fp8"`:
+    store the experts as block-wise fp8 (transformers' fine-grained FP8 layout, 128x128 blocks),
+    quantized layer by layer on the way to host memory: a miss copies about half of bf16's bytes and
+    the same GPU memory holds twice the experts. None keeps the model's dtype (or its fp8 experts).
+    `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
+    can be compiled straight onto the GPU without its experts ever going there. `policy`: eviction
+    policy, one of "markov" (the default: LFRU behind a prediction of the next call from the experts
+    that followed the current ones; an [E, E] table a layer), "lfru", "lru", "lfu", "fifo".
+    `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
+    computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose).
+    The default, None, turns it on where the model runs on a CUDA device and off elsewhere: on the
+    CPU nothing runs beside the copies, so prefetch can only cost. `replay`: a routing trace (or its
+    .npz path) to route by instead of the routers, whose work still runs: realistic routing for
+    random-weight models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock, how
+    long each layer waits for its prefetch and for its own decision and copies (`stats` reports
+    them); three one-thread kernels per layer call, so off by default
+    (docs/decisions.md#stall-timing-off).
     Returns the same model.
     """
     check_model(model)
     if isinstance(replay, (str, os.PathLike)):
         replay = Trace.load(replay, what="replay=")
-    settings = Settings(cache, policy, device, prefetch, replay, time_stalls, quantize, cpu_threads)
+    settings = Settings(
+        cache, policy, device, prefetch, replay, time_stalls, quantize, cpu_threads, hybrid
+    )
     return install(model, settings)
 
 
@@ -85,6 +93,7 @@ def from_pretrained(
     time_stalls: bool = False,
     quantize: str | None = None,
     cpu_threads: int | None = None,
+    hybrid: bool | None = None,
     **kwargs,
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
@@ -104,7 +113,7 @@ def from_pretrained(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return load(
         path,
-        Settings(cache, policy, device, prefetch, None, time_stalls, quantize, cpu_threads),
+        Settings(cache, policy, device, prefetch, None, time_stalls, quantize, cpu_threads, hybrid),
         dtype,
         **kwargs,
     )
@@ -128,7 +137,8 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     cpu = [(name, p) for name, p in providers if isinstance(p, CpuProvider)]
     if cpu:  # cache=0: every MoE layer on the CPU
         return Stats(cpu_layer_stats(cpu, reset), resident)
-    return read_stats(caches, resident, reset, group)
+    hybrids = [p.hybrid for _, p in providers if isinstance(p, CachedProvider)]
+    return read_stats(caches, resident, reset, group, hybrids)
 
 
 def demo_model_path() -> pathlib.Path:

@@ -54,16 +54,20 @@ class LayerStats:
     cpu_bytes: int = 0
     cpu_ns: int = 0
     cpu_wait_ns: int | None = None
+    # hybrid: misses the CPU computed instead of the link copying them (`misses` counts the copied
+    # ones), and the ns the cost model predicted for the calls' misses, both sides
+    cpu_misses: int = 0
+    cost_ns: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Recall: routed experts already resident (cached or prefetched) when `ensure` ran."""
-        looked_up = self.hits + self.misses
+        looked_up = self.hits + self.misses + self.cpu_misses
         return self.hits / looked_up if looked_up else float("nan")
 
     @property
     def prefetch_recall(self) -> float:
-        looked_up = self.hits + self.misses
+        looked_up = self.hits + self.misses + self.cpu_misses
         return self.prefetch_hits / looked_up if looked_up else float("nan")
 
     @property
@@ -118,6 +122,8 @@ class Stats:
             "cpu_experts",
             "cpu_bytes",
             "cpu_ns",
+            "cpu_misses",
+            "cost_ns",
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]
@@ -125,7 +131,7 @@ class Stats:
             self.totals[k] = sum(getattr(r, k) for r in timed) if timed else None
         waited = [r.cpu_wait_ns for r in self.layers if r.cpu_wait_ns is not None]
         self.totals["cpu_wait_ns"] = sum(waited) if waited else None
-        looked_up = self.totals["hits"] + self.totals["misses"]
+        looked_up = self.totals["hits"] + self.totals["misses"] + self.totals["cpu_misses"]
         self.totals["hit_rate"] = self.totals["hits"] / looked_up if looked_up else float("nan")
         self.totals["prefetch_recall"] = (
             self.totals["prefetch_hits"] / looked_up if looked_up else float("nan")
@@ -139,6 +145,8 @@ class Stats:
         # the prefetch columns only where a prefetch copied something
         prefetched = t["prefetched"] > 0
         widths = {"layer": 5, "slots": 7, "calls": 7, "hits": 8, "misses": 8, "hit%": 6, "evict": 7}
+        hybrid = t["cpu_misses"] > 0
+        widths |= {"cpu miss": 8, "model us": 8} if hybrid else {}
         widths |= {"prefetch": 8, "pf-recall%": 10, "wasted": 7} if prefetched else {}
         widths |= {"MB h2d": 9}
         widths |= {"wait us": 8, "ensure us": 9} if timed else {}
@@ -158,6 +166,8 @@ class Stats:
                     "calls": r["calls"],
                     "hits": r["hits"],
                     "misses": r["misses"],
+                    "cpu miss": r["cpu_misses"],
+                    "model us": f"{r['cost_ns'] / 1e3 / calls:.1f}",
                     "hit%": _percent(r["hit_rate"]),
                     "evict": r["evictions"],
                     "prefetch": r["prefetched"],
@@ -239,6 +249,11 @@ class Stats:
                 "cpu exp, cpu MB, cpu us: experts the host's CPU computed, the weights it read, its "
                 f"time a call{waits}"
             )
+        if hybrid:
+            rows.append(
+                "misses: copied into slots; cpu miss: computed by the CPU instead (hybrid); model "
+                "us: the cost model's time for a call's misses"
+            )
         if self.resident_layers:
             rows.append(f"{self.resident_layers} more MoE layers fully resident")
         return "\n".join(rows)
@@ -258,11 +273,16 @@ def _gpu_bytes(c: ExpertCache) -> int:
 
 
 def read_stats(
-    caches: list[tuple[str, ExpertCache]], resident_layers: int = 0, reset: bool = False, group=None
+    caches: list[tuple[str, ExpertCache]],
+    resident_layers: int = 0,
+    reset: bool = False,
+    group=None,
+    hybrids: list | None = None,
 ) -> Stats:
     """The caches' counters, or with a torch.distributed process group `group` their sums over its
     ranks (each rank caching its own experts, as under expert parallelism: slots, experts and bytes
-    add up too)."""
+    add up too). `hybrids`, one per cache (a `hybrid.ops.Hybrid` or None): where the CPU computes
+    some of its misses, the CPU executor's counters join its row."""
     if not caches:
         return Stats([], resident_layers)
     # the timer's two sums (zeros for an untimed cache) and the layer's sizes ride along with the
@@ -290,9 +310,11 @@ def read_stats(
         for _, c in caches:
             c.counters.zero_()
             c.timer.zero_()
-    layers = []
+    layers, read = [], {"reset": reset}
     n = len(COUNTERS)
-    for i, ((name, c), row) in enumerate(zip(caches, rows)):
+    hybrids = hybrids or [None] * len(caches)
+    for i, ((name, c), row, hybrid) in enumerate(zip(caches, rows, hybrids)):
+        cpu = {} if hybrid is None else cpu_fields(hybrid.executor, hybrid.layer, read)[0]
         vals = dict(zip(COUNTERS, row))
         wait, ensure = row[n : n + 2] if c.timer.numel() else (None, None)
         slots, experts, gpu, host = row[n + 2 :]
@@ -308,6 +330,7 @@ def read_stats(
                 host_bytes=host,
                 wait_ns=wait,
                 ensure_ns=ensure,
+                **cpu,
             )
         )
     # a host sync on request (stats read-out), never inside a forward
@@ -322,26 +345,31 @@ def read_stats(
     )
 
 
+def cpu_fields(executor, layer: int, read: dict) -> tuple[dict, int]:
+    """A CPU executor's counters of one of its layers as LayerStats fields, and its requests; `read`
+    memoizes each executor's read-out (a host sync on CUDA, on request only)."""
+    if executor.id not in read:
+        read[executor.id] = executor.stats(read["reset"])
+    counts, waited = read[executor.id]
+    c = dict(zip(STATS, counts[layer].tolist()))  # a host tensor: no sync
+    wait = None if waited is None else int(waited[layer, WAITED_NS])
+    fields = dict(cpu_experts=c["experts"], cpu_bytes=c["bytes"], cpu_ns=c["ns"], cpu_wait_ns=wait)
+    return fields, c["requests"]
+
+
 def cpu_layer_stats(layers: list[tuple[str, object]], reset: bool = False) -> list[LayerStats]:
     """Rows for layers computed on the host's CPU (`CpuProvider`s, in MoE-layer order): the
     executor's counters, read once per executor (a host sync on CUDA, on request only)."""
-    read = {}
-    for _, p in layers:
-        if p.executor.id not in read:
-            read[p.executor.id] = p.executor.stats(reset)
-    rows = []
+    read, rows = {"reset": reset}, []
     for i, (name, p) in enumerate(layers):
-        counts, waited = read[p.executor.id]
-        c = dict(zip(STATS, counts[p.layer].tolist()))  # a host tensor: no sync
-        cpu = p.executor.layers[p.layer]
-        host = cpu.num_experts * cpu.expert_bytes
-        cache = dict.fromkeys(COUNTERS, 0) | dict(calls=c["requests"], misses=c["experts"])
+        cpu, requests = cpu_fields(p.executor, p.layer, read)
+        layer = p.executor.layers[p.layer]
+        host = layer.num_experts * layer.expert_bytes
+        cache = dict.fromkeys(COUNTERS, 0) | dict(calls=requests, misses=cpu["cpu_experts"])
         rows.append(
             LayerStats(
-                layer=i, name=name, slots=0, experts=cpu.num_experts, **cache,
-                expert_bytes=cpu.expert_bytes, gpu_bytes=0, host_bytes=host,
-                cpu_experts=c["experts"], cpu_bytes=c["bytes"], cpu_ns=c["ns"],
-                cpu_wait_ns=None if waited is None else int(waited[p.layer, WAITED_NS]),
+                layer=i, name=name, slots=0, experts=layer.num_experts, **cache,
+                expert_bytes=layer.expert_bytes, gpu_bytes=0, host_bytes=host, **cpu,
             )
         )  # fmt: skip
     return rows

@@ -6,7 +6,9 @@ the model put them and the model's own implementation runs (no tables, no copies
 `QuantizedResidentProvider` is the same for experts kept quantized on the GPU, computed by
 asyncmoe's dequantizing kernels (the model's own implementations take no fp8 weights).
 `CachedProvider` asks the layer's `ExpertCache` for slot ids, computes from the slot buffers, and
-(with prefetch) predicts and prefetches the experts of the next layers while this one computes.
+(with prefetch) predicts and prefetches the experts of the next layers while this one computes;
+with `hybrid`, the host's CPU computes some of each call's misses meanwhile, as a cost model splits
+them.
 `CpuProvider` (`cache=0`) has the host's CPU compute every routed expert from the host store.
 """
 
@@ -22,12 +24,14 @@ from torch import nn
 from . import gpu
 from .cache import ops as cache_ops
 from .cache.expert_cache import ExpertCache, num_waves
-from .cache.gather_copy import gather_copy
+from .cache.gather_copy import copy_ns
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
 from .compute.cpu import ops as cpu_ops
 from .compute.cpu.executor import CpuExecutor
 from .compute.experts import absent_zeroed, combine, routed_outputs
 from .formats import Format
+from .hybrid import ops as hybrid_ops
+from .hybrid.ops import Hybrid
 from .prefetch import ops as prefetch_ops
 from .prefetch.predictors import Prefetch
 from .prefetch.state import PrefetchBuffers
@@ -133,6 +137,8 @@ class CachedProvider(ExpertWeightProvider):
         self.replayed_gate: list[torch.Tensor] = []
         # pairs may name another rank's experts (id E): set by the integration
         self.expert_parallel = False
+        # the CPU computing some of each call's misses (hybrid/): set by the integration
+        self.hybrid: Hybrid | None = None
 
     def clear(self) -> None:
         """Back to as built: the cache's tables and history, and this layer's prefetch state (in
@@ -153,10 +159,19 @@ class CachedProvider(ExpertWeightProvider):
         weights = self.cache.slot_weights()
         out, wave, waves, filled, gated = None, 0, num_waves(T * k, C, E), None, []
         linked = not self.paused
+        # calls in waves (prompts, large batches) stay on the GPU, as do calls over one request
+        hybrid = self.hybrid
+        if hybrid is not None and (waves > 1 or T > hybrid.executor.settings.max_tokens):
+            hybrid = None
+        ids = top_k_index
+        if hybrid is not None:
+            ids, cpu_ids = hybrid_ops.hybrid_send(
+                hidden_states, top_k_index, self.wait and linked, self.cache, hybrid
+            )  # [T, k] each
         while wave < waves:
             first = wave == 0 and linked
             slots = cache_ops.ensure(
-                self.cache, top_k_index, wave, wait=self.wait and first, lap=self.laps and first
+                self.cache, ids, wave, wait=self.wait and first, lap=self.laps and first
             )  # [T, k]
             # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
             if filled is not None:
@@ -174,6 +189,8 @@ class CachedProvider(ExpertWeightProvider):
         for target in gated:
             # the side stream has read hidden_states: free it
             prefetch_ops.gate_join(hidden_states, target.prefetch)
+        if hybrid is not None:
+            out = hybrid_ops.hybrid_receive(out, cpu_ids, hybrid)
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 
@@ -271,7 +288,8 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
     against the compute a used one hides."""
     # GPU clock: Triton
     if plan is not None and len(providers) > 1 and gpu.available(providers[0].cache.pace):
-        providers[0].cache.pace[PACE_COPY] = copy_ns(providers[0].cache)
+        first = providers[0].cache
+        first.pace[PACE_COPY] = copy_ns(first.hosts, first.slots)
         providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         targets = tuple(providers[i + 1 : i + 1 + plan.depth]) if plan is not None else ()
@@ -284,23 +302,3 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
             p.wait = i > 0
             p.per_token = plan.per_token or top_k
             p.budget = min(plan.budget, p.cache.num_slots)
-
-
-def copy_ns(cache: ExpertCache, repeats: int = 5) -> int:
-    """One expert's host -> slot copy on this GPU, in ns: what a wasted prefetch holds the link for.
-    Timed over `repeats` copies queued behind a first one, so each launch's host time hides behind
-    the copy before it (an event pair around one launch counts that too:
-    docs/decisions.md#runners-up-within-the-window). CUDA events and a sync, at compile only. Slot 0
-    is written: at compile no table points at it."""
-    one = torch.ones(1, dtype=torch.int64, device=cache.expert_to_slot.device)
-    src, dst = one - 1, one - 1
-    gather_copy(cache.hosts, cache.slots, src, dst, one)  # compiles the kernel for these tensors
-    torch.cuda.synchronize(one.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gather_copy(cache.hosts, cache.slots, src, dst, one)  # the copy the timed ones queue behind
-    start.record()
-    for _ in range(repeats):
-        gather_copy(cache.hosts, cache.slots, src, dst, one)
-    end.record()
-    end.synchronize()
-    return int(start.elapsed_time(end) / repeats * 1e6)

@@ -116,7 +116,9 @@ class Settings:
     replay: Trace | None = None
     time_stalls: bool = False
     quantize: str | Format | None = None
-    cpu_threads: int | None = None  # cache=0: the CPU executor's threads (None: all but one core)
+    cpu_threads: int | None = None  # the CPU executor's threads (None: all but one core)
+    # split a cached layer's misses between the link and the CPU (None: where it pays, on CUDA)
+    hybrid: bool | None = None
 
     def __post_init__(self):
         asked = parse_cache(self.cache)
@@ -132,11 +134,20 @@ class Settings:
                 f"cpu_threads={self.cpu_threads!r}: the CPU threads computing experts, an int >= 1 "
                 "(None: all but one core)"
             )
-        if self.cpu_threads is not None and self.cache != 0:
+        if self.hybrid is not None and not isinstance(self.hybrid, bool):
+            raise TypeError(
+                f"hybrid must be True, False or None (on where it pays), got {self.hybrid!r}"
+            )
+        if self.hybrid and self.cache == 0:
             raise ValueError(
-                f"cpu_threads={self.cpu_threads} sets the threads of the CPU executor, which only "
-                f"cache=0 uses (cache={self.cache!r} computes every expert on the GPU): pass cache=0 "
-                "or leave cpu_threads out"
+                "hybrid splits a GPU cache's misses between the link and the CPU, and cache=0 has "
+                "no GPU cache (the CPU computes every routed expert already): give slots "
+                "(cache=16 or a budget) or leave hybrid out"
+            )
+        if self.cpu_threads is not None and self.cache != 0 and self.hybrid is False:
+            raise ValueError(
+                f"cpu_threads={self.cpu_threads} sets the threads of the CPU executor, which "
+                "hybrid=False turns off: pass cache=0 or hybrid=True, or leave cpu_threads out"
             )
         if self.cache == 0 and self.prefetch not in (None, False):
             raise ValueError(

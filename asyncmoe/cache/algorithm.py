@@ -134,7 +134,8 @@ def ensure_reference(
     calls = torch.ones_like(count) if wave == 0 else torch.zeros_like(count)
     zero = torch.zeros_like(count)
     add = [calls, now.sum() - count, count, (gone < E).sum(), count * nbytes, zero, wasted]
-    s.counters.add_(torch.cat([torch.stack(add), prefetch_hits, victims.view(1), nominations]))
+    add = torch.cat([torch.stack(add), prefetch_hits, victims.view(1), nominations])
+    s.counters[: add.numel()] += add  # the hybrid's counters after these are its split's
     # [E + 1]: id E, another rank's expert, is in no wave here
     here = torch.cat([now, now.new_zeros(1)])
     return torch.where(here[ids], s.expert_to_slot[ids], -1), (src, dst, count.view(1))

@@ -44,6 +44,10 @@ class Counter(IntEnum):
     RUNNERS_UP = 15
     # ... that the call routed to: misses their copies saved or would have saved
     RUNNERS_UP_PAID = 16
+    # hybrid: misses the CPU computed instead of the link copying them (hybrid/split.py)
+    CPU_MISSES = 17
+    # hybrid: the cost model's predicted ns for the calls' misses, both sides
+    COST_NS = 18
 
 
 COUNTERS = tuple(c.name.lower() for c in Counter)

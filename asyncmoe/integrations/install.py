@@ -15,6 +15,8 @@ from ..cache.host import block_bytes, check_host_memory, human_bytes
 from ..compute.cpu.executor import CpuExecutor, CpuSettings
 from ..compute.cpu.kernels import CpuExperts
 from ..formats import FP8, QUANTIZE_METHODS, Format, Fp8, parse_quantize
+from ..hybrid.calibrate import calibrate, pays
+from ..hybrid.ops import Hybrid
 from ..prefetch.predictors import Prefetch
 from ..providers import CachedProvider, CpuProvider, ExpertWeightProvider, ResidentProvider, link
 from ..settings import AutoCache, Settings, budget_text
@@ -348,6 +350,11 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
     if num_slots == 0:
         _install_cpu(model, experts, spec, top_k, CpuSettings(threads=settings.cpu_threads))
         return _switch(model, experts, settings, device)
+    if settings.hybrid and parallel:
+        raise ValueError(
+            "hybrid under expert parallelism is not supported: the ranks would share one CPU; "
+            "leave hybrid out"
+        )
     # one for every linked layer (providers.link)
     pace = torch.zeros(3, dtype=torch.int64, device=device)
     cached = []
@@ -368,11 +375,56 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
             parallel_here = is_expert_parallel(m)
             provider = CachedProvider(offload(m, spec, pace), find_router(model, name, m), fmt)
             provider.expert_parallel = parallel_here
-            cached.append(provider)
+            cached.append((m, provider))
         setattr(m, PROVIDER, provider)
     model.to(device)
-    link(cached, prefetch, top_k)
+    link([p for _, p in cached], prefetch, top_k)
+    if not parallel:
+        _install_hybrid(model, cached, spec, top_k, settings)
     return _switch(model, experts, settings, device)
+
+
+def _install_hybrid(
+    model: nn.Module, cached: list[tuple[nn.Module, CachedProvider]], spec: CacheSpec, top_k: int,
+    settings: Settings,
+) -> None:  # fmt: skip
+    """Give the cached layers one CPU executor over their host stores and the cost model that
+    splits their misses, where `settings.hybrid` asks for it, or (None) where the model runs on CUDA
+    and the calibrated CPU would take any of a decode call's misses."""
+    asked = settings.hybrid
+    if asked and not cached:
+        raise ValueError(
+            "hybrid=True splits the misses of cached layers, and every MoE layer here keeps all "
+            "its experts resident (cache >= num_experts): there are no misses; leave hybrid out"
+        )
+    if asked is False or not cached or (asked is None and spec.device.type != "cuda"):
+        return
+    try:
+        layers = [CpuExperts.from_module(m, _host_tensors(m), spec.fmt) for m, _ in cached]
+        cpu = CpuSettings(threads=settings.cpu_threads)
+        executor = CpuExecutor(layers, spec.device, _dtype(model), top_k, cpu)
+    except (ValueError, RuntimeError) as e:  # a layer the kernels cannot compute; no C compiler
+        if asked:
+            raise ValueError(
+                f"hybrid=True computes misses on the CPU, which cannot here: {e}"
+            ) from None
+        return
+    cost = calibrate(executor, cached[0][1].cache)
+    if asked is None and not pays(cost, top_k):
+        return
+    for i, (_, provider) in enumerate(cached):
+        provider.hybrid = Hybrid(executor, i, cost)
+
+
+def _host_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+    """An offloaded experts module's host store, by name (offload.host_store)."""
+    return {name: getattr(m, name) for name in m._asyncmoe_offloaded}
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    return getattr(model, "dtype", None) or next(
+        p.dtype for p in model.parameters() if p.is_floating_point()
+    )
 
 
 def _install_cpu(model: nn.Module, experts, spec: CacheSpec, top_k: int, cpu: CpuSettings) -> None:
@@ -390,10 +442,7 @@ def _install_cpu(model: nn.Module, experts, spec: CacheSpec, top_k: int, cpu: Cp
             raise ValueError(f"cache=0 computes {name} on the CPU, which cannot: {e}") from None
         blocks.append(block)
     model.to(spec.device)
-    dtype = getattr(model, "dtype", None) or next(
-        p.dtype for p in model.parameters() if p.is_floating_point()
-    )
-    executor = CpuExecutor(layers, spec.device, dtype, top_k, cpu)
+    executor = CpuExecutor(layers, spec.device, _dtype(model), top_k, cpu)
     for i, ((_, m), block) in enumerate(zip(experts, blocks)):
         provider = CpuProvider(executor, i)
         provider.pinned_block = block  # the host store stays pinned as long as the provider lives

@@ -69,6 +69,7 @@ class CpuExecutor:
         else:
             self.pool = Pool(self.threads)
             self.counts = torch.zeros(len(layers), len(STATS), dtype=torch.int64)
+            self.pending: torch.Tensor | None = None  # the outputs `send` computed in-line
 
     def _start_worker(self) -> None:
         T, H = self.settings.max_tokens, self.hidden
@@ -87,28 +88,46 @@ class CpuExecutor:
         """Every pair's expert output of `layer`, float32 [T*k, H]: pair t*k + j is token t's j-th
         routed expert, as `top_k_index` [T, k] says."""
         T, k = top_k_index.shape
+        out = torch.empty(T * k, self.hidden, dtype=torch.float32, device=self.device)
+        chunk = self.settings.max_tokens
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            self.send(x[t0:t1], top_k_index[t0:t1], layer)
+            out[t0 * k : t1 * k] = self.receive(layer, (t1 - t0) * k)
+        return out
+
+    def send(self, x: torch.Tensor, ids: torch.Tensor, layer: int) -> None:
+        """Start computing the pairs of `ids` [T, k] (T <= max_tokens) on rows `x` [T, H]; a pair of
+        expert -1 is skipped. `receive` takes the outputs; one request is in flight at a time."""
+        T, k = ids.shape
         if x.dtype != self.x_dtype or x.shape != (T, self.hidden) or x.device != self.device:
             raise ValueError(
                 f"the CPU executor of this model takes hidden states [T, {self.hidden}] "
                 f"{self.x_dtype} on {self.device}, got {tuple(x.shape)} {x.dtype} on {x.device}: "
                 "run the model in the dtype and on the device it was compiled for"
             )
+        if T > self.settings.max_tokens or k > self.top_k:
+            raise ValueError(
+                f"one request holds at most {self.settings.max_tokens} tokens of {self.top_k} "
+                f"experts, got ids {tuple(ids.shape)}: send longer calls in chunks (compute)"
+            )
         if self.device.type != "cuda":
             token_ids = torch.arange(T).repeat_interleave(k)
-            return experts_mlp(
-                self.layers[layer], x, token_ids, top_k_index.flatten(), self.pool,
-                self.counts[layer],
-            )  # fmt: skip
-        x, ids = x.contiguous(), top_k_index.contiguous()
-        out = torch.empty(T * k, self.hidden, dtype=torch.float32, device=self.device)
-        chunk, timeout_ns = self.settings.max_tokens, int(self.settings.timeout_s * 1e9)
-        for t0 in range(0, T, chunk):
-            t1 = min(T, t0 + chunk)
-            request.send(x[t0:t1], ids[t0:t1], self.seq, self.gpu, layer)
-            request.receive(
-                self.seq, self.gpu, out[t0 * k : t1 * k], self.fault_view, self.waited, layer,
-                timeout_ns,
-            )  # fmt: skip
+            self.pending = experts_mlp(
+                self.layers[layer], x, token_ids, ids.flatten(), self.pool, self.counts[layer]
+            )
+            return
+        request.send(x.contiguous(), ids.contiguous(), self.seq, self.gpu, layer)
+
+    def receive(self, layer: int, pairs: int) -> torch.Tensor:
+        """The outputs of the request `send` started, float32 [pairs, H] (rows of skipped pairs
+        unset). On CUDA a kernel waits for them, failing loudly after the timeout."""
+        if self.device.type != "cuda":
+            out, self.pending = self.pending, None
+            return out
+        out = torch.empty(pairs, self.hidden, dtype=torch.float32, device=self.device)
+        timeout_ns = int(self.settings.timeout_s * 1e9)
+        request.receive(self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns)
         return out
 
     def stats(self, reset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -41,7 +41,7 @@ enum {
     AMC_ERR_PAIRS = 3,     /* pairs < 0 or above the channel's capacity; detail: pairs */
     AMC_ERR_TOKENS = 4,    /* tokens < 0 or above the channel's capacity; detail: tokens */
     AMC_ERR_TOKEN_ID = 5,  /* a token id outside [0, T); detail: the pair */
-    AMC_ERR_EXPERT_ID = 6, /* an expert id outside [0, E); detail: the pair */
+    AMC_ERR_EXPERT_ID = 6, /* an expert id outside [-1, E) (-1: skip the pair); detail: the pair */
     AMC_ERR_MEMORY = 7,    /* the workspace could not be allocated */
     AMC_ERR_DESCRIPTOR = 8 /* a layer descriptor the kernels cannot compute; detail: which check failed */
 };
@@ -961,22 +961,26 @@ static int check_pairs(const amc_layer *L, int64_t P, const int32_t *token_ids, 
                        int64_t T, int64_t *detail) {
     for (int64_t p = 0; p < P; p++) {
         if (token_ids[p] < 0 || token_ids[p] >= T) return *detail = p, AMC_ERR_TOKEN_ID;
-        if (expert_ids[p] < 0 || expert_ids[p] >= L->experts) return *detail = p, AMC_ERR_EXPERT_ID;
+        if (expert_ids[p] < -1 || expert_ids[p] >= L->experts) return *detail = p, AMC_ERR_EXPERT_ID;
     }
     return AMC_OK;
 }
 
-/* counting sort of the pairs by expert (stable): ws->order, ws->groups; returns the number of groups */
-static int64_t sort_by_expert(workspace *ws, int64_t E, int64_t P, const int32_t *expert_ids) {
+/* counting sort of the pairs by expert (stable), skipping pairs of expert -1: ws->order, ws->groups; returns the
+ * number of groups, and the pairs sorted in `sorted` */
+static int64_t sort_by_expert(workspace *ws, int64_t E, int64_t P, const int32_t *expert_ids, int64_t *sorted) {
     int32_t *counts = ws->counts;
     memset(counts, 0, (E + 1) * sizeof(int32_t));
-    for (int64_t p = 0; p < P; p++) counts[expert_ids[p] + 1]++;
+    for (int64_t p = 0; p < P; p++)
+        if (expert_ids[p] >= 0) counts[expert_ids[p] + 1]++;
     int64_t ngroups = 0;
     for (int64_t e = 0; e < E; e++) {
         if (counts[e + 1]) ws->groups[ngroups++] = (group){(int32_t)e, counts[e], counts[e + 1]};
         counts[e + 1] += counts[e]; /* counts[e]: the first sorted position of expert e */
     }
-    for (int64_t p = 0; p < P; p++) ws->order[counts[expert_ids[p]]++] = (int32_t)p;
+    *sorted = counts[E];
+    for (int64_t p = 0; p < P; p++)
+        if (expert_ids[p] >= 0) ws->order[counts[expert_ids[p]]++] = (int32_t)p;
     return ngroups;
 }
 
@@ -988,23 +992,24 @@ static void convert_row(const void *x, int32_t format, int64_t row, int64_t H, f
     }
 }
 
-/* ... and the number of distinct experts computed in `groups` */
+/* ... and the number of distinct experts computed in `groups`, of pairs in `computed` */
 static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
                        const int32_t *expert_ids, const void *x, int32_t x_format, int64_t T, float *out,
-                       int64_t *detail, int64_t *groups) {
+                       int64_t *detail, int64_t *groups, int64_t *computed) {
     const int64_t H = L->up.k;
     if (P < 0) return *detail = P, AMC_ERR_PAIRS;
     int err = check_pairs(L, P, token_ids, expert_ids, T, detail);
     if (err || P == 0) return err;
     workspace *ws = &pool->ws;
     if ((err = workspace_reserve(ws, P, L->experts, H, L->up.n, L->down.k))) return err;
-    int64_t ngroups = sort_by_expert(ws, L->experts, P, expert_ids);
-    *groups = ngroups;
-    for (int64_t i = 0; i < P; i++) {
+    int64_t sorted, ngroups = sort_by_expert(ws, L->experts, P, expert_ids, &sorted);
+    *groups = ngroups, *computed = sorted;
+    if (!sorted) return AMC_OK;
+    for (int64_t i = 0; i < sorted; i++) {
         convert_row(x, x_format, token_ids[ws->order[i]], H, ws->x + i * H);
         if (is_4bit(&L->up)) split_even_odd(ws->x + i * H, H);
     }
-    step s = {L, pool, ws->groups, ngroups, P, out};
+    step s = {L, pool, ws->groups, ngroups, sorted, out};
     pool_run(pool, up_task, &s);
     pool_run(pool, down_task, &s);
     return AMC_OK;
@@ -1036,7 +1041,8 @@ static int32_t layer_problem(const amc_layer *L) {
     return 0;
 }
 
-/* The expert MLP of P pairs (token_ids[p], expert_ids[p]) of x [T, H] (f32, bf16 or f16): out [P, H] float32.
+/* The expert MLP of P pairs (token_ids[p], expert_ids[p]) of x [T, H] (f32, bf16 or f16): out [P, H] float32. A pair
+ * of expert -1 is skipped: its row of `out` is left as it was (the hybrid's GPU computes it).
  * Returns AMC_OK or an AMC_ERR_* code with `detail` (out is then untouched); `groups`: the distinct experts computed.
  * One call at a time per pool. */
 int32_t amc_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
@@ -1045,8 +1051,9 @@ int32_t amc_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t
     int64_t problem = layer_problem(L);
     if (problem) return *detail = problem, AMC_ERR_DESCRIPTOR;
     pthread_mutex_lock(&pool->busy);
+    int64_t computed = 0;
     *groups = 0;
-    int err = run_experts(pool, L, P, token_ids, expert_ids, x, x_format, T, out, detail, groups);
+    int err = run_experts(pool, L, P, token_ids, expert_ids, x, x_format, T, out, detail, groups, &computed);
     pthread_mutex_unlock(&pool->busy);
     return err;
 }
@@ -1155,13 +1162,13 @@ static int32_t serve(amc_worker *w, int64_t *detail) {
     if (T < 0 || T > l->max_tokens) return *detail = T, AMC_ERR_TOKENS;
     uint8_t *c = w->channel;
     const amc_layer *L = &w->layers[layer];
-    int64_t start = now_ns(), groups = 0;
+    int64_t start = now_ns(), groups = 0, computed = 0;
     int32_t err = run_experts(w->pool, L, P, (const int32_t *)(c + l->token_ids), (const int32_t *)(c + l->expert_ids),
-                              c + l->x, l->x_format, T, (float *)(c + l->out), detail, &groups);
+                              c + l->x, l->x_format, T, (float *)(c + l->out), detail, &groups, &computed);
     if (err) return err;
     int64_t *row = w->stats + (int64_t)layer * AMC_STATS;
     count(row, AMC_STAT_REQUESTS, 1);
-    count(row, AMC_STAT_PAIRS, P);
+    count(row, AMC_STAT_PAIRS, computed);
     count(row, AMC_STAT_EXPERTS, groups);
     count(row, AMC_STAT_BYTES, groups * (matrix_bytes(&L->up) + matrix_bytes(&L->down)));
     count(row, AMC_STAT_NS, now_ns() - start);

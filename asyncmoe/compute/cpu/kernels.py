@@ -41,7 +41,7 @@ ERRORS = {
     3: "{detail} pairs: negative or above the channel's capacity",
     4: "{detail} tokens: negative or above the channel's capacity",
     5: "pair {detail} has a token id outside [0, T)",
-    6: "pair {detail} has an expert id outside [0, E)",
+    6: "pair {detail} has an expert id outside [-1, E) (-1: a pair to skip)",
     7: "out of memory for the kernels' workspace",
     8: "layer descriptor refused by the kernels (check {detail})",
 }
@@ -427,8 +427,9 @@ def experts_mlp(
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each pair's expert output before routing weights, float32 [P, H]: pair p is (token_ids[p], expert_ids[p])
-    of x [T, H] (float32, bfloat16 or float16). `pool`: the threads (None: default_pool(), all but one core).
-    `stats`: an int64 [len(STATS)] row this call's counts are added to, as the worker counts its requests."""
+    of x [T, H] (float32, bfloat16 or float16); a pair of expert -1 is skipped (its row is left unset). `pool`: the
+    threads (None: default_pool(), all but one core). `stats`: an int64 [len(STATS)] row this call's counts are
+    added to, as the worker counts its requests."""
     pool = default_pool() if pool is None else pool
     if pool.handle is None:
         raise ValueError("this Pool was closed: make another")
@@ -458,5 +459,8 @@ def experts_mlp(
         )
     if stats is not None:
         n = groups.value
-        stats += torch.tensor([1, P, n, n * layer.expert_bytes, time.perf_counter_ns() - start])
+        computed = int((expert_ids >= 0).sum())
+        stats += torch.tensor(
+            [1, computed, n, n * layer.expert_bytes, time.perf_counter_ns() - start]
+        )
     return out

@@ -4,7 +4,9 @@ take its outputs back, from inside a captured step.
 `send` writes the request's payload (layer, pairs, tokens, each pair's token and expert id, the
 hidden rows) into the pinned channel through its device view, then publishes the next request number
 with a system-scope release store: the worker, polling that number, sees the payload. The number
-lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without the host.
+lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without the host. A request
+whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing) is not published,
+so `receive` finds it answered at once and the call pays no round trip.
 
 `receive` spins on the worker's `done` with system-scope acquire loads until it holds that number,
 then copies the outputs to the GPU. It never hangs: after `timeout_ns` on the GPU clock it records
@@ -111,11 +113,13 @@ if triton is not None:
         # every thread reads the number before any writes it (the barrier below): all publish the same one
         seq = tl.load(seq_ptr) + 1
         offs = tl.arange(0, BLOCK)
+        active = 0
         for p0 in range(0, P, BLOCK):
             p = p0 + offs
             tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
-            ids = tl.load(ids_ptr + p, mask=p < P)
+            ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
             tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
+            active += tl.sum((ids >= 0).to(tl.int32))
         for i0 in range(0, T * H, BLOCK):
             i = i0 + offs
             tl.store(chan_x_ptr + i, tl.load(x_ptr + i, mask=i < T * H), mask=i < T * H)
@@ -124,8 +128,9 @@ if triton is not None:
         tl.store(header_ptr + 2, T)
         _fence_system()  # this thread's payload stores reach host memory first
         tl.debug_barrier()  # ... and every other thread's
-        tl.store(seq_ptr, seq)
-        _store_release(request_ptr, seq)
+        if active > 0:
+            tl.store(seq_ptr, seq)
+            _store_release(request_ptr, seq)
 
     @triton.jit
     def _receive_kernel(

@@ -84,6 +84,27 @@ def test_empty_request(served):
     assert int(channel.done) == seq
 
 
+def test_skipped_pairs(served):
+    """Pairs of expert -1 (the hybrid's GPU pairs) are skipped: their rows keep what they held, the others are
+    computed, and the worker counts only the pairs and experts it computed."""
+    channel, worker = served
+    x, token_ids, expert_ids = request(torch.Generator().manual_seed(4), 4, 2)
+    skip = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1], dtype=torch.bool)
+    worker.stats(reset=True)
+    channel.out.fill_(float("nan"))
+    out = channel.result(channel.submit(0, token_ids, expert_ids.masked_fill(skip, -1), x)).clone()
+    ref = reference.experts_mlp(worker_layer(0), x, token_ids, expert_ids)
+    assert out[skip].isnan().all()
+    torch.testing.assert_close(
+        out[~skip], ref[~skip], rtol=1e-4, atol=2e-5 * ref.abs().max().item()
+    )
+    counts = dict(zip(("requests", "pairs", "experts"), worker.stats()[0, :3].tolist()))
+    assert counts == {"requests": 1, "pairs": 3, "experts": len(set(expert_ids[~skip].tolist()))}
+    everything = expert_ids.new_full(expert_ids.shape, -1)
+    channel.out.fill_(float("nan"))
+    assert channel.result(channel.submit(0, token_ids, everything, x)).isnan().all()
+
+
 def test_empty_request_latency(served, capsys):
     """Printed, not asserted: the worker's turn-around of a request with no pairs, from Python through ctypes, over
     1000 requests (or as many as 2 s allow: on a machine whose cores are all busy, a polling thread waits for its
@@ -128,7 +149,7 @@ def test_malformed_requests_set_an_error(served):
     assert refused(6, experts=torch.tensor([0, 1, E, 2])) == 2
     assert refused(5, tokens=torch.tensor([0, 1, 1, 2])) == 3
     with pytest.raises(ValueError, match="expert id"):
-        channel.result(channel.submit(0, token_ids, torch.tensor([0, 1, -1, 2]), x))
+        channel.result(channel.submit(0, token_ids, torch.tensor([0, 1, -2, 2]), x))
 
     # out of order: skipped ahead, then back; the worker answers each with an error and takes it as the last
     channel.write(0, token_ids, expert_ids, x)

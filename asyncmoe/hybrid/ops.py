@@ -1,0 +1,96 @@
+"""The hybrid's custom ops with their fakes: `hybrid_send` (split a call's misses by the cost model
+and send the CPU's share to the worker) and `hybrid_receive` (take the CPU's outputs back into the
+GPU's). Between them the layer's `ensure` copies the GPU's misses and the GPU computes its pairs,
+while the CPU computes: the ops order by data (`cpu_ids` flows from one to the other, and
+`hybrid_receive` reads the GPU's outputs), so a compiled graph keeps that overlap.
+
+Dims: T tokens, k experts a token, P = T*k pairs, H hidden, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..cache.expert_cache import ExpertCache
+from ..cache.ops import check_state
+from ..cache.state import CacheState
+from ..cache.streams import SIDE
+from ..compute.cpu.executor import CpuExecutor, executor
+from . import split
+from .split import Cost
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """A cached layer's link to the CPU: the model's `executor`, this layer's number in its
+    requests, and the model's calibrated `cost` [len(Cost)] int64 ns (on the model's device)."""
+
+    executor: CpuExecutor
+    layer: int
+    cost: Tensor
+
+
+@torch.library.custom_op("asyncmoe::hybrid_send", mutates_args=("state",))
+def _hybrid_send(
+    x: Tensor, top_k_index: Tensor, wait: bool, state: list[Tensor], cost: Tensor,
+    executor_id: int, layer: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Split this call's misses between the link and the CPU (hybrid/split.py) and send the CPU's
+    pairs of rows `x` to the worker; returns (gpu_ids, cpu_ids) [T, k]: the ids `ensure` serves (E:
+    the CPU's pair) and those the CPU computes (-1: the GPU's). `wait`: a prefetch into this layer
+    was issued earlier in the forward, so decide once it has decided (its experts count as
+    resident)."""
+    s = CacheState._make(state)
+    if wait and s.expert_to_slot.is_cuda:
+        torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
+    gpu_ids, cpu_ids = split.split(top_k_index, s.expert_to_slot, cost, s.counters)
+    executor(executor_id).send(x, cpu_ids, layer)
+    return gpu_ids, cpu_ids
+
+
+@_hybrid_send.register_fake
+def _(x, top_k_index, wait, state, cost, executor_id, layer):
+    check_state(state)
+    torch._check(
+        top_k_index.dim() == 2 and x.dim() == 2 and x.shape[0] == top_k_index.shape[0],
+        lambda: (
+            f"x [T, H] and top_k_index [T, k] must agree, got {tuple(x.shape)} and "
+            f"{tuple(top_k_index.shape)}"
+        ),
+    )
+    torch._check(cost.shape == (len(Cost),), lambda: f"cost must be [{len(Cost)}]")
+    ids = torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
+    return ids, torch.empty_like(ids)
+
+
+@torch.library.custom_op("asyncmoe::hybrid_receive", mutates_args=())
+def _hybrid_receive(gpu_out: Tensor, cpu_ids: Tensor, executor_id: int, layer: int) -> Tensor:
+    """Every pair's output [P, H]: the CPU's where `cpu_ids` names an expert (waiting for them; on
+    CUDA a wait past the executor's timeout fails loudly), `gpu_out`'s elsewhere, in its dtype."""
+    cpu_out = executor(executor_id).receive(layer, cpu_ids.numel())
+    on_cpu = (cpu_ids >= 0).reshape(-1, 1)
+    return torch.where(on_cpu, cpu_out.to(gpu_out.dtype), gpu_out)
+
+
+@_hybrid_receive.register_fake
+def _(gpu_out, cpu_ids, executor_id, layer):
+    torch._check(
+        gpu_out.dim() == 2 and gpu_out.shape[0] == cpu_ids.numel(),
+        lambda: f"gpu_out must be [P={cpu_ids.numel()}, H], got {tuple(gpu_out.shape)}",
+    )
+    return torch.empty_like(gpu_out)
+
+
+def hybrid_send(
+    x: Tensor, top_k_index: Tensor, wait: bool, cache: ExpertCache, hybrid: Hybrid
+) -> tuple[Tensor, Tensor]:
+    return torch.ops.asyncmoe.hybrid_send(
+        x, top_k_index, wait, list(cache.state), hybrid.cost, hybrid.executor.id, hybrid.layer
+    )
+
+
+def hybrid_receive(gpu_out: Tensor, cpu_ids: Tensor, hybrid: Hybrid) -> Tensor:
+    return torch.ops.asyncmoe.hybrid_receive(gpu_out, cpu_ids, hybrid.executor.id, hybrid.layer)

@@ -1,0 +1,131 @@
+"""Which of a call's misses the CPU computes and which the link copies: the cost model's decision, on
+the device, in fixed shapes.
+
+A call's misses are its routed experts that are not resident. The CPU takes them in the order of its
+cost (fewest tokens first: its time grows with each token, a copy's does not), n of them; the link
+copies the other m - n one after another. n is the one that finishes both soonest:
+
+    cpu(n) = round_trip + sum over the first n of (per_expert + tokens * per_pair)   (0 when n = 0)
+    link(n) = (m - n) * copy
+    n = argmin max(cpu(n), link(n)), the fewest on the CPU among equals
+
+The costs are `cost` [len(Cost)] int64 ns, calibrated once (hybrid/calibrate.py). The decision adds n
+to the layer's counter CPU_MISSES and max(cpu(n), link(n)) to COST_NS, the time the model predicts
+for the call's misses. `split_reference` is the plain-torch decision (the CPU, and the kernel's
+reference); on CUDA `_split_kernel` makes it in one program, bit for bit the same (integers).
+
+Dims: E experts, T tokens, k experts a token, P = T*k pairs.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from .. import gpu
+from ..cache.state import Counter
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # non-Linux
+    triton = None
+
+
+class Cost(IntEnum):
+    """Indices of the cost model's `cost` [len(Cost)] int64, in ns."""
+
+    ROUND_TRIP = 0  # a request to the CPU worker and its answer, beyond its experts' work
+    PER_EXPERT = 1  # the CPU's work for one expert, beyond its tokens'
+    PER_PAIR = 2  # ... for each of its tokens
+    COPY = 3  # one expert copied host -> slot
+
+
+def split_reference(
+    ids: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor, counters: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ids` [P] -> (gpu_ids [P]: E for pairs the CPU computes, cpu_ids [P]: -1 for the others)."""
+    E = expert_to_slot.numel() - 1
+    experts = torch.arange(E, device=ids.device)
+    tokens = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
+    tokens = tokens.scatter_add_(0, ids, torch.ones_like(ids))[:E]  # [E]
+    miss = (tokens > 0) & (expert_to_slot[:E] < 0)
+    # misses first, by tokens then expert id
+    key = torch.where(miss, tokens, ids.numel() + 1) * E + experts
+    order = torch.argsort(key)
+    rank = torch.empty_like(order).scatter_(0, order, experts)  # [E]: position in that order
+    work = torch.where(miss, cost[Cost.PER_EXPERT] + tokens * cost[Cost.PER_PAIR], 0)[order]
+    cpu = torch.cat([work.new_zeros(1), cost[Cost.ROUND_TRIP] + torch.cumsum(work, 0)])  # [E+1]
+    m, n = miss.sum(), torch.arange(E + 1, device=ids.device)
+    finish = torch.maximum(cpu, (m - n).clamp(min=0) * cost[Cost.COPY])
+    finish = finish.masked_fill(n > m, torch.iinfo(torch.int64).max)
+    n_cpu = torch.argmin(finish)  # the first of equal minima: the fewest on the CPU
+    on_cpu = torch.cat([miss & (rank < n_cpu), miss.new_zeros(1)])[ids]  # [P]; id E: no expert
+    counters[Counter.CPU_MISSES] += n_cpu
+    counters[Counter.COST_NS] += finish[n_cpu]
+    return torch.where(on_cpu, E, ids), torch.where(on_cpu, ids, -1)
+
+
+if triton is not None:
+    _ROUND_TRIP, _PER_EXPERT = tl.constexpr(Cost.ROUND_TRIP), tl.constexpr(Cost.PER_EXPERT)
+    _PER_PAIR, _COPY = tl.constexpr(Cost.PER_PAIR), tl.constexpr(Cost.COPY)
+    _CPU_MISSES, _COST_NS = tl.constexpr(Counter.CPU_MISSES), tl.constexpr(Counter.COST_NS)
+
+    @triton.jit
+    def _split_kernel(
+        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, gpu_ids_ptr, cpu_ids_ptr, P, E,
+        BP: tl.constexpr, BE: tl.constexpr,
+    ):  # fmt: skip
+        p, e = tl.arange(0, BP), tl.arange(0, BE)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=E)
+        tokens = tl.sum((ids[:, None] == e[None, :]).to(tl.int64), axis=0)  # [BE]
+        slot = tl.load(expert_to_slot_ptr + e, mask=e < E, other=0)
+        miss = (tokens > 0) & (slot < 0) & (e < E)
+        # sorted keys carry the expert in their low bits: misses first, by tokens then expert id
+        keys = tl.sort(tl.where(miss, tokens, P + 1) * BE + e)
+        expert, miss_sorted = keys % BE, keys < (P + 1) * BE
+        work = tl.where(
+            miss_sorted,
+            tl.load(cost_ptr + _PER_EXPERT) + (keys // BE) * tl.load(cost_ptr + _PER_PAIR),
+            0,
+        )
+        m = tl.sum(miss.to(tl.int64))
+        n = e + 1  # the CPU taking the first n misses, n >= 1
+        finish = tl.maximum(
+            tl.load(cost_ptr + _ROUND_TRIP) + tl.cumsum(work, 0),
+            (m - n) * tl.load(cost_ptr + _COPY),
+        )
+        finish = tl.where(n <= m, finish, 0x7FFFFFFFFFFFFFFF)
+        best = tl.min(finish, 0)
+        none = m * tl.load(cost_ptr + _COPY)  # n = 0
+        n_cpu = tl.where(best < none, tl.min(tl.where(finish == best, n, BE + 1), 0), 0)
+        cpu_sorted = miss_sorted & (n <= n_cpu)
+        on_cpu = (
+            tl.max(((ids[:, None] == expert[None, :]) & cpu_sorted[None, :]).to(tl.int32), axis=1)
+            > 0
+        )
+        tl.store(gpu_ids_ptr + p, tl.where(on_cpu, E, ids), mask=p < P)
+        tl.store(cpu_ids_ptr + p, tl.where(on_cpu, ids, -1), mask=p < P)
+        tl.store(counters_ptr + _CPU_MISSES, tl.load(counters_ptr + _CPU_MISSES) + n_cpu)
+        tl.store(counters_ptr + _COST_NS, tl.load(counters_ptr + _COST_NS) + tl.minimum(best, none))
+
+
+def split(
+    top_k_index: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor, counters: torch.Tensor,
+    use_kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`top_k_index` [T, k] -> (gpu_ids [T, k], cpu_ids [T, k]): the pairs the GPU computes (the
+    others' id E, which the cache skips) and those the CPU computes (the others' id -1, which the
+    CPU worker skips)."""
+    ids = top_k_index.long().reshape(-1)
+    if not (gpu.available(ids) if use_kernel is None else use_kernel):
+        gpu_ids, cpu_ids = split_reference(ids, expert_to_slot, cost, counters)
+    else:
+        gpu_ids, cpu_ids = torch.empty_like(ids), torch.empty_like(ids)
+        P, E = ids.numel(), expert_to_slot.numel() - 1
+        _split_kernel[(1,)](
+            ids, expert_to_slot, cost, counters, gpu_ids, cpu_ids, P, E,
+            BP=triton.next_power_of_2(max(P, 2)), BE=triton.next_power_of_2(max(E, 2)),
+        )  # fmt: skip
+    return gpu_ids.view(top_k_index.shape), cpu_ids.view(top_k_index.shape)

@@ -1,0 +1,205 @@
+"""Hybrid execution (hybrid/): a cached layer's misses split between the slots and the host's CPU.
+
+The model must compute what the GPU-only cache computes: greedy tokens equal over 64 steps in
+float32 activations (eager, `generate`, the Decoder; its graph on CUDA), logits within the format's
+tolerance, whatever the split. On the CPU the cost is set by hand so that the CPU takes about half
+of the misses; on CUDA the calibrated cost decides, and a second model takes hand-set costs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import asyncmoe
+from asyncmoe.hybrid.split import Cost
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
+
+from models import NUM_EXPERTS, tiny
+
+STEPS = 64
+GREEDY = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
+
+
+def prompt(device="cpu") -> torch.Tensor:
+    return torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def providers(model):
+    return [getattr(m, PROVIDER) for _, m in find_experts(model)]
+
+
+def set_cost(model, round_trip=0, per_expert=10, per_pair=0, copy=10) -> None:
+    """Costs by hand: with these, a call's misses split about evenly."""
+    cost = providers(model)[0].hybrid.cost
+    for i, v in (
+        (Cost.ROUND_TRIP, round_trip),
+        (Cost.PER_EXPERT, per_expert),
+        (Cost.PER_PAIR, per_pair),
+    ):
+        cost[i] = v
+    cost[Cost.COPY] = copy
+
+
+def hybrid(model, quantize=None, device="cpu", **kw):
+    ours = asyncmoe.compile(
+        copy.deepcopy(model),
+        cache=4,
+        quantize=quantize,
+        device=device,
+        hybrid=True,
+        cpu_threads=2,
+        **kw,
+    )
+    set_cost(ours)
+    return ours
+
+
+def assert_same_greedy(ours, theirs, ids, graph: bool = False) -> None:
+    want = theirs.generate(ids, **GREEDY)
+    assert torch.equal(ours.generate(ids, **GREEDY), want)
+    assert torch.equal(asyncmoe.Decoder(ours, 1, 80, graph=False).generate(ids, STEPS).tokens, want)
+    if graph:
+        assert torch.equal(
+            asyncmoe.Decoder(ours, 1, 80, graph=True).generate(ids, STEPS).tokens, want
+        )
+
+
+def assert_split_both_ways(model) -> None:
+    t = asyncmoe.stats(model).totals
+    assert t["cpu_misses"] > 0 and t["misses"] > 0, t
+    assert t["cpu_experts"] == t["cpu_misses"] and t["cost_ns"] > 0
+
+
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
+@torch.no_grad()
+def test_hybrid_computes_what_the_model_does(family):
+    model = tiny(family)
+    ours = hybrid(model)
+    ids = prompt()
+    torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert_same_greedy(ours, model, ids)
+    assert_split_both_ways(ours)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "mxfp4"])
+@torch.no_grad()
+def test_hybrid_quantized_equals_the_gpu_only_cache(quantize):
+    model = tiny("olmoe")
+    gpu_only = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, hybrid=False)
+    ours = hybrid(model, quantize)
+    ids = prompt()
+    torch.testing.assert_close(ours(ids).logits, gpu_only(ids).logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(ours.generate(ids, **GREEDY), gpu_only.generate(ids, **GREEDY))
+    assert_split_both_ways(ours)
+
+
+@torch.no_grad()
+def test_hybrid_under_torch_compile_fullgraph():
+    model = tiny("olmoe")
+    ours = hybrid(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    for ids in prompt().split(2, dim=1):  # calls of decode size (one wave), each its own split
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert_split_both_ways(ours)
+
+
+@torch.no_grad()
+def test_calls_in_waves_stay_on_the_gpu():
+    """A prompt of more distinct experts than slots runs in waves, with no CPU share."""
+    model = tiny("olmoe")
+    ours = hybrid(model)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    t = asyncmoe.stats(ours).totals
+    assert t["cpu_misses"] == 0 and t["misses"] > 0
+
+
+def test_calibration_measures_this_host():
+    ours = asyncmoe.compile(tiny("olmoe"), cache=4, hybrid=True, cpu_threads=1)
+    cost = providers(ours)[0].hybrid.cost.tolist()
+    assert cost[Cost.PER_EXPERT] + cost[Cost.PER_PAIR] > 0 and cost[Cost.COPY] > 0, cost
+    assert all(p.hybrid.cost is providers(ours)[0].hybrid.cost for p in providers(ours))
+
+
+def test_the_ops_pass_opcheck():
+    ours = hybrid(tiny("olmoe"))
+    p = providers(ours)[0]
+    x = torch.randn(3, 32)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 5]])
+    torch.library.opcheck(
+        torch.ops.asyncmoe.hybrid_send,
+        (x, ids, False, list(p.cache.state), p.hybrid.cost, p.hybrid.executor.id, 0),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_settings_refuse_what_hybrid_cannot_do():
+    with pytest.raises(TypeError, match="hybrid must be"):
+        asyncmoe.compile(tiny("olmoe"), cache=4, hybrid="yes")
+    with pytest.raises(ValueError, match="cache=0 has no GPU cache"):
+        asyncmoe.compile(tiny("olmoe"), cache=0, hybrid=True)
+    with pytest.raises(ValueError, match="there are no misses"):
+        asyncmoe.compile(tiny("olmoe"), cache=NUM_EXPERTS, hybrid=True)
+
+
+def test_hybrid_is_off_by_default_on_the_cpu():
+    """On the CPU the slots and the host store share one memory: nothing to split."""
+    ours = asyncmoe.compile(tiny("olmoe"), cache=4)
+    assert all(p.hybrid is None for p in providers(ours))
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: the split inside the captured step
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantize", [None, "fp8", "mxfp4", "int4"])
+@torch.no_grad()
+def test_hybrid_on_the_gpu_equals_the_gpu_only_cache(quantize):
+    """float32 activations: 64 greedy tokens equal eager, under generate and in the Decoder's graph,
+    with and without prefetch."""
+    model = tiny("olmoe")
+    gpu_only = asyncmoe.compile(
+        copy.deepcopy(model), cache=4, quantize=quantize, device="cuda", hybrid=False
+    )
+    ids = prompt("cuda")
+    for prefetch in (False, True):
+        ours = hybrid(model, quantize, "cuda", prefetch=prefetch)
+        torch.testing.assert_close(ours(ids).logits, gpu_only(ids).logits, atol=1e-4, rtol=1e-4)
+        assert_same_greedy(ours, gpu_only, ids, graph=True)
+        assert_split_both_ways(ours)
+        assert asyncmoe.stats(ours).totals["cpu_wait_ns"] > 0
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_hybrid_on_the_gpu_in_bf16_and_compiled():
+    model = tiny("gpt_oss", dtype=torch.bfloat16)
+    gpu_only = asyncmoe.compile(copy.deepcopy(model), cache=4, device="cuda", hybrid=False)
+    ours = hybrid(model, device="cuda")
+    ids = prompt("cuda")
+    got, want = ours(ids).logits.float(), gpu_only(ids).logits.float()
+    assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 5e-2
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    torch.testing.assert_close(compiled(ids).logits, ours(ids).logits, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_the_default_calibrates_on_this_host(capsys):
+    """hybrid=None on CUDA: on where the calibrated CPU takes some of a decode call's misses. The
+    tiny model's experts cost the CPU a round trip, and its copies almost nothing: printed."""
+    ours = asyncmoe.compile(tiny("olmoe"), cache=4, device="cuda")
+    hybrids = {id(p.hybrid) for p in providers(ours)}
+    forced = asyncmoe.compile(tiny("olmoe"), cache=4, device="cuda", hybrid=True)
+    cost = dict(zip(Cost.__members__, providers(forced)[0].hybrid.cost.tolist()))
+    with capsys.disabled():
+        print(
+            f"\ntiny model's calibrated cost (ns): {cost}; on by default: {hybrids != {id(None)}}"
+        )
+    assert cost["COPY"] > 0 and cost["ROUND_TRIP"] + cost["PER_EXPERT"] > 0
