@@ -22,7 +22,16 @@ the trace was recorded, if the trace has it (demo_val.npz does); else by the ran
 nothing of the trace (as in the latency suite's synthetic traces; the prefetch gate then keeps it off).
 `--replay trace`, `oracle` or `oracle-q0.8` routes as the latency suite's case of that name (harness.trace_for).
 `--quantize fp8` (mxfp4, int4) keeps asyncmoe's experts in that format; the unmodified model stays bf16.
-`--caches 0` has the host's CPU compute every routed expert, once per `--cpu-threads` value.
+`--hybrid off on` runs each cached case with and without the CPU computing some misses (compile's `hybrid`), and
+says how the step compares with what the hybrid's cost model predicts (resident + its misses' time).
+`--caches 0` has the host's CPU compute every routed expert, once per `--cpu-threads` value; a cache may also be a
+GPU-memory budget for every layer's slots (`--caches 0 8GiB`).
+`--random-mxfp4` builds every asyncmoe model afresh with random MXFP4 experts made straight in host memory
+(shapes.random_mxfp4_model), for shapes whose bf16 experts do not fit anywhere; there is then no unmodified row:
+    python benchmarks/decode_step.py --shape gpt-oss-120b --random-mxfp4 --replay trace --caches 0 8GiB
+Every row also says the memory its case held: host RSS after compile and its peak over the build and the rounds,
+the pinned host store, and the GPU's allocated bytes after compile and peak over the rounds (a bf16 model's
+copies keep the unmodified model on the GPU beside them: it counts in theirs).
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ import transformers
 
 import asyncmoe
 from asyncmoe.cache.policies import DEFAULT_POLICY
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
+from asyncmoe.settings import parse_budget
 
 from harness import h2d_bandwidth, prompt, trace_for
 from oracle import parse as parse_oracle
-from shapes import SHAPES, random_model, routing_shape
+from shapes import SHAPES, random_model, random_mxfp4_model, routing_shape
 
 
 def timed_round(model, dec, ids: torch.Tensor, steps: int, cached: bool) -> float:
@@ -85,6 +96,13 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, ids: torch.
             prefetch_recall=s.totals["prefetch_recall"],
             wasted_per_token=s.totals["wasted_bytes"] / steps,
         )
+        if s.totals["cpu_misses"] or s.totals["cpu_experts"]:  # the last round's
+            row.update(
+                cpu_misses_per_token=s.totals["cpu_misses"] / steps,
+                cpu_experts_per_token=s.totals["cpu_experts"] / steps,
+                model_ms_per_token=s.totals["cost_ns"] / 1e6 / steps,
+                cpu_wait_ms_per_token=(s.totals["cpu_wait_ns"] or 0) / 1e6 / steps,
+            )
         if s.totals["stall_ns"] is not None:  # the last round's, on the GPU clock
             row.update(
                 {
@@ -104,16 +122,74 @@ def measure(model, label: str, graph: bool, steps: int, rounds: int, ids: torch.
             f"  stalls/token: wait {row['wait_ms_per_token']:.3f} ms, ensure {row['ensure_ms_per_token']:.3f} ms"
             if "stall_ms_per_token" in row
             else ""
+        )
+        + (
+            f"  cpu/token: {row['cpu_misses_per_token']:.1f} misses, GPU waited {row['cpu_wait_ms_per_token']:.3f} ms,"
+            f" cost model {row['model_ms_per_token']:.3f} ms"
+            if "cpu_misses_per_token" in row
+            else ""
         ),
         flush=True,
     )
     return row
 
 
+HYBRID = {"off": False, "on": True, "auto": None}
+
+
+def cache_arg(text: str) -> int | str:
+    """A `--caches` entry: slots per MoE layer, or a GPU-memory budget for all of them ("8GiB"), checked here so that
+    a typo fails before a model is built."""
+    if text.isdigit():
+        return int(text)
+    parse_budget(text)
+    return text
+
+
+def host_status(key: str) -> int:
+    """Bytes of a /proc/self/status entry (VmRSS: resident now; VmHWM: the peak since `reset_host_peak`)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def reset_host_peak() -> None:
+    """Start VmHWM again from the resident set now (Linux 4.0+); where refused, it stays the process's peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def pinned_bytes(model) -> int:
+    """Bytes of the host store the model's providers hold pinned (the cached layers' and cache=0's)."""
+    total = 0
+    for _, m in find_experts(model):
+        provider = getattr(m, PROVIDER, None)
+        holder = getattr(provider, "cache", provider)  # a cached layer's cache; cache=0's provider
+        block = getattr(holder, "pinned_block", None)
+        total += block.nbytes if block is not None else 0
+    return total
+
+
+def memory_after_build(model) -> dict:
+    return dict(
+        host_rss_bytes=host_status("VmRSS"),
+        pinned_bytes=pinned_bytes(model),
+        gpu_bytes=torch.cuda.memory_allocated(),
+    )
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="olmoe-1b-7b", choices=sorted(SHAPES))
-    p.add_argument("--caches", type=int, nargs="+", default=[64, 32, 16])
+    p.add_argument(
+        "--caches",
+        type=cache_arg,
+        nargs="+",
+        default=[64, 32, 16],
+        help="slots per MoE layer (0: every routed expert on the CPU) or GPU-memory budgets (8GiB)",
+    )
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--eager-steps", type=int, default=16)
@@ -129,6 +205,12 @@ def main():
         choices=["fp8", "mxfp4", "int4"],
         default=None,
         help="asyncmoe's experts' format",
+    )
+    p.add_argument(
+        "--random-mxfp4",
+        action="store_true",
+        help="build each asyncmoe model afresh with random MXFP4 experts made in host memory, never in bf16 "
+        "(shapes.random_mxfp4_model: gpt-oss-120b); no unmodified row",
     )
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument(
@@ -166,28 +248,58 @@ def main():
         default=[None],
         help="cache=0 (every routed expert on the CPU): the CPU executor's thread counts to try",
     )
+    p.add_argument(
+        "--hybrid",
+        choices=sorted(HYBRID),
+        nargs="+",
+        default=["off"],
+        help="cached rows: the CPU computing some misses (on), none (off), or as compile's default decides (auto)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.random_mxfp4 and args.quantize not in (None, "mxfp4"):
+        p.error(f"--random-mxfp4 makes mxfp4 experts; --quantize {args.quantize} re-quantizes")
+    quantize = "mxfp4" if args.random_mxfp4 else args.quantize
 
     replay = args.replay
     if replay == "trace" or (replay and parse_oracle(replay) is not None):
         replay = trace_for(args.shape, replay)
     bandwidth = h2d_bandwidth()
     print(f"pinned host->GPU copy_: {bandwidth:.1f} GB/s", flush=True)
-    base = random_model(args.shape, torch.bfloat16, "cuda")
+    reset_host_peak()
+    base = None if args.random_mxfp4 else random_model(args.shape, torch.bfloat16, "cuda")
     experts = routing_shape(args.shape)[0]
     ids = prompt(args.shape, 1, seed=0)
 
-    def run(model, label):
-        out = [measure(model, label, True, args.steps, args.rounds, ids)]
-        if not args.no_eager:
-            out.append(measure(model, label, False, args.eager_steps, args.eager_rounds, ids))
+    timings = [(True, args.steps, args.rounds)]
+    if not args.no_eager:
+        timings.append((False, args.eager_steps, args.eager_rounds))
+
+    def run(model, label, memory):
+        out = []
+        for graph, steps, rounds in timings:
+            torch.cuda.reset_peak_memory_stats()
+            row = measure(model, label, graph, steps, rounds, ids)
+            peaks = dict(
+                host_peak_bytes=host_status("VmHWM"),
+                gpu_peak_bytes=torch.cuda.max_memory_allocated(),
+            )
+            out.append({**row, **memory, **peaks})
+        r = out[0]
+        print(
+            f"{'':<72} host {r['host_rss_bytes'] / 1e9:.1f} GB (peak {r['host_peak_bytes'] / 1e9:.1f}),"
+            f" pinned {r['pinned_bytes'] / 1e9:.1f} GB; GPU {r['gpu_bytes'] / 1e9:.1f} GB"
+            f" (peak {max(x['gpu_peak_bytes'] for x in out) / 1e9:.1f})",
+            flush=True,
+        )
         return out
 
-    rows = run(base, "unmodified")
-    resident_ms = rows[0]["ms_per_token"]
+    rows = [] if base is None else run(base, "unmodified", memory_after_build(base))
+    resident_ms = rows[0]["ms_per_token"] if rows else None
     source_sets = args.sources or ["+".join(asyncmoe.Prefetch().sources)]
     for cache in args.caches:
+        # slots, fewer than the experts
+        cached = cache != 0 and not (isinstance(cache, int) and cache >= experts)
         plans = (
             [
                 asyncmoe.Prefetch(sources=tuple(s.split("+")), budget=b, copy_programs=c or None)
@@ -195,41 +307,55 @@ def main():
                 for b in args.budgets
                 for c in args.copy_programs
             ]
-            if 0 < cache < experts
+            if cached
             else []
         )
-        cases = [(policy, plan, None) for policy in args.policies for plan in plans + [None]]
+        cases = [
+            (policy, plan, None, hybrid)
+            for policy in args.policies
+            for plan in plans + [None]
+            for hybrid in (args.hybrid if cached else ["off"])
+        ]
         if cache == 0:  # every routed expert on the CPU: no policy, no prefetch
-            cases = [(DEFAULT_POLICY, None, threads) for threads in args.cpu_threads]
-        for policy, plan, threads in cases:
+            cases = [(DEFAULT_POLICY, None, threads, "off") for threads in args.cpu_threads]
+        for policy, plan, threads, hybrid in cases:
+            reset_host_peak()
             model = asyncmoe.compile(
-                copy.deepcopy(base),
+                copy.deepcopy(base)
+                if base is not None
+                else random_mxfp4_model(args.shape, torch.bfloat16, "cuda"),
                 cache=cache,
                 policy=policy,
+                device="cuda",
                 prefetch=plan or False,
-                quantize=args.quantize,
+                quantize=quantize,
                 replay=replay,
-                time_stalls=args.time_stalls and 0 < cache < experts,
+                time_stalls=args.time_stalls and cached,
                 cpu_threads=threads,
+                hybrid=HYBRID[hybrid] if cached else None,
             )
             label = (
                 f"asyncmoe cache={cache}"
                 + (f" cpu_threads={threads or 'default'}" if cache == 0 else "")
+                + (f" hybrid={hybrid}" if cached and hybrid != "off" else "")
                 + (f" {policy}" if len(args.policies) > 1 and cache else "")
                 + (
                     f" prefetch {'+'.join(plan.sources)} budget={plan.budget} programs={plan.copy_programs or 'all'}"
                     if plan
-                    else (" no prefetch" if 0 < cache < experts else "")
+                    else (" no prefetch" if cached else "")
                 )
             )
-            rows += run(model, label)
+            rows += run(model, label, memory_after_build(model))
             del model
-            gc.collect()
+            gc.collect()  # transformers models hold cycles: the next case's host store must not meet this one's
             torch.cuda.empty_cache()
     for r in rows:
         if "bytes_per_token" in r:
-            r["floor_ms"] = max(resident_ms, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
+            r["floor_ms"] = max(resident_ms or 0.0, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
             r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"]
+        # the step as the hybrid's cost model predicts it
+        if "model_ms_per_token" in r and resident_ms:
+            r["predicted_ms"] = resident_ms + r["model_ms_per_token"]
     print(
         f"\n{'system':<72} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}"
     )
@@ -239,12 +365,19 @@ def main():
             if "floor_ms" in r
             else f"{'':>9} {'':>9} {'':>6}"
         )
+        vs = f"{r['ms_per_token'] / resident_ms:>10.3f}x" if resident_ms else ""
         print(
-            f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} "
-            f"{r['ms_per_token'] / resident_ms:>10.3f}x"
+            f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} {vs}"
         )
+    for r in rows:
+        if "predicted_ms" in r:
+            print(
+                f"{r['system']} ({'graph' if r['graph'] else 'eager'}): the cost model predicts {r['predicted_ms']:.3f}"
+                f" ms/token (resident + its misses' time), measured {r['ms_per_token'] / r['predicted_ms']:.2f}x that"
+            )
     result = {
         "shape": args.shape,
+        "random_mxfp4": args.random_mxfp4,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

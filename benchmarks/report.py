@@ -553,7 +553,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument(
         "--profile",
-        help="the profile: smoke, quick, full-1, -2, -3, full (the default), link, link-fp8, formats-1 or formats-2",
+        help="the profile: smoke, quick, full-1, -2, -3, full (the default), link, link-fp8, formats-1, formats-2, "
+        "cpu or hybrid",
     )
     p.add_argument("--quick", action="store_true", help="--profile quick")
     p.add_argument(

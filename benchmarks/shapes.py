@@ -1,6 +1,7 @@
 """The model shapes the benchmarks run, as random-weight transformers models (no hub: config classes only).
 
 random_model("olmoe-1b-7b", torch.bfloat16, "cuda")
+random_mxfp4_model("gpt-oss-120b", torch.bfloat16, "cuda")  # experts only ever in MXFP4, on the host
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ import functools
 import torch
 import transformers
 
-from asyncmoe.integrations.transformers import find_experts, find_router
+from asyncmoe.cache.host import check_host_memory
+from asyncmoe.formats import Mxfp4, weight_names
+from asyncmoe.integrations.offload import expert_size
+from asyncmoe.integrations.quantized_checkpoint import put_fused_experts
+from asyncmoe.integrations.transformers import find_experts, find_router, num_experts
 
 SHAPES = {  # (config class, config); random weights, real shapes
     "tiny": (
@@ -125,6 +130,38 @@ SHAPES = {  # (config class, config); random weights, real shapes
             sliding_window=128,
         ),
     ),
+    # 229 GB of bf16 experts, 61.0 GB in MXFP4, 36 MoE layers: its experts exist only in MXFP4 (random_mxfp4_model).
+    # The rest (YaRN rope, attention biases, clamped SwiGLU, an untied lm_head) are GptOssConfig's defaults: 120B's
+    "gpt-oss-120b": (
+        "GptOssConfig",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=36,
+            num_local_experts=128,
+            num_experts_per_tok=4,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            sliding_window=128,
+        ),
+    ),
+    "tiny-gpt-oss": (  # GPT-OSS's layout at the tiny shape's size, for random_mxfp4_model on the CPU
+        "GptOssConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+        ),
+    ),
 }
 
 
@@ -168,3 +205,63 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device | str) -> 
         for name, m in find_experts(model):
             find_router(model, name, m)[0].normal_(0, 1.0)
     return model
+
+
+# e8m0 exponents of random_mxfp4_model's scales, drawn uniformly: uniform e2m1 codes have an rms of 2.93, so
+# weights of rms 0.018, about the 0.02 random_model's init gives experts
+MXFP4_EXPONENTS = (-8, -7)
+
+
+def random_mxfp4_model(
+    shape: str, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> torch.nn.Module:
+    """A model of `shape` whose experts exist only in MXFP4, for shapes whose experts do not fit in `dtype`
+    (GPT-OSS-120B's are 229 GB in bf16). Built on the meta device; every other weight is made on `device` and
+    initialized as transformers initializes a model (routers widened as in `random_model`); then each experts
+    module gets random codes and scales in an MXFP4 checkpoint's layout through asyncmoe's checkpoint reader
+    (`put_fused_experts`), one layer at a time, in host memory. Compile it with `quantize="mxfp4"` and
+    `device=device`: the host store then takes each layer's tensors and frees them, so host memory peaks at the
+    store plus one layer."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config(shape), dtype=dtype).eval()
+    experts = find_experts(model)
+    # before any of it is made: a previous model's store not yet freed would otherwise meet the OOM killer
+    store = sum(expert_size(m, Mxfp4()) * num_experts(m) for _, m in experts)
+    check_host_memory(store, f"the random MXFP4 experts of {shape}")
+    skip = {id(m) for _, m in experts}
+    with torch.no_grad():
+        for module in model.modules():
+            if id(module) in skip:
+                continue
+            for name, p in module.named_parameters(recurse=False):
+                t = torch.empty_like(p, device=device)
+                module._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+            for name, b in module.named_buffers(recurse=False):
+                module._buffers[name] = torch.empty_like(b, device=device)
+            model._init_weights(module)  # what from_pretrained does with weights a checkpoint lacks
+        model.tie_weights()
+        for name, m in experts:
+            find_router(model, name, m)[0].normal_(0, 1.0)
+            put_fused_experts(m, Mxfp4(), random_mxfp4_tensors(m, device), source=name)
+    return model
+
+
+def random_mxfp4_tensors(m: torch.nn.Module, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """An experts module's tensors as GPT-OSS's checkpoints store them, random and on the CPU: each weight [E, N, K]
+    (N outputs, K inputs) as `<name>_blocks` [E, N, K/32, 16] (uniform e2m1 codes, two a byte) and `<name>_scales`
+    [E, N, K/32] (e8m0, 2 ** MXFP4_EXPONENTS); biases normal(0, 0.02). Drawn on `device` one tensor at a time: on a
+    GPU, GPT-OSS-120B's 61 GB come from its generator rather than the CPU's."""
+    lo, hi = MXFP4_EXPONENTS
+    out = {}
+    for name, p in m.named_parameters(recurse=False):
+        if name not in weight_names(m):
+            out[name] = (torch.randn(p.shape, dtype=p.dtype, device=device) * 0.02).cpu()
+            continue
+        (_, (E, N, half), _), (_, scales, _) = Mxfp4().stored(name, p.shape, m.is_transposed)
+        codes = torch.randint(0, 256, (E, N, half // 16, 16), dtype=torch.uint8, device=device)
+        out[name + "_blocks"] = codes.cpu()
+        del codes
+        exponents = torch.randint(127 + lo, 127 + hi + 1, scales, dtype=torch.uint8, device=device)
+        out[name + "_scales"] = exponents.cpu()
+    return out

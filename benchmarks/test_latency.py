@@ -12,14 +12,17 @@ takes): `smoke` the tiny shape, every system, a few steps (the only profile on t
 (`--quick`) the OLMoE shape, batch 1, trace routing, 25% of the experts cached and all of them, ~150
 s on the H200; `full-1`, `full-2`, `full-3` the full profile, one run of under 10 minutes each;
 `full` all three in one process (the default on a GPU); `link` (`link-fp8`: fp8 experts) oracle and
-noisy gate arrays; `formats-1`, `formats-2` quantized experts against bf16.
+noisy gate arrays; `formats-1`, `formats-2` quantized experts against bf16; `cpu` every routed expert
+on the host's CPU; `hybrid` the GPU cache's misses split with the CPU, beside GPU-only and all-CPU.
 
 Systems: `unmodified` the transformers model fully resident (CUDA graph on the GPU); `accelerate`
 experts offloaded to the CPU by accelerate's hooks (GPU only); `seed` a host-side LRU of GPU slots
 (benchmarks/baselines/seed_lru.py, eager); `asyncmoe-eager`; `asyncmoe-graph` and
 `asyncmoe-graph-prefetch` (GPU only; the latter is what `asyncmoe.compile` gives by default); an
 asyncmoe system with a format's suffix (`asyncmoe-graph-prefetch-fp8`) quantizes its experts so
-(`quantize=`). Each decode case times greedy steps after the same prompt (prefill excluded); each
+(`quantize=`); `asyncmoe-graph-cpu` has the CPU compute every routed expert (`cache=0`); a system
+ending in `-hybrid` has it compute some of the cache's misses (`hybrid=True`; every other cached
+system runs with `hybrid=False`). Each decode case times greedy steps after the same prompt (prefill excluded); each
 prefill case one prompt. `extra_info` holds tokens/s, hit rate, prefetch recall, bytes moved per
 token, `setup_s`, the seconds the case's model took to build and install (near 0 where the last
 case's model was reused: `make`), and `wall_s`, the whole case's. In fp32 (the CPU) every system's
@@ -56,6 +59,7 @@ from harness import (
     DEVICE,
     DTYPE,
     FORMATS,
+    HYBRID,
     PROMPT,
     belady_misses_per_step,
     build,
@@ -189,6 +193,20 @@ CPU = "asyncmoe-graph-cpu"
 CPU_RUNS = [
     (SHAPES_1, ["trace"], ["b1"], {**RESIDENT, "asyncmoe-graph-prefetch": [0.25], CPU: [0.0]}),
 ]
+# Hybrid execution: the same cases with the CPU computing some of the GPU cache's misses
+HYBRID_RUNS = [
+    (
+        SHAPES_1,
+        ["trace"],
+        ["b1"],
+        {
+            **RESIDENT,
+            "asyncmoe-graph-prefetch": [0.25],
+            "asyncmoe-graph-prefetch" + HYBRID: [0.25],
+            CPU: [0.0],
+        },
+    ),
+]
 # decode (steps, rounds) by batch: above batch 1 a step copies most of each layer's experts (0.1-1.1
 # s a step here)
 FULL_TIMING = {1: (32, 5), 8: (8, 3), 32: (8, 3)}
@@ -236,6 +254,7 @@ PROFILES = {
             ),
             (["tiny"], ["trace"], ["prompt32"], {"asyncmoe-eager-int4": [0.25]}),
             (["tiny"], ["trace"], ["b1"], {CPU: [0.0], f"{CPU}-int4": [0.0]}),
+            (["tiny"], ["trace"], ["b1"], {"asyncmoe-eager" + HYBRID: [0.25]}),
         ],
         {1: (4, 2)},
         2,
@@ -252,6 +271,7 @@ PROFILES = {
     **{name: expand(groups, {1: (32, 5)}, 3) for name, groups in FORMAT_RUNS.items()},
     "full": expand([group for groups in FULL_RUNS.values() for group in groups], FULL_TIMING, 5),
     "cpu": expand(CPU_RUNS, {1: (32, 5)}, 3),
+    "hybrid": expand(HYBRID_RUNS, {1: (32, 5)}, 3),
     "link": expand(link(), FULL_TIMING, 5),
     "link-fp8": expand(link("-fp8"), FULL_TIMING, 5),
 }
@@ -351,13 +371,14 @@ def model_key(case: tuple) -> tuple:
 def model_kind(system: str) -> str:
     """What a system's model is built as: asyncmoe's eager and graph systems run one model (per
     format)."""
-    base, fmt = split_format(system)
+    base, fmt = split_format(system.removesuffix(HYBRID))
     kind = (
         "asyncmoe-prefetch"
         if base.endswith("prefetch")
         else ("asyncmoe" if base.startswith("asyncmoe") else base)
     )
-    return kind if fmt is None else f"{kind}-{fmt}"
+    kind = kind if fmt is None else f"{kind}-{fmt}"
+    return kind + HYBRID if system.endswith(HYBRID) else kind
 
 
 _held: dict[tuple, torch.nn.Module] = {}  # the one model in memory, by its key

@@ -272,6 +272,33 @@ def _set_fused(
         module._parameters[leaf] = nn.Parameter(dense, requires_grad=False)
 
 
+def put_fused_experts(
+    module: nn.Module, fmt: Format, tensors: dict[str, torch.Tensor], source: str = "tensors"
+) -> None:
+    """Fill an experts module whose parameters are on the meta device with `tensors`, named and laid out
+    as a checkpoint stores the module's tensors fused (GPT-OSS's `gate_up_proj_blocks` [E, N, K/32, 16]
+    with `gate_up_proj_scales` [E, N, K/32]; fp8 `down_proj` with `down_proj_scale_inv`; dense biases),
+    kept quantized as `load_quantized` keeps them. For tensors made in memory a layer at a time, such as
+    the random experts of a model too large to write as a checkpoint; `source` names them in errors."""
+    meta = {name: p.shape for name, p in module.named_parameters(recurse=False)}
+    dtype = next(p.dtype for p in module.parameters(recurse=False) if p.is_floating_point())
+    layer, file = _Experts(module, fmt, keep=True, dtype=dtype), pathlib.PurePath(source)
+    for key, value in tensors.items():
+        base = key.removesuffix(BLOCKS)
+        if key.endswith(fmt.suffix) and key.removesuffix(fmt.suffix) in meta:
+            continue  # taken with its weight
+        if base not in ("gate_up_proj", "up_proj", "down_proj"):
+            _set(module, key, value, file)
+            continue
+        if base + fmt.suffix not in tensors:
+            raise ValueError(f"{source}: {key} has no {base + fmt.suffix} beside it")
+        _set_fused(layer, base, value, tensors[base + fmt.suffix], file)
+        want = fmt.stored(base, meta[base], module.is_transposed)
+        got = [(n, module._parameters[n].shape, module._parameters[n].dtype) for n, _, _ in want]
+        if got != want:
+            raise ValueError(f"{source}: {key} gives {got}; {fmt.name} stores this module's {want}")
+
+
 def _set(model: nn.Module, target: str, value: torch.Tensor, file: pathlib.Path) -> None:
     """Fill the parameter or persistent buffer `target` of `model`, in its own dtype."""
     module_name, _, leaf = target.rpartition(".")

@@ -464,8 +464,10 @@ def test_prefetch_changes_nothing_in_the_graph(family, budget):
     ids = prompts("random", 1).cuda()
     n = ids.shape[1] + 101
     plan = asyncmoe.Prefetch(budget=budget)
-    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=plan), 1, n)
-    off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, prefetch=False), 1, n)
+    # hybrid off: which misses the CPU computes (in another summation order) depends on the cache
+    gpu_only = dict(cache=TOP_K, hybrid=False)
+    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), prefetch=plan, **gpu_only), 1, n)
+    off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), prefetch=False, **gpu_only), 1, n)
     on.prefill(ids), off.prefill(ids)
     for _ in range(100):
         on.decode(1), off.decode(1)
@@ -482,8 +484,9 @@ def test_a_graph_step_without_prefetch_replays_while_every_gate_is_closed():
     ref = tiny("olmoe", num_hidden_layers=4, device="cuda")
     ids = prompts("random", 1).cuda()
     n = ids.shape[1] + 201
-    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=True), 1, n)
-    off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), cache=4, prefetch=False), 1, n)
+    gpu_only = dict(cache=4, hybrid=False)  # bit for bit: the CPU sums in another order
+    on = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), prefetch=True, **gpu_only), 1, n)
+    off = asyncmoe.Decoder(asyncmoe.compile(copy.deepcopy(ref), prefetch=False, **gpu_only), 1, n)
     wrong_gate(on.model)
     on.prefill(ids), off.prefill(ids)
     assert not off.gates and sorted(on._graphs) == [(False, 0, False), (False, 0, True)]
