@@ -352,7 +352,8 @@ def main():
     for r in rows:
         if "bytes_per_token" in r:
             r["floor_ms"] = max(resident_ms or 0.0, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
-            r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"]
+            # no unmodified row and nothing copied: no floor to compare with
+            r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else float("nan")
         # the step as the hybrid's cost model predicts it
         if "model_ms_per_token" in r and resident_ms:
             r["predicted_ms"] = resident_ms + r["model_ms_per_token"]

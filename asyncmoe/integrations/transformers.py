@@ -122,8 +122,11 @@ def find_router(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The router beside an experts module: the MoE block's parameter shaped [E, H] (and its [E]
     bias, if any)."""
-    E = num_experts(experts)
-    H = experts.down_proj.shape[-1] if experts.is_transposed else experts.down_proj.shape[-2]
+    E, down = num_experts(experts), experts.down_proj
+    if down.dtype == torch.uint8:  # 4-bit codes, stored [E, H, I/2] whatever the module's layout
+        H = down.shape[-2]
+    else:
+        H = down.shape[-1] if experts.is_transposed else down.shape[-2]
     block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     for module_name, module in block.named_modules():
         if module is experts or module_name.startswith(name.rpartition(".")[2] + "."):

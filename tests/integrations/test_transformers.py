@@ -112,6 +112,15 @@ def test_find_experts_and_their_routers():
     name, m = find_experts(tiny("gpt_oss"))[0]
     weight, bias = find_router(tiny("gpt_oss"), name, m)
     assert weight.shape == (NUM_EXPERTS, 32) and bias is not None and bias.shape == (NUM_EXPERTS,)
+    # experts already in 4-bit codes (an MXFP4 checkpoint, or quantized on the way in): the same router
+    for quantize in ("mxfp4", "int4"):
+        model = asyncmoe.compile(tiny("gpt_oss", intermediate_size=32), cache=4, quantize=quantize)
+        for name, m in find_experts(model):
+            block = model.get_submodule(name.rpartition(".")[0])
+            assert find_router(model, name, m)[0] is block.router.weight
+            assert (
+                getattr(m, PROVIDER).router[0] is block.router.weight
+            )  # the gate predictor has it
 
 
 def test_top_k_of_a_config():
