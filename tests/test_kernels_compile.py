@@ -191,6 +191,17 @@ def _cpu_request():
     request.receive(seq, fields, out, fault, torch.zeros(2, 2, dtype=torch.int64), 1, 10**9)
 
 
+def _hybrid_split():
+    from asyncmoe.cache.state import Counter
+    from asyncmoe.hybrid.split import Cost, split
+
+    table = torch.full((17,), -1, dtype=torch.int64)
+    table[[1, 5]] = torch.tensor([0, 1])
+    cost = torch.tensor([15_000, 200_000, 1_000, 300_000])[: len(Cost)]
+    counters = torch.zeros(len(Counter), dtype=torch.int64)
+    split(torch.tensor([[1, 3], [4, 5]]), table, cost, counters, use_kernel=True)
+
+
 SOURCES = [
     ("gate",),
     ("temporal",),
@@ -220,6 +231,7 @@ CASES: dict[str, Callable[[], None]] = {
     "gather_copy": _gather_copy,
     "clock": _clock,
     "cpu_request": _cpu_request,
+    "hybrid_split": _hybrid_split,
 }
 
 

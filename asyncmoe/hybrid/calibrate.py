@@ -3,10 +3,8 @@ the CPU costs (a round trip, each expert, each of its tokens) and what one copy 
 
 The CPU's costs are timed end to end as a layer's call meets them, on real requests of the model's
 own layers (on CUDA through the channel, with CUDA events; on the CPU in-line), each request on
-other experts than the last, so their weights come from memory and not from the CPU's caches. On
-CUDA the link copies experts into the slots meanwhile, as the layer's own misses do: host memory
-serves both, and the CPU computes slower beside the copies than alone
-(docs/decisions.md#the-hybrids-cost-model). Medians of a few repeats; a sync each, at compile only.
+other experts than the last, so their weights come from memory and not from the CPU's caches.
+Medians of a few repeats; a sync each, at compile only.
 
 Dims: T tokens, k experts a token, L layers, E experts.
 """
@@ -33,7 +31,6 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
     E = executor.layers[0].num_experts
     n, T = min(E, 8), min(executor.settings.max_tokens, 16)
     turn = iter(range(10**9))
-    busy = _link_busy(cache) if executor.device.type == "cuda" else None
 
     def timed(tokens: int, distinct: bool) -> float:
         def once() -> float:
@@ -44,7 +41,7 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
             )
             x = torch.zeros(tokens, executor.hidden, dtype=executor.x_dtype, device=executor.device)
             return _request_ns(
-                executor, x, ids.view(tokens, 1).to(executor.device), r % len(executor.layers), busy
+                executor, x, ids.view(tokens, 1).to(executor.device), r % len(executor.layers)
             )
 
         once()  # first use: kernels compiled, threads woken
@@ -61,11 +58,8 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
     return torch.tensor(cost, dtype=torch.int64, device=executor.device)
 
 
-def _request_ns(
-    executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int, busy=None
-) -> float:
-    """One request's round trip as a layer's call meets it: send, then wait for the outputs;
-    `busy()`, where given, first queues copies that keep the link busy beside it."""
+def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int) -> float:
+    """One request's round trip as a layer's call meets it: send, then wait for the outputs."""
     if executor.device.type != "cuda":
         start = time.perf_counter_ns()
         executor.send(x, ids, layer)
@@ -73,31 +67,12 @@ def _request_ns(
         return float(time.perf_counter_ns() - start)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize(executor.device)
-    if busy is not None:
-        busy()
     start.record()
     executor.send(x, ids, layer)
     executor.receive(layer, ids.numel())
     end.record()
-    torch.cuda.synchronize(executor.device)
+    end.synchronize()
     return start.elapsed_time(end) * 1e6
-
-
-def _link_busy(cache: ExpertCache, rounds: int = 2):
-    """A callable that queues `rounds` copies of every slot's worth of experts on a side stream,
-    on a few dozen programs (as a prefetch's copy), leaving the SMs to the request's kernels. Slots
-    are overwritten: at compile no table points at them."""
-    C, device = cache.num_slots, cache.expert_to_slot.device
-    src = torch.arange(C, device=device) % cache.num_experts
-    count = torch.full((1,), C, dtype=torch.int64, device=device)
-    side = torch.cuda.Stream(device)
-
-    def busy() -> None:
-        with torch.cuda.stream(side):
-            for _ in range(rounds):
-                gather_copy(cache.hosts, cache.slots, src, src, count, programs=32)
-
-    return busy
 
 
 def _copy_ns(cache: ExpertCache) -> int:
