@@ -2,11 +2,13 @@
 the CPU costs (a round trip, each expert, each of its tokens) and what one copy costs, in ns.
 
 The CPU's costs are timed end to end as a layer's call meets them, on real requests of the model's
-own layers (on CUDA a request captured in a CUDA graph, as in a captured step, timed with CUDA
-events; on the CPU in-line), each request on other experts than the last, so their weights come
-from memory and not from the CPU's caches. Medians of a few repeats; a sync each, at compile only.
+own layers (on CUDA through the channel, with CUDA events; on the CPU in-line), each request on
+other experts than the last, so their weights come from memory and not from the CPU's caches. Eager,
+the round trip counts the host's launches too: that larger fixed cost splits better than a captured
+request's (docs/decisions.md#tried-and-dropped). Medians of a few repeats; a sync each, at compile
+only.
 
-Dims: T tokens, E experts.
+Dims: T tokens, k experts a token, L layers, E experts.
 """
 
 from __future__ import annotations
@@ -33,19 +35,18 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
     turn = iter(range(10**9))
 
     def timed(tokens: int, distinct: bool) -> float:
-        ids = torch.zeros(tokens, 1, dtype=torch.int64, device=executor.device)
-        x = torch.zeros(tokens, executor.hidden, dtype=executor.x_dtype, device=executor.device)
-        request = _request(executor, x, ids, layer=0)
-
         def once() -> float:
-            first = next(turn) * tokens  # other experts each time
-            routed = (
-                torch.arange(first, first + tokens) if distinct else torch.full((tokens,), first)
+            r = next(turn)
+            first = r * tokens
+            ids = (
+                (torch.arange(tokens) + first) % E if distinct else torch.full((tokens,), first % E)
             )
-            ids.copy_(routed.view(tokens, 1) % E)
-            return request()
+            x = torch.zeros(tokens, executor.hidden, dtype=executor.x_dtype, device=executor.device)
+            return _request_ns(
+                executor, x, ids.view(tokens, 1).to(executor.device), r % len(executor.layers)
+            )
 
-        once()  # threads woken
+        once()  # first use: kernels compiled, threads woken
         return statistics.median(once() for _ in range(REPEATS))
 
     one, experts, tokens = timed(1, True), timed(n, True), timed(T, False)
@@ -59,38 +60,21 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
     return torch.tensor(cost, dtype=torch.int64, device=executor.device)
 
 
-def _request(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int):
-    """A callable that makes one request of rows `x` and expert ids `ids` (read when called) and
-    returns its round trip in ns, as a layer's call meets it: on CUDA a captured send and receive
-    replayed as one graph, so no host launch falls inside the time."""
-
-    def eager() -> None:
+def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int) -> float:
+    """One request's round trip as a layer's call meets it: send, then wait for the outputs."""
+    if executor.device.type != "cuda":
+        start = time.perf_counter_ns()
         executor.send(x, ids, layer)
         executor.receive(layer, ids.numel())
-
-    if executor.device.type != "cuda":
-
-        def timed() -> float:
-            start = time.perf_counter_ns()
-            eager()
-            return float(time.perf_counter_ns() - start)
-
-        return timed
-    eager()  # the kernels compiled before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        eager()
+        return float(time.perf_counter_ns() - start)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def replayed() -> float:
-        torch.cuda.synchronize(executor.device)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e6
-
-    return replayed
+    torch.cuda.synchronize(executor.device)
+    start.record()
+    executor.send(x, ids, layer)
+    executor.receive(layer, ids.numel())
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e6
 
 
 def _copy_ns(cache: ExpertCache) -> int:
