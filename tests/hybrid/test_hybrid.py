@@ -17,14 +17,8 @@ import asyncmoe
 from asyncmoe.hybrid.split import Cost
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
+from greedy import GREEDY, assert_same_greedy, prompt
 from models import NUM_EXPERTS, tiny
-
-STEPS = 64
-GREEDY = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
-
-
-def prompt(device="cpu") -> torch.Tensor:
-    return torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def providers(model):
@@ -33,14 +27,9 @@ def providers(model):
 
 def set_cost(model, round_trip=0, per_expert=10, per_pair=0, copy=10) -> None:
     """Costs by hand: with these, a call's misses split about evenly."""
-    cost = providers(model)[0].hybrid.cost
-    for i, v in (
-        (Cost.ROUND_TRIP, round_trip),
-        (Cost.PER_EXPERT, per_expert),
-        (Cost.PER_PAIR, per_pair),
-    ):
-        cost[i] = v
-    cost[Cost.COPY] = copy
+    cost = providers(model)[0].hybrid.cost  # one tensor, every layer's
+    cost[Cost.ROUND_TRIP], cost[Cost.PER_EXPERT] = round_trip, per_expert
+    cost[Cost.PER_PAIR], cost[Cost.COPY] = per_pair, copy
 
 
 def hybrid(model, quantize=None, device="cpu", **kw):
@@ -55,16 +44,6 @@ def hybrid(model, quantize=None, device="cpu", **kw):
     )
     set_cost(ours)
     return ours
-
-
-def assert_same_greedy(ours, theirs, ids, graph: bool = False) -> None:
-    want = theirs.generate(ids, **GREEDY)
-    assert torch.equal(ours.generate(ids, **GREEDY), want)
-    assert torch.equal(asyncmoe.Decoder(ours, 1, 80, graph=False).generate(ids, STEPS).tokens, want)
-    if graph:
-        assert torch.equal(
-            asyncmoe.Decoder(ours, 1, 80, graph=True).generate(ids, STEPS).tokens, want
-        )
 
 
 def assert_split_both_ways(model) -> None:

@@ -22,29 +22,12 @@ from asyncmoe.compute.cpu import request
 from asyncmoe.compute.cpu.executor import CpuExecutor
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
+from greedy import GREEDY, STEPS, assert_same_greedy, prompt
 from models import TOP_K, tiny
-
-STEPS = 64
-GREEDY = dict(max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0)
-
-
-def prompt(device="cpu") -> torch.Tensor:
-    return torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def executor_of(model) -> CpuExecutor:
     return getattr(find_experts(model)[0][1], PROVIDER).executor
-
-
-def assert_same_greedy(ours, theirs, ids, graph: bool = False) -> None:
-    """64 greedy tokens of `ours` equal `theirs`'s, under generate and the Decoder (and its graph)."""
-    want = theirs.generate(ids, **GREEDY)
-    assert torch.equal(ours.generate(ids, **GREEDY), want)
-    assert torch.equal(asyncmoe.Decoder(ours, 1, 80, graph=False).generate(ids, STEPS).tokens, want)
-    if graph:
-        assert torch.equal(
-            asyncmoe.Decoder(ours, 1, 80, graph=True).generate(ids, STEPS).tokens, want
-        )
 
 
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3"])
