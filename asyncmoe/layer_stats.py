@@ -310,11 +310,11 @@ def read_stats(
         for _, c in caches:
             c.counters.zero_()
             c.timer.zero_()
-    layers, read = [], {"reset": reset}
+    layers, read = [], {}
     n = len(COUNTERS)
     hybrids = hybrids or [None] * len(caches)
     for i, ((name, c), row, hybrid) in enumerate(zip(caches, rows, hybrids)):
-        cpu = {} if hybrid is None else cpu_fields(hybrid.executor, hybrid.layer, read)[0]
+        cpu = {} if hybrid is None else cpu_fields(hybrid.executor, hybrid.layer, reset, read)[0]
         vals = dict(zip(COUNTERS, row))
         wait, ensure = row[n : n + 2] if c.timer.numel() else (None, None)
         slots, experts, gpu, host = row[n + 2 :]
@@ -345,11 +345,11 @@ def read_stats(
     )
 
 
-def cpu_fields(executor, layer: int, read: dict) -> tuple[dict, int]:
+def cpu_fields(executor, layer: int, reset: bool, read: dict) -> tuple[dict, int]:
     """A CPU executor's counters of one of its layers as LayerStats fields, and its requests; `read`
-    memoizes each executor's read-out (a host sync on CUDA, on request only)."""
+    holds each executor's read-out by id, made once (a host sync on CUDA, on request only)."""
     if executor.id not in read:
-        read[executor.id] = executor.stats(read["reset"])
+        read[executor.id] = executor.stats(reset)
     counts, waited = read[executor.id]
     c = dict(zip(STATS, counts[layer].tolist()))  # a host tensor: no sync
     wait = None if waited is None else int(waited[layer, WAITED_NS])
@@ -360,9 +360,9 @@ def cpu_fields(executor, layer: int, read: dict) -> tuple[dict, int]:
 def cpu_layer_stats(layers: list[tuple[str, object]], reset: bool = False) -> list[LayerStats]:
     """Rows for layers computed on the host's CPU (`CpuProvider`s, in MoE-layer order): the
     executor's counters, read once per executor (a host sync on CUDA, on request only)."""
-    read, rows = {"reset": reset}, []
+    read, rows = {}, []
     for i, (name, p) in enumerate(layers):
-        cpu, requests = cpu_fields(p.executor, p.layer, read)
+        cpu, requests = cpu_fields(p.executor, p.layer, reset, read)
         layer = p.executor.layers[p.layer]
         host = layer.num_experts * layer.expert_bytes
         cache = dict.fromkeys(COUNTERS, 0) | dict(calls=requests, misses=cpu["cpu_experts"])

@@ -152,7 +152,7 @@ def copy_ns(hosts: list[torch.Tensor], slots: list[torch.Tensor], repeats: int =
     one = torch.ones(1, dtype=torch.int64, device=slots[0].device)
     src, dst = one - 1, one - 1
     gather_copy(hosts, slots, src, dst, one)  # compiles the kernel for these tensors
-    torch.cuda.synchronize(one.device)
+    torch.cuda.synchronize(one.device)  # at compile only, as the event's below
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     gather_copy(hosts, slots, src, dst, one)  # the copy the timed ones queue behind
     start.record()

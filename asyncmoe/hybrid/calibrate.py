@@ -26,8 +26,8 @@ from .split import Cost
 REPEATS = 7
 
 
-def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
-    """`cost` [len(Cost)] int64 ns on the executor's device, fitted to three requests: one pair, n
+def calibrate(executor: CpuExecutor, cache: ExpertCache) -> list[int]:
+    """The costs in ns, indexed by `Cost`, fitted to three requests: one pair, n
     tokens each routed to an expert of its own, and T tokens routed to one expert; and `cache`'s
     copy."""
     E = executor.layers[0].num_experts
@@ -57,7 +57,7 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> torch.Tensor:
     cost[Cost.PER_EXPERT], cost[Cost.PER_PAIR] = int(per_expert), int(per_pair)
     cost[Cost.COPY] = _copy_ns(cache)
     executor.stats(reset=True)  # stats count the model's calls only
-    return torch.tensor(cost, dtype=torch.int64, device=executor.device)
+    return cost
 
 
 def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int) -> float:
@@ -68,7 +68,7 @@ def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer
         executor.receive(layer, ids.numel())
         return float(time.perf_counter_ns() - start)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(executor.device)
+    torch.cuda.synchronize(executor.device)  # at compile only, as every sync here
     start.record()
     executor.send(x, ids, layer)
     executor.receive(layer, ids.numel())
@@ -90,10 +90,9 @@ def _copy_ns(cache: ExpertCache) -> int:
     return int(statistics.median(times))
 
 
-def pays(cost: torch.Tensor, top_k: int) -> bool:
-    """Whether the split would send the CPU any of a decode call's `top_k` misses: the hybrid's
-    default is on where it would."""
-    c = cost.tolist()
+def pays(c: list[int], top_k: int) -> bool:
+    """Whether the split would send the CPU any of a decode call's `top_k` misses, by the costs `c`
+    (`calibrate`): the hybrid's default is on where it would."""
     for n in range(1, top_k + 1):
         cpu = c[Cost.ROUND_TRIP] + n * (c[Cost.PER_EXPERT] + c[Cost.PER_PAIR])
         if max(cpu, (top_k - n) * c[Cost.COPY]) < top_k * c[Cost.COPY]:

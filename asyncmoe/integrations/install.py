@@ -20,7 +20,15 @@ from ..hybrid.ops import Hybrid
 from ..prefetch.predictors import Prefetch
 from ..providers import CachedProvider, CpuProvider, ExpertWeightProvider, ResidentProvider, link
 from ..settings import AutoCache, Settings, budget_text
-from .offload import CacheSpec, expert_size, host_store, offload, resident, stored_quantized
+from .offload import (
+    CacheSpec,
+    expert_size,
+    host_store,
+    host_tensors,
+    offload,
+    resident,
+    stored_quantized,
+)
 from .replay import feed_replayed_gate, install_replay
 from .transformers import (
     PROVIDER,
@@ -400,7 +408,7 @@ def _install_hybrid(
     if asked is False or not cached or (asked is None and spec.device.type != "cuda"):
         return
     try:
-        layers = [CpuExperts.from_module(m, _host_tensors(m), spec.fmt) for m, _ in cached]
+        layers = [CpuExperts.from_module(m, host_tensors(m), spec.fmt) for m, _ in cached]
         cpu = CpuSettings(threads=settings.cpu_threads)
         executor = CpuExecutor(layers, spec.device, _dtype(model), top_k, cpu)
     except (ValueError, RuntimeError) as e:  # a layer the kernels cannot compute; no C compiler
@@ -409,16 +417,12 @@ def _install_hybrid(
                 f"hybrid=True computes misses on the CPU, which cannot here: {e}"
             ) from None
         return
-    cost = calibrate(executor, cached[0][1].cache)
-    if asked is None and not pays(cost, top_k):
+    costs = calibrate(executor, cached[0][1].cache)
+    if asked is None and not pays(costs, top_k):
         return
+    cost = torch.tensor(costs, dtype=torch.int64, device=spec.device)
     for i, (_, provider) in enumerate(cached):
         provider.hybrid = Hybrid(executor, i, cost)
-
-
-def _host_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
-    """An offloaded experts module's host store, by name (offload.host_store)."""
-    return {name: getattr(m, name) for name in m._asyncmoe_offloaded}
 
 
 def _dtype(model: nn.Module) -> torch.dtype:

@@ -163,6 +163,11 @@ def resident(m: nn.Module, fmt: Format, device: torch.device) -> QuantizedReside
     return QuantizedResidentProvider(tensors, fmt)
 
 
+def host_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
+    """An offloaded experts module's host store, by name (as `host_store` left it)."""
+    return {name: getattr(m, name) for name in m._asyncmoe_offloaded}
+
+
 def _add_offloaded_to_state_dict(module, state_dict, prefix, local_metadata):
     for name in module._asyncmoe_offloaded:
         state_dict[prefix + name] = getattr(module, name)
