@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncmoe.compute.cpu import CpuExperts, Pool, Projection, experts_mlp
+from asyncmoe.compute.cpu.build import ISA_FLAGS
 from asyncmoe.formats import FP8, Fp8, Int4, Mxfp4
 
 from harness import h2d_bandwidth
@@ -166,15 +167,17 @@ def cpu_layer(fmt: str, n: int, D: int, I: int) -> CpuExperts:
 
 
 def asyncmoe_mlp(
-    shape: str, fmt: str, threads: list[int], tokens: list[int], n: int, repeats: int
+    shape: str, fmt: str, threads: list[int], tokens: list[int], n: int, repeats: int, isa: str
 ) -> list[dict]:
-    """asyncmoe's CPU kernels (compute/cpu): ms per expert MLP of `shape` in `fmt`, every token of
-    a sample through each of `n` experts, and GB/s of the weights (scales included) they read."""
+    """asyncmoe's CPU kernels (compute/cpu) built for `isa`: ms per expert MLP of `shape` in `fmt`,
+    every token of a sample through each of `n` experts, and GB/s of the weights (scales included)
+    they read."""
     D, I = expert_dims(shape)
     layer = cpu_layer(fmt, n, D, I)
     rows = []
+    name = f"asyncmoe {fmt} expert MLP" + ("" if isa == "native" else f" ({isa})")
     for t in threads:
-        pool = Pool(t)
+        pool = Pool(t, isa=isa)
         for T in tokens:
             x = torch.randn(T, D, dtype=torch.bfloat16)
             token_ids = torch.arange(T).repeat(n)
@@ -182,7 +185,7 @@ def asyncmoe_mlp(
             ms = median_ms(repeats, experts_mlp, layer, x, token_ids, expert_ids, pool) / n
             rows.append(
                 dict(
-                    probe=f"asyncmoe {fmt} expert MLP",
+                    probe=name,
                     shape=shape,
                     threads=t,
                     tokens=T,
@@ -195,14 +198,23 @@ def asyncmoe_mlp(
 
 
 def probe(
-    shapes: list[str], threads: list[int], tokens: list[int], experts: int, gib: float, repeats: int
+    shapes: list[str],
+    threads: list[int],
+    tokens: list[int],
+    experts: int,
+    gib: float,
+    repeats: int,
+    formats: list[str],
+    isas: list[str],
 ):
     rows = read_bandwidth(gib, threads, repeats)
     for shape in shapes:
         for fmt in ["bf16", "int4"] if INT4 else ["bf16"]:
-            rows += expert_mlp(shape, fmt, threads, tokens, experts, repeats)
-        for fmt in CPU_FORMATS:
-            rows += asyncmoe_mlp(shape, fmt, threads, tokens, experts, repeats)
+            if fmt in formats:
+                rows += expert_mlp(shape, fmt, threads, tokens, experts, repeats)
+        for fmt in formats:
+            for isa in isas:
+                rows += asyncmoe_mlp(shape, fmt, threads, tokens, experts, repeats, isa)
     if torch.cuda.is_available():
         rows.append(dict(probe="copy engine: pinned host -> GPU", GB_per_s=h2d_bandwidth()))
     return rows
@@ -250,6 +262,14 @@ def main():
     )
     p.add_argument("--gib", type=float, default=1.0, help="the read probe's buffer")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--formats", nargs="+", choices=CPU_FORMATS, default=list(CPU_FORMATS))
+    p.add_argument(
+        "--isas",
+        nargs="+",
+        choices=list(ISA_FLAGS),
+        default=["native"],
+        help="builds of asyncmoe's kernels to time side by side",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -258,7 +278,16 @@ def main():
     )
     if not INT4:
         print(f"int4: skipped, torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu")
-    rows = probe(args.shapes, threads, args.tokens, args.experts, args.gib, args.repeats)
+    rows = probe(
+        args.shapes,
+        threads,
+        args.tokens,
+        args.experts,
+        args.gib,
+        args.repeats,
+        args.formats,
+        args.isas,
+    )
     host = {"cpu": cpu_name(), "cores": cores, "torch": torch.__version__}
     print(f"{host['cpu']}, {cores} cores, torch {torch.__version__}\n\n{table(rows)}")
     if args.out:

@@ -4,7 +4,9 @@
  * The expert MLP of a set of (token, expert) pairs, computed from the host store where the experts live:
  *     out[p] = down_e(gate(up_e(x[t])))     for pair p = (t, e)
  * in float32 accumulation, for every format of asyncmoe/formats.py (dense f32/bf16/f16 in either layout, fp8
- * block-wise in either layout, mxfp4 and int4 stored [N, K/2]). Pairs are grouped by expert so that each weight
+ * block-wise in either layout, mxfp4 and int4 stored [N, K/2]). With bf16 inputs the activation between the
+ * projections is rounded to bf16, as the model computes it, and where the host has AVX512-BF16 4-bit weights are
+ * multiplied with bf16 inputs in pairs (dot4_pairs). Pairs are grouped by expert so that each weight
  * is read once for all of its tokens; each projection is split over output rows across a persistent thread pool,
  * so that one token uses every thread (at batch 1 the work is a stream of weights from DRAM).
  *
@@ -74,7 +76,12 @@ static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
  */
 
 #if defined(__AVX512F__) && !defined(AMC_SCALAR)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define AMC_BF16_PAIRS 1 /* 4-bit weights times bf16 inputs in pairs (VDPBF16PS): dot4_pairs below */
+#define AMC_ISA "avx512-bf16"
+#else
 #define AMC_ISA "avx512"
+#endif
 #define VL 16
 typedef __m512 vf;
 static inline vf vzero(void) { return _mm512_setzero_ps(); }
@@ -245,6 +252,7 @@ static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 static float E4M3[256];  /* fp8 e4m3fn code -> float */
 static float E8M0[256];  /* mxfp4 scale code s -> 2^(s - 127), as formats.dequantize_mxfp4's ldexp */
+static uint16_t CODES_BF16[2][32]; /* 4-bit code -> its unscaled value as bf16 (exact): [0] int4, [1] mxfp4; twice */
 
 __attribute__((constructor)) static void build_tables(void) {
     for (int b = 0; b < 256; b++) {
@@ -254,6 +262,14 @@ __attribute__((constructor)) static void build_tables(void) {
         E4M3[b] = (b & 0x80) ? -v : v;
         E8M0[b] = ldexpf(1.0f, b - 127);
     }
+    for (int c = 0; c < 32; c++) {
+        float v[2] = {(float)((c & 0xF) - 8), E2M1[c & 0xF]};
+        for (int mx = 0; mx < 2; mx++) {
+            uint32_t u;
+            memcpy(&u, &v[mx], 4);
+            CODES_BF16[mx][c] = (uint16_t)(u >> 16);
+        }
+    }
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -261,6 +277,14 @@ static inline float bf16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* float32 -> bf16, rounded to nearest even as torch rounds; NaN stays NaN */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 static inline float f16_to_f32(uint16_t h) {
@@ -346,6 +370,13 @@ static void decode_int4(const uint8_t *src, const uint16_t *scales, int64_t grou
 
 /* where input k sits in the order the 4-bit decoders write */
 static inline int64_t split_position(int64_t k) { return (k & ~(int64_t)31) | ((k & 1) << 4) | ((k & 31) >> 1); }
+
+/* where input k of K sits for dot4_pairs: each whole 64 inputs as their 32 even ones then their 32 odd ones (the
+ * low nibbles of 32 bytes, then the high), a last 32 as split_position */
+static inline int64_t pair_position(int64_t k, int64_t K) {
+    if ((k | 63) >= K) return split_position(k);
+    return (k & ~(int64_t)63) | ((k & 1) << 5) | ((k & 63) >> 1);
+}
 
 /* v[0:len] (len a multiple of 32) reordered as the 4-bit decoders write their weights */
 static void split_even_odd(float *v, int64_t len) {
@@ -561,6 +592,63 @@ static inline __attribute__((always_inline)) void dot8_fixed(const uint8_t *row,
     for (int t = 0; t < tb; t++) out[t] = vsum(acc[t]) + tail[t];
 }
 
+#if defined(AMC_BF16_PAIRS)
+static inline float scale4(const void *scales, int mx, int64_t g) {
+    return mx ? E8M0[((const uint8_t *)scales)[g]] : bf16_to_f32(((const uint16_t *)scales)[g]);
+}
+
+/* a 4-bit row against bf16 inputs in pair_position's order: each 32 bytes of codes become the 32 even inputs' and
+ * the 32 odd inputs' weights as bf16 (one lookup each, exact), multiplied with the inputs in pairs into float32 by
+ * VDPBF16PS, half the instructions of the float32 path per weight; lanes 0-7 of a sum hold the first 32 inputs'
+ * products, lanes 8-15 the next 32's, each scaled by its group's scale. */
+static inline __attribute__((always_inline)) void dot4_pairs(const uint8_t *row, const void *scales, int mx, int shift,
+                                                             const uint16_t *x, int64_t ldx, int64_t K, int tb,
+                                                             float *out) {
+    const int u = tb == 1 ? 2 : 1; /* independent accumulator chains for one token */
+    const __m512i table = _mm512_loadu_si512(CODES_BF16[mx]), nibble = _mm512_set1_epi16(0xF);
+    __m512 acc[2][TOKENS_PER_READ];
+    for (int j = 0; j < u; j++)
+        for (int t = 0; t < tb; t++) acc[j][t] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (int j = 0; c + 64 <= K; c += 64, j ^= u - 1) {
+        __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + c / 2)));
+        __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, nibble), table);
+        __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+        __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale4(scales, mx, c >> shift)),
+                                            _mm512_set1_ps(scale4(scales, mx, (c + 32) >> shift)));
+        for (int t = 0; t < tb; t++) {
+            const uint16_t *xt = x + t * ldx + c;
+            __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), even, (__m512bh)_mm512_loadu_si512(xt));
+            sum = _mm512_dpbf16_ps(sum, odd, (__m512bh)_mm512_loadu_si512(xt + 32));
+            acc[j][t] = _mm512_fmadd_ps(sum, scale, acc[j][t]);
+        }
+    }
+    if (c < K) { /* a last 32 inputs: 16 bytes, the even inputs' weights then the odd ones' in one register */
+        __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + c / 2)));
+        __m512i index = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(codes, _mm256_set1_epi16(0xF))), _mm256_srli_epi16(codes, 4), 1);
+        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(index, table);
+        __m512 scale = _mm512_set1_ps(scale4(scales, mx, c >> shift));
+        for (int t = 0; t < tb; t++) {
+            __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(x + t * ldx + c));
+            acc[0][t] = _mm512_fmadd_ps(sum, scale, acc[0][t]);
+        }
+    }
+    for (int t = 0; t < tb; t++) out[t] = _mm512_reduce_add_ps(u == 2 ? _mm512_add_ps(acc[0][t], acc[1][t]) : acc[0][t]);
+}
+
+/* out[t] for row n of expert e of a 4-bit matrix, inputs in bf16 (pair_position), tb tokens */
+static void dot_row_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint16_t *x, int64_t ldx, int tb,
+                          float *out) {
+    const int64_t K = m->k;
+    const int mx = m->format == AMC_MXFP4, shift = __builtin_ctzll((unsigned long long)m->block_cols);
+    const uint8_t *row = expert_weight(m, e) + n * row_bytes(m);
+    const uint8_t *scales = expert_scales(m, e) + n * (K >> shift) * (mx ? 1 : 2);
+#define PAIRS(TB) dot4_pairs(row, scales, mx, shift, x, ldx, K, TB, out)
+    DISPATCH_TOKENS(PAIRS)
+#undef PAIRS
+}
+#endif
 
 /* Whether rows of `m` take the fused path: fp8, mxfp4, and int4 in groups of at least 32, stored [N, K] */
 static int fused(const amc_matrix *m) {
@@ -595,6 +683,16 @@ static void dot_row_fused(const amc_matrix *m, int64_t e, int64_t n, const float
 }
 #endif
 
+/* Whether `m`, given bf16 inputs, takes dot4_pairs: a fused 4-bit matrix on a build with AVX512-BF16 */
+static int takes_pairs(const amc_matrix *m) {
+#if defined(AMC_BF16_PAIRS)
+    return is_4bit(m) && fused(m);
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
 /* y[0:len] += sum_r a[r] * w[r][0:len] over `rows` rows: the outputs are loaded and stored once per pass */
 static inline void axpy_rows(float *y, const float *a, const float *const *w, int rows, int64_t len) {
     int64_t i = 0;
@@ -613,14 +711,28 @@ static inline void axpy_rows(float *y, const float *a, const float *const *w, in
 
 /* [N, K] rows per output: rows n0..n1 of an expert are one contiguous stream, each row decoded once (a segment at a
  * time) and multiplied by every token, TOKENS_PER_READ at a time. */
-static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, int64_t tokens,
-                         float *y, int64_t ldy, float *buf) {
+static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, const uint16_t *xb,
+                         int64_t tokens, float *y, int64_t ldy, float *buf) {
     const int64_t K = m->k, stride = row_bytes(m);
     const uint8_t *first = expert_weight(m, e) + n0 * stride, *end = expert_weight(m, e) + n1 * stride;
     const int in_registers = fused(m);
+#if !defined(AMC_BF16_PAIRS)
+    (void)xb; /* NULL: only dot4_pairs reads it */
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ahead = first + (n - n0) * stride + PREFETCH_BYTES;
         if (ahead < end) prefetch(ahead, min64(stride, end - ahead));
+#if defined(AMC_BF16_PAIRS)
+        if (xb) {
+            for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
+                float part[TOKENS_PER_READ];
+                int tb = (int)min64(TOKENS_PER_READ, tokens - t0);
+                dot_row_pairs(m, e, n, xb + t0 * K, K, tb, part);
+                for (int t = 0; t < tb; t++) y[(t0 + t) * ldy + n] = part[t];
+            }
+            continue;
+        }
+#endif
         if (in_registers) {
             for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
                 float part[TOKENS_PER_READ];
@@ -666,11 +778,13 @@ static void project_cols(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1,
     }
 }
 
-static void project(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, int64_t tokens, float *y,
-                    int64_t ldy, float *buf) {
+/* ... from x [tokens, K] float32 (in split_position's order for a 4-bit m), or from xb (pair_position's order, bf16)
+ * where it is not NULL, which only a matrix that takes `pairs` is given */
+static void project(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, const uint16_t *xb,
+                    int64_t tokens, float *y, int64_t ldy, float *buf) {
     if (n0 >= n1) return;
     if (m->transposed) project_cols(m, e, n0, n1, x, tokens, y, ldy, buf);
-    else project_rows(m, e, n0, n1, x, tokens, y, ldy, buf);
+    else project_rows(m, e, n0, n1, x, xb, tokens, y, ldy, buf);
     if (!m->bias) return;
     for (int64_t n = n0; n < n1; n++) {
         float b = dense_at(m->bias, m->bias_format, e * m->n + n);
@@ -707,8 +821,11 @@ static inline float gpt_oss_gate(float gate, float up, float alpha, float limit)
 }
 
 /* a[j] for j in [j0, j1), one token's up-projection row h: act(gate) * up (halves), GPT-OSS's gate, or act(up);
- * placed where a 4-bit down-projection's decoder expects input j when `split` */
-static void activate(const amc_layer *L, const float *h, float *a, int64_t j0, int64_t j1, int split) {
+ * rounded to bf16 when the inputs are bf16 (the model's own precision between its projections), and placed where
+ * the down-projection reads input j: float32 in `a` (split_position's order when `split`), or bf16 in `ab`
+ * (pair_position's order) where ab is not NULL */
+static void activate(const amc_layer *L, const float *h, float *a, uint16_t *ab, int64_t j0, int64_t j1, int split,
+                     int bf16) {
     const int64_t I = L->down.k;
     for (int64_t j = j0; j < j1; j++) {
         float v;
@@ -717,7 +834,8 @@ static void activate(const amc_layer *L, const float *h, float *a, int64_t j0, i
         case AMC_GATE_GPT_OSS: v = gpt_oss_gate(h[2 * j], h[2 * j + 1], L->alpha, L->limit); break;
         default: v = activation(L->act, h[j]); break;
         }
-        a[split ? split_position(j) : j] = v;
+        if (ab) ab[pair_position(j, I)] = f32_to_bf16(v);
+        else a[split ? split_position(j) : j] = bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
     }
 }
 
@@ -741,6 +859,7 @@ typedef struct { /* pairs [start, start + count) of the sorted order all go to `
 typedef struct {
     int64_t pairs, experts, hidden, up, inter; /* capacities */
     float *x, *h, *a, *o; /* [P, H] inputs, [P, N_up] up-projections, [P, I] activations, [P, H] outputs, sorted */
+    uint16_t *xb, *ab;    /* [P, H] inputs, [P, I] activations, bf16 for dot4_pairs */
     int32_t *order;       /* [P]: sorted position -> pair */
     int32_t *counts;      /* [E + 1] */
     group *groups;        /* [P] */
@@ -823,6 +942,8 @@ static void workspace_free(workspace *ws) {
     free(ws->h);
     free(ws->a);
     free(ws->o);
+    free(ws->xb);
+    free(ws->ab);
     free(ws->order);
     free(ws->counts);
     free(ws->groups);
@@ -843,10 +964,12 @@ static int workspace_reserve(workspace *ws, int64_t P, int64_t E, int64_t H, int
     ws->h = alloc64(ws->pairs * ws->up * f);
     ws->a = alloc64(ws->pairs * ws->inter * f);
     ws->o = alloc64(ws->pairs * ws->hidden * f);
+    ws->xb = alloc64(ws->pairs * ws->hidden * 2);
+    ws->ab = alloc64(ws->pairs * ws->inter * 2);
     ws->order = alloc64(ws->pairs * 4);
     ws->counts = alloc64((ws->experts + 1) * 4);
     ws->groups = alloc64(ws->pairs * (int64_t)sizeof(group));
-    if (ws->x && ws->h && ws->a && ws->o && ws->order && ws->counts && ws->groups) return AMC_OK;
+    if (ws->x && ws->h && ws->a && ws->o && ws->xb && ws->ab && ws->order && ws->counts && ws->groups) return AMC_OK;
     workspace_free(ws);
     return AMC_ERR_MEMORY;
 }
@@ -905,6 +1028,7 @@ typedef struct {
     amc_pool *pool;
     const group *groups;
     int64_t ngroups, pairs;
+    int bf16;   /* the inputs are bf16: the activations are rounded to bf16, and 4-bit matrices take dot4_pairs */
     float *out; /* [P, H], in the caller's pair order */
 } step;
 
@@ -926,17 +1050,21 @@ static void up_task(void *arg, int tid, int threads) {
     share(I, split ? max64(align, 32) : align, tid, threads, &j0, &j1);
     if (j0 >= j1) return;
     float *buf = thread_buffer(s->pool, tid);
+    const int up_pairs = s->bf16 && takes_pairs(&L->up), down_pairs = s->bf16 && takes_pairs(&L->down);
     for (int64_t g = 0; g < s->ngroups; g++) {
         const group *G = &s->groups[g];
         const float *x = ws->x + G->start * H;
+        const uint16_t *xb = up_pairs ? ws->xb + G->start * H : NULL;
         float *h = ws->h + G->start * N, *a = ws->a + G->start * I;
+        uint16_t *ab = down_pairs ? ws->ab + G->start * I : NULL;
         if (interleaved) {
-            project(&L->up, G->expert, 2 * j0, 2 * j1, x, G->count, h, N, buf);
+            project(&L->up, G->expert, 2 * j0, 2 * j1, x, xb, G->count, h, N, buf);
         } else {
-            project(&L->up, G->expert, j0, j1, x, G->count, h, N, buf);
-            if (L->gate == AMC_GATE_HALVES) project(&L->up, G->expert, I + j0, I + j1, x, G->count, h, N, buf);
+            project(&L->up, G->expert, j0, j1, x, xb, G->count, h, N, buf);
+            if (L->gate == AMC_GATE_HALVES) project(&L->up, G->expert, I + j0, I + j1, x, xb, G->count, h, N, buf);
         }
-        for (int64_t t = 0; t < G->count; t++) activate(L, h + t * N, a + t * I, j0, j1, split);
+        for (int64_t t = 0; t < G->count; t++)
+            activate(L, h + t * N, a + t * I, ab ? ab + t * I : NULL, j0, j1, split, s->bf16);
     }
 }
 
@@ -949,9 +1077,11 @@ static void down_task(void *arg, int tid, int threads) {
     share(H, split_align(&L->down), tid, threads, &n0, &n1);
     if (n0 >= n1) return;
     float *buf = thread_buffer(s->pool, tid);
+    const int down_pairs = s->bf16 && takes_pairs(&L->down);
     for (int64_t g = 0; g < s->ngroups; g++) {
         const group *G = &s->groups[g];
-        project(&L->down, G->expert, n0, n1, ws->a + G->start * I, G->count, ws->o + G->start * H, H, buf);
+        const uint16_t *ab = down_pairs ? ws->ab + G->start * I : NULL;
+        project(&L->down, G->expert, n0, n1, ws->a + G->start * I, ab, G->count, ws->o + G->start * H, H, buf);
     }
     for (int64_t i = 0; i < s->pairs; i++)
         memcpy(s->out + ws->order[i] * H + n0, ws->o + i * H + n0, (n1 - n0) * sizeof(float));
@@ -1005,11 +1135,18 @@ static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int3
     int64_t sorted, ngroups = sort_by_expert(ws, L->experts, P, expert_ids, &sorted);
     *groups = ngroups, *computed = sorted;
     if (!sorted) return AMC_OK;
+    const int bf16 = x_format == AMC_BF16, up_pairs = bf16 && takes_pairs(&L->up);
     for (int64_t i = 0; i < sorted; i++) {
-        convert_row(x, x_format, token_ids[ws->order[i]], H, ws->x + i * H);
+        const int64_t token = token_ids[ws->order[i]];
+        if (up_pairs) {
+            const uint16_t *row = (const uint16_t *)x + token * H;
+            for (int64_t k = 0; k < H; k++) ws->xb[i * H + pair_position(k, H)] = row[k];
+            continue;
+        }
+        convert_row(x, x_format, token, H, ws->x + i * H);
         if (is_4bit(&L->up)) split_even_odd(ws->x + i * H, H);
     }
-    step s = {L, pool, ws->groups, ngroups, sorted, out};
+    step s = {L, pool, ws->groups, ngroups, sorted, bf16, out};
     pool_run(pool, up_task, &s);
     pool_run(pool, down_task, &s);
     return AMC_OK;

@@ -1,5 +1,6 @@
 """Plain-torch definitions of what the CPU expert kernels compute, from the same stored tensors: the weights
-dequantized by asyncmoe.formats, then float32 matmuls and the gate. Tests compare experts.c against these.
+dequantized by asyncmoe.formats, then float32 matmuls and the gate (the activation rounded to bf16 when the inputs
+are bf16). Tests compare experts.c against these.
 
 Dims: E experts, T tokens, P pairs, H hidden, I intermediate; a projection has N outputs and K inputs.
 """
@@ -58,4 +59,9 @@ def experts_mlp(
     """What kernels.experts_mlp returns: float32 [P, H], pair p = (token_ids[p], expert_ids[p]) of x [T, H]."""
     token_ids, expert_ids = token_ids.long(), expert_ids.long()
     h = linear(layer.up, x.float()[token_ids], expert_ids)
-    return linear(layer.down, activate(layer, h), expert_ids)
+    a = activate(layer, h)
+    if (
+        x.dtype == torch.bfloat16
+    ):  # the model's precision between projections, as the kernels keep it
+        a = a.bfloat16().float()
+    return linear(layer.down, a, expert_ids)

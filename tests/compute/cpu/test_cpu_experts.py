@@ -20,11 +20,13 @@ GATES = [("halves", "silu"), ("gpt_oss", "silu"), ("none", "silu"), ("none", "ge
 
 
 def isas() -> list[str]:
-    """The native build and each narrower path the host can also run (AVX2 under AVX-512, plain C)."""
+    """The native build and each narrower path the host can also run (AVX-512 without BF16 and AVX2 under AVX-512
+    with BF16, AVX2 under AVX-512, plain C)."""
     native = library("native").amc_isa().decode()
     return (
         ["native"]
-        + (["avx2"] if native == "avx512" else [])
+        + (["avx512"] if native == "avx512-bf16" else [])
+        + (["avx2"] if native.startswith("avx512") else [])
         + (["scalar"] if native != "scalar" else [])
     )
 
@@ -108,7 +110,13 @@ def check(layer: CpuExperts, x, token_ids, expert_ids, p: Pool) -> None:
     out = experts_mlp(layer, x, token_ids, expert_ids, p)
     ref = reference.experts_mlp(layer, x, token_ids, expert_ids)
     scale = ref.abs().max().item() + 1e-6
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-5 * scale)
+    if x.dtype != torch.bfloat16:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-5 * scale)
+        return
+    # bf16 inputs: both sides round the activation to bf16, and a last-bit difference before it can round an element
+    # a step the other way: a few outputs move by a weight times that step, the rest stay as close as in float32
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=2e-3 * scale)
+    assert (out - ref).abs().mean().item() <= 2e-5 * scale
 
 
 CASES = [(f, t) for f in FORMATS for t in (False, True) if not (t and f in ("mxfp4", "int4"))]
