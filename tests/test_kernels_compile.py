@@ -188,7 +188,10 @@ def _cpu_request():
     x, ids = torch.randn(3, 32, dtype=torch.bfloat16), torch.randint(0, 8, (3, 2))
     request.send(x, ids, seq, fields, 1)
     out, fault = torch.zeros(6, 32), torch.zeros(4, dtype=torch.int64)
-    request.receive(seq, fields, out, fault, torch.zeros(2, 2, dtype=torch.int64), 1, 10**9)
+    waited = torch.zeros(2, 2, dtype=torch.int64)
+    request.receive(seq, fields, out, fault, waited, 1, 10**9)
+    merge = (torch.tensor([0, -1, 3, -1, -1, 2]), torch.zeros(6, 32, dtype=torch.bfloat16))
+    request.receive(seq, fields, torch.empty_like(merge[1]), fault, waited, 1, 10**9, merge)
 
 
 def _hybrid_split():

@@ -70,9 +70,7 @@ def _(x, top_k_index, wait, state, cost, executor_id, layer):
 def _hybrid_receive(gpu_out: Tensor, cpu_ids: Tensor, executor_id: int, layer: int) -> Tensor:
     """Every pair's output [P, H]: the CPU's where `cpu_ids` names an expert (waiting for them; on
     CUDA a wait past the executor's timeout fails loudly), `gpu_out`'s elsewhere, in its dtype."""
-    cpu_out = executor(executor_id).receive(layer, cpu_ids.numel())
-    on_cpu = (cpu_ids >= 0).reshape(-1, 1)
-    return torch.where(on_cpu, cpu_out.to(gpu_out.dtype), gpu_out)
+    return executor(executor_id).merge(gpu_out, cpu_ids, layer)
 
 
 @_hybrid_receive.register_fake

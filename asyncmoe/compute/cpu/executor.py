@@ -130,6 +130,21 @@ class CpuExecutor:
         request.receive(self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns)
         return out
 
+    def merge(self, gpu_out: torch.Tensor, ids: torch.Tensor, layer: int) -> torch.Tensor:
+        """`gpu_out` [P, H] with the rows whose `ids` [P] name an expert replaced by the outputs of
+        the request `send` started, in gpu_out's dtype (a new tensor); on CUDA one kernel waits as
+        `receive` does and reads only those rows over the link."""
+        if self.device.type != "cuda":
+            cpu_out, self.pending = self.pending, None
+            return torch.where((ids >= 0).reshape(-1, 1), cpu_out.to(gpu_out.dtype), gpu_out)
+        out = torch.empty_like(gpu_out)
+        timeout_ns = int(self.settings.timeout_s * 1e9)
+        merge = (ids.reshape(-1), gpu_out.contiguous())
+        request.receive(
+            self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns, merge
+        )
+        return out
+
     def stats(self, reset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per layer: the worker's counters [layers, len(STATS)] and, on CUDA, the GPU's waits
         [layers, 2] (requests, ns); a host sync, on request only."""

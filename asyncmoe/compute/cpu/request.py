@@ -138,13 +138,17 @@ if triton is not None:
         done_ptr,
         error_ptr,
         chan_out_ptr,  # float32 [P, H] in the channel
-        out_ptr,  # float32 [P, H] on the GPU
+        out_ptr,  # [P, H] on the GPU: float32, or gpu_out's dtype when MERGE
+        ids_ptr,  # MERGE: [P] the CPU's expert ids (-1: the GPU's pair)
+        gpu_out_ptr,  # MERGE: [P, H] the GPU's outputs
         fault_ptr,
         waited_ptr,  # int64 [layers, 2]
         layer,
         n,  # P * H
+        H,
         timeout_ns,
         BLOCK: tl.constexpr,
+        MERGE: tl.constexpr,
     ):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         seq = tl.load(seq_ptr)
@@ -164,7 +168,16 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         for i0 in range(pid * BLOCK, n, programs * BLOCK):
             i = i0 + offs
-            tl.store(out_ptr + i, tl.load(chan_out_ptr + i, mask=i < n, volatile=True), mask=i < n)
+            if MERGE:  # the link is read only for the CPU's rows
+                on_cpu = tl.load(ids_ptr + i // H, mask=i < n, other=-1) >= 0
+                cpu = tl.load(chan_out_ptr + i, mask=(i < n) & on_cpu, other=0.0, volatile=True)
+                gpu = tl.load(gpu_out_ptr + i, mask=(i < n) & ~on_cpu, other=0.0)
+                merged = tl.where(on_cpu, cpu.to(out_ptr.dtype.element_ty), gpu)
+                tl.store(out_ptr + i, merged, mask=i < n)
+            else:
+                tl.store(
+                    out_ptr + i, tl.load(chan_out_ptr + i, mask=i < n, volatile=True), mask=i < n
+                )
 
 
 def send(x: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, gpu, layer: int) -> None:
@@ -185,11 +198,15 @@ def receive(
     waited: torch.Tensor,
     layer: int,
     timeout_ns: int,
+    merge: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Wait for the last request sent, then copy its outputs into `out` [P, H] float32."""
+    """Wait for the last request sent, then copy its outputs into `out` [P, H] float32; or, with
+    `merge` = (ids [P], gpu_out [P, H]), fill `out` (gpu_out's dtype) with the CPU's outputs where
+    ids >= 0 and gpu_out's rows elsewhere."""
     n = out.numel()
     programs = max(1, min(RECEIVE_PROGRAMS, triton.cdiv(n, BLOCK)))
+    ids, gpu_out = merge if merge is not None else (out, out)
     _receive_kernel[(programs,)](
-        seq, gpu.done, gpu.error, gpu.out, out, fault, waited, layer, n, timeout_ns,
-        BLOCK=BLOCK, num_warps=4,
+        seq, gpu.done, gpu.error, gpu.out, out, ids, gpu_out, fault, waited, layer, n, out.shape[1],
+        timeout_ns, BLOCK=BLOCK, MERGE=merge is not None, num_warps=4,
     )  # fmt: skip
