@@ -215,6 +215,9 @@ def main():
     )
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument(
+        "--prefetch-only", action="store_true", help="cached rows with prefetch only, none without"
+    )
+    p.add_argument(
         "--budgets",
         type=int,
         nargs="+",
@@ -314,7 +317,7 @@ def main():
         cases = [
             (policy, plan, None, hybrid)
             for policy in args.policies
-            for plan in plans + [None]
+            for plan in plans + ([] if args.prefetch_only else [None])
             for hybrid in (args.hybrid if cached else ["off"])
         ]
         if cache == 0:  # every routed expert on the CPU: no policy, no prefetch

