@@ -228,6 +228,15 @@ static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline float vsum(vf v) { return v; }
 #endif
 
+/* A build for tests (build.py's "pairs-emulated"): dot4_pairs as plain C, so that hosts without AVX512-BF16 run the
+ * pairs path's layout and wiring */
+#if defined(AMC_EMULATE_PAIRS) && VL > 1 && !defined(AMC_BF16_PAIRS)
+#define AMC_BF16_PAIRS 1
+#define AMC_PAIRS_EMULATED 1
+#undef AMC_ISA
+#define AMC_ISA "avx2-pairs-emulated"
+#endif
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_pause();
@@ -597,6 +606,52 @@ static inline float scale4(const void *scales, int mx, int64_t g) {
     return mx ? E8M0[((const uint8_t *)scales)[g]] : bf16_to_f32(((const uint16_t *)scales)[g]);
 }
 
+#if defined(AMC_PAIRS_EMULATED)
+/* dot4_pairs below, lane for lane: lane l of each 64 inputs sums the weights and inputs at pair positions 2l, 2l + 1
+ * of the even half and of the odd half (VDPBF16PS adds a pair's odd product first), scaled by the first 32 inputs'
+ * group for l < 8 and the next 32's for l >= 8; a last 32 inputs fill all 16 lanes from one register */
+static inline void dot4_pairs(const uint8_t *row, const void *scales, int mx, int shift, const uint16_t *x, int64_t ldx,
+                              int64_t K, int tb, float *out) {
+    const int u = tb == 1 ? 2 : 1;
+    for (int t = 0; t < tb; t++) {
+        const uint16_t *xt = x + t * ldx;
+        float acc[2][16] = {{0}};
+        uint16_t w[64];
+        int64_t c = 0;
+        for (int j = 0; c + 64 <= K; c += 64, j ^= u - 1) {
+            for (int i = 0; i < 32; i++) {
+                w[i] = CODES_BF16[mx][row[c / 2 + i] & 0xF];
+                w[32 + i] = CODES_BF16[mx][row[c / 2 + i] >> 4];
+            }
+            const float s0 = scale4(scales, mx, c >> shift), s1 = scale4(scales, mx, (c + 32) >> shift);
+            for (int l = 0; l < 16; l++) {
+                float sum = 0.0f;
+                for (int half = 0; half < 64; half += 32) {
+                    sum += bf16_to_f32(w[half + 2 * l + 1]) * bf16_to_f32(xt[c + half + 2 * l + 1]);
+                    sum += bf16_to_f32(w[half + 2 * l]) * bf16_to_f32(xt[c + half + 2 * l]);
+                }
+                acc[j][l] = fmaf(sum, l < 8 ? s0 : s1, acc[j][l]);
+            }
+        }
+        if (c < K) {
+            for (int i = 0; i < 16; i++) {
+                w[i] = CODES_BF16[mx][row[c / 2 + i] & 0xF];
+                w[16 + i] = CODES_BF16[mx][row[c / 2 + i] >> 4];
+            }
+            const float s = scale4(scales, mx, c >> shift);
+            for (int l = 0; l < 16; l++) {
+                float sum = bf16_to_f32(w[2 * l + 1]) * bf16_to_f32(xt[c + 2 * l + 1]);
+                sum += bf16_to_f32(w[2 * l]) * bf16_to_f32(xt[c + 2 * l]);
+                acc[0][l] = fmaf(sum, s, acc[0][l]);
+            }
+        }
+        float total = 0.0f;
+        for (int l = 0; l < 16; l++) total += acc[0][l] + acc[1][l];
+        out[t] = total;
+    }
+}
+#else
+
 /* a 4-bit row against bf16 inputs in pair_position's order: each 32 bytes of codes become the 32 even inputs' and
  * the 32 odd inputs' weights as bf16 (one lookup each, exact), multiplied with the inputs in pairs into float32 by
  * VDPBF16PS, half the instructions of the float32 path per weight; lanes 0-7 of a sum hold the first 32 inputs'
@@ -636,6 +691,8 @@ static inline __attribute__((always_inline)) void dot4_pairs(const uint8_t *row,
     }
     for (int t = 0; t < tb; t++) out[t] = _mm512_reduce_add_ps(u == 2 ? _mm512_add_ps(acc[0][t], acc[1][t]) : acc[0][t]);
 }
+
+#endif
 
 /* out[t] for row n of expert e of a 4-bit matrix, inputs in bf16 (pair_position), tb tokens */
 static void dot_row_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint16_t *x, int64_t ldx, int tb,

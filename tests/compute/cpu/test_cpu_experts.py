@@ -21,13 +21,14 @@ GATES = [("halves", "silu"), ("gpt_oss", "silu"), ("none", "silu"), ("none", "ge
 
 def isas() -> list[str]:
     """The native build and each narrower path the host can also run (AVX-512 without BF16 and AVX2 under AVX-512
-    with BF16, AVX2 under AVX-512, plain C)."""
+    with BF16, AVX2 under AVX-512, plain C), and AVX512-BF16's 4-bit path as plain C where the host has AVX2."""
     native = library("native").amc_isa().decode()
     return (
         ["native"]
         + (["avx512"] if native == "avx512-bf16" else [])
         + (["avx2"] if native.startswith("avx512") else [])
         + (["scalar"] if native != "scalar" else [])
+        + (["pairs-emulated"] if native != "scalar" else [])
     )
 
 
@@ -157,7 +158,10 @@ def test_long_rows_and_wide_tiles(isa, fmt, transposed, block):
         up = Projection(q, s, up.bias, Fp8(block), transposed)
     layer = CpuExperts(up, down, "gpt_oss" if transposed else "halves")
     x = torch.randn(3, H, generator=gen)
-    check(layer, x, torch.tensor([0, 1, 2, 2]), torch.tensor([1, 0, 0, 1]), pool(isa, 2))
+    for dtype in (torch.float32, torch.bfloat16):
+        check(
+            layer, x.to(dtype), torch.tensor([0, 1, 2, 2]), torch.tensor([1, 0, 0, 1]), pool(isa, 2)
+        )
 
 
 def test_int4_groups(isa):
@@ -170,13 +174,11 @@ def test_int4_groups(isa):
             scales = (torch.rand(E, N, K // group, generator=gen) * 0.02).to(torch.bfloat16)
             projections.append(Projection(packed, scales, None, Int4(group)))
         layer = CpuExperts(*projections)
-        check(
-            layer,
-            torch.randn(2, H, generator=gen),
-            torch.tensor([0, 1, 1]),
-            torch.tensor([2, 2, 0]),
-            pool(isa, 2),
-        )
+        x = torch.randn(2, H, generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            check(
+                layer, x.to(dtype), torch.tensor([0, 1, 1]), torch.tensor([2, 2, 0]), pool(isa, 2)
+            )
 
 
 @pytest.mark.parametrize("up,down", [("mxfp4", "bf16"), ("bf16", "int4"), ("int4", "fp8")])
@@ -189,6 +191,18 @@ def test_mixed_formats(isa, up, down):
     )
     for x, token_ids, expert_ids in batches(E, H, gen):
         check(layer, x, token_ids, expert_ids, pool(isa, 2))
+
+
+def test_builds_take_their_paths(isa):
+    """Each build is the instruction set it is named for (the emulated pairs path among them)."""
+    name = library(isa).amc_isa().decode()
+    expected = {
+        "avx512": "avx512",
+        "avx2": "avx2",
+        "scalar": "scalar",
+        "pairs-emulated": "avx2-pairs-emulated",
+    }
+    assert name == expected.get(isa, name)
 
 
 def test_no_pairs():
