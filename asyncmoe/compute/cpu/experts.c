@@ -749,6 +749,12 @@ static int takes_pairs(const amc_matrix *m) {
     return 0;
 #endif
 }
+#if !defined(AMC_BF16_PAIRS)
+static void dot_row_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint16_t *x, int64_t ldx, int tb,
+                          float *out) { /* never called: no matrix takes pairs */
+    (void)m, (void)e, (void)n, (void)x, (void)ldx, (void)tb, (void)out;
+}
+#endif
 
 /* y[0:len] += sum_r a[r] * w[r][0:len] over `rows` rows: the outputs are loaded and stored once per pass */
 static inline void axpy_rows(float *y, const float *a, const float *const *w, int rows, int64_t len) {
@@ -772,29 +778,16 @@ static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1,
                          int64_t tokens, float *y, int64_t ldy, float *buf) {
     const int64_t K = m->k, stride = row_bytes(m);
     const uint8_t *first = expert_weight(m, e) + n0 * stride, *end = expert_weight(m, e) + n1 * stride;
-    const int in_registers = fused(m);
-#if !defined(AMC_BF16_PAIRS)
-    (void)xb; /* NULL: only dot4_pairs reads it */
-#endif
+    const int in_registers = xb || fused(m);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ahead = first + (n - n0) * stride + PREFETCH_BYTES;
         if (ahead < end) prefetch(ahead, min64(stride, end - ahead));
-#if defined(AMC_BF16_PAIRS)
-        if (xb) {
-            for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
-                float part[TOKENS_PER_READ];
-                int tb = (int)min64(TOKENS_PER_READ, tokens - t0);
-                dot_row_pairs(m, e, n, xb + t0 * K, K, tb, part);
-                for (int t = 0; t < tb; t++) y[(t0 + t) * ldy + n] = part[t];
-            }
-            continue;
-        }
-#endif
         if (in_registers) {
             for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
                 float part[TOKENS_PER_READ];
                 int tb = (int)min64(TOKENS_PER_READ, tokens - t0);
-                dot_row_fused(m, e, n, x + t0 * K, K, tb, part);
+                if (xb) dot_row_pairs(m, e, n, xb + t0 * K, K, tb, part);
+                else dot_row_fused(m, e, n, x + t0 * K, K, tb, part);
                 for (int t = 0; t < tb; t++) y[(t0 + t) * ldy + n] = part[t];
             }
             continue;
