@@ -317,7 +317,7 @@ def main():
         cases = [
             (policy, plan, None, hybrid)
             for policy in args.policies
-            for plan in plans + ([] if args.prefetch_only else [None])
+            for plan in plans + ([] if args.prefetch_only and plans else [None])
             for hybrid in (args.hybrid if cached else ["off"])
         ]
         if cache == 0:  # every routed expert on the CPU: no policy, no prefetch

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from asyncmoe.compute.cpu import CpuExperts, Pool, Projection, experts_mlp
 from asyncmoe.compute.cpu.build import ISA_FLAGS
+from asyncmoe.compute.cpu.kernels import library
 from asyncmoe.formats import FP8, Fp8, Int4, Mxfp4
 
 from harness import h2d_bandwidth
@@ -175,7 +176,8 @@ def asyncmoe_mlp(
     D, I = expert_dims(shape)
     layer = cpu_layer(fmt, n, D, I)
     rows = []
-    name = f"asyncmoe {fmt} expert MLP" + ("" if isa == "native" else f" ({isa})")
+    built = library(isa).amc_isa().decode()  # what the build is on this host: avx512 may be avx2
+    name = f"asyncmoe {fmt} expert MLP" + ("" if isa == "native" else f" ({built})")
     for t in threads:
         pool = Pool(t, isa=isa)
         for T in tokens:
@@ -204,8 +206,8 @@ def probe(
     experts: int,
     gib: float,
     repeats: int,
-    formats: list[str],
-    isas: list[str],
+    formats: tuple[str, ...] = CPU_FORMATS,
+    isas: tuple[str, ...] = ("native",),
 ):
     rows = read_bandwidth(gib, threads, repeats)
     for shape in shapes:

@@ -79,7 +79,7 @@ def _(gpu_out, cpu_ids, executor_id, layer):
         gpu_out.dim() == 2 and gpu_out.shape[0] == cpu_ids.numel(),
         lambda: f"gpu_out must be [P={cpu_ids.numel()}, H], got {tuple(gpu_out.shape)}",
     )
-    return torch.empty_like(gpu_out)
+    return torch.empty(gpu_out.shape, dtype=gpu_out.dtype, device=gpu_out.device)
 
 
 def hybrid_send(

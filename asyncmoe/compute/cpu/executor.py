@@ -137,9 +137,9 @@ class CpuExecutor:
         if self.device.type != "cuda":
             cpu_out, self.pending = self.pending, None
             return torch.where((ids >= 0).reshape(-1, 1), cpu_out.to(gpu_out.dtype), gpu_out)
-        out = torch.empty_like(gpu_out)
+        out = torch.empty(gpu_out.shape, dtype=gpu_out.dtype, device=gpu_out.device)
         timeout_ns = int(self.settings.timeout_s * 1e9)
-        merge = (ids.reshape(-1), gpu_out.contiguous())
+        merge = (ids.reshape(-1).contiguous(), gpu_out.contiguous())
         request.receive(
             self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns, merge
         )

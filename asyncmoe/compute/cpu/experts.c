@@ -21,6 +21,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1096,11 +1097,12 @@ static void up_task(void *arg, int tid, int threads) {
     const int64_t H = L->up.k, N = L->up.n, I = L->down.k;
     const int interleaved = L->gate == AMC_GATE_GPT_OSS; /* unit j: columns 2j, 2j+1 */
     const int split = is_4bit(&L->down);                 /* activations in the 4-bit decoders' order */
+    const int up_pairs = s->bf16 && takes_pairs(&L->up), down_pairs = s->bf16 && takes_pairs(&L->down);
+    /* shares of whole reorder blocks, so that no two threads write one block's cache lines */
     int64_t j0, j1, align = max64(1, split_align(&L->up) / (interleaved ? 2 : 1));
-    share(I, split ? max64(align, 32) : align, tid, threads, &j0, &j1);
+    share(I, split ? max64(align, down_pairs ? 64 : 32) : align, tid, threads, &j0, &j1);
     if (j0 >= j1) return;
     float *buf = thread_buffer(s->pool, tid);
-    const int up_pairs = s->bf16 && takes_pairs(&L->up), down_pairs = s->bf16 && takes_pairs(&L->down);
     for (int64_t g = 0; g < s->ngroups; g++) {
         const group *G = &s->groups[g];
         const float *x = ws->x + G->start * H;
