@@ -5,8 +5,8 @@
  *     out[p] = down_e(gate(up_e(x[t])))     for pair p = (t, e)
  * in float32 accumulation, for every format of asyncmoe/formats.py (dense f32/bf16/f16 in either layout, fp8
  * block-wise in either layout, mxfp4 and int4 stored [N, K/2]). With bf16 inputs the activation between the
- * projections is rounded to bf16, as the model computes it, and where the host has AVX512-BF16 4-bit weights are
- * multiplied with bf16 inputs in pairs (dot4_pairs). Pairs are grouped by expert so that each weight
+ * projections is rounded to bf16, as the model computes it, and where the host has AVX512-BF16 4-bit and bf16
+ * weights stored [N, K] are multiplied with bf16 inputs in pairs (dot4_pairs, dot16_pairs). Pairs are grouped by expert so that each weight
  * is read once for all of its tokens; each projection is split over output rows across a persistent thread pool,
  * so that one token uses every thread (at batch 1 the work is a stream of weights from DRAM).
  *
@@ -263,6 +263,7 @@ static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static float E4M3[256];  /* fp8 e4m3fn code -> float */
 static float E8M0[256];  /* mxfp4 scale code s -> 2^(s - 127), as formats.dequantize_mxfp4's ldexp */
 static uint16_t CODES_BF16[2][32]; /* 4-bit code -> its unscaled value as bf16 (exact): [0] int4, [1] mxfp4; twice */
+static uint16_t SUBNORMAL_BF16[32]; /* e4m3 magnitude m < 8 (exponent 0) -> m * 2^-9 as bf16 (exact) */
 
 __attribute__((constructor)) static void build_tables(void) {
     for (int b = 0; b < 256; b++) {
@@ -271,6 +272,11 @@ __attribute__((constructor)) static void build_tables(void) {
         if ((b & 0x7F) == 0x7F) v = NAN;
         E4M3[b] = (b & 0x80) ? -v : v;
         E8M0[b] = ldexpf(1.0f, b - 127);
+    }
+    for (int m = 0; m < 8; m++) {
+        uint32_t u;
+        memcpy(&u, &E4M3[m], 4);
+        SUBNORMAL_BF16[m] = (uint16_t)(u >> 16);
     }
     for (int c = 0; c < 32; c++) {
         float v[2] = {(float)((c & 0xF) - 8), E2M1[c & 0xF]};
@@ -386,6 +392,11 @@ static inline int64_t split_position(int64_t k) { return (k & ~(int64_t)31) | ((
 static inline int64_t pair_position(int64_t k, int64_t K) {
     if ((k | 63) >= K) return split_position(k);
     return (k & ~(int64_t)63) | ((k & 1) << 5) | ((k & 63) >> 1);
+}
+
+/* where input k of K sits among a pairs path's bf16 inputs: pair_position for 4-bit weights, else k */
+static inline int64_t input_position(int32_t format, int64_t k, int64_t K) {
+    return format == AMC_MXFP4 || format == AMC_INT4 ? pair_position(k, K) : k;
 }
 
 /* v[0:len] (len a multiple of 32) reordered as the 4-bit decoders write their weights */
@@ -651,6 +662,52 @@ static inline void dot4_pairs(const uint8_t *row, const void *scales, int mx, in
         out[t] = total;
     }
 }
+
+/* dot16_pairs below, lane for lane: lane l of each 32 inputs adds the products at 2l + 1 and 2l; the last K % 32
+ * inputs one by one */
+static inline void dot16_pairs(const uint16_t *row, const uint16_t *x, int64_t ldx, int64_t K, int tb, float *out) {
+    for (int t = 0; t < tb; t++) {
+        const uint16_t *xt = x + t * ldx;
+        float acc[16] = {0};
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32)
+            for (int l = 0; l < 16; l++) {
+                float sum = acc[l] + bf16_to_f32(row[k + 2 * l + 1]) * bf16_to_f32(xt[k + 2 * l + 1]);
+                acc[l] = sum + bf16_to_f32(row[k + 2 * l]) * bf16_to_f32(xt[k + 2 * l]);
+            }
+        float total = 0.0f;
+        for (int l = 0; l < 16; l++) total += acc[l];
+        for (; k < K; k++) total += bf16_to_f32(row[k]) * bf16_to_f32(xt[k]);
+        out[t] = total;
+    }
+}
+
+/* dot8_pairs below, lane for lane: each block's 32s summed as dot16_pairs sums them, then scaled; the last K % 32
+ * inputs one by one */
+static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B, const uint16_t *x, int64_t ldx,
+                              int64_t K, int tb, float *out) {
+    for (int t = 0; t < tb; t++) {
+        const uint16_t *xt = x + t * ldx;
+        float acc[16] = {0}, tail = 0.0f;
+        for (int64_t b0 = 0; b0 < K; b0 += B) {
+            const int64_t end = min64(K, b0 + B);
+            float part[16] = {0};
+            int64_t k = b0;
+            for (; k + 32 <= end; k += 32)
+                for (int l = 0; l < 16; l++) {
+                    part[l] += E4M3[row[k + 2 * l + 1]] * bf16_to_f32(xt[k + 2 * l + 1]);
+                    part[l] += E4M3[row[k + 2 * l]] * bf16_to_f32(xt[k + 2 * l]);
+                }
+            for (int l = 0; l < 16; l++) acc[l] = fmaf(part[l], scales[b0 / B], acc[l]);
+            float rest = 0.0f;
+            for (; k < end; k++) rest += E4M3[row[k]] * bf16_to_f32(xt[k]);
+            tail += scales[b0 / B] * rest;
+        }
+        float total = 0.0f;
+        for (int l = 0; l < 16; l++) total += acc[l];
+        out[t] = total + tail;
+    }
+}
 #else
 
 /* a 4-bit row against bf16 inputs in pair_position's order: each 32 bytes of codes become the 32 even inputs' and
@@ -693,14 +750,96 @@ static inline __attribute__((always_inline)) void dot4_pairs(const uint8_t *row,
     for (int t = 0; t < tb; t++) out[t] = _mm512_reduce_add_ps(u == 2 ? _mm512_add_ps(acc[0][t], acc[1][t]) : acc[0][t]);
 }
 
+
+/* a bf16 row against bf16 inputs in their own order: 32 weights a load, no decoding, into float32 by VDPBF16PS;
+ * `u` chains for one or two tokens; the last K % 32 inputs one by one */
+static inline __attribute__((always_inline)) void dot16_pairs(const uint16_t *row, const uint16_t *x, int64_t ldx,
+                                                              int64_t K, int tb, float *out) {
+    const int u = tb == 1 ? 4 : tb == 2 ? 2 : 1;
+    __m512 acc[4][TOKENS_PER_READ];
+    for (int j = 0; j < u; j++)
+        for (int t = 0; t < tb; t++) acc[j][t] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 * u <= K; k += 32 * u)
+        for (int j = 0; j < u; j++) {
+            __m512bh w = (__m512bh)_mm512_loadu_si512(row + k + 32 * j);
+            for (int t = 0; t < tb; t++)
+                acc[j][t] = _mm512_dpbf16_ps(acc[j][t], w, (__m512bh)_mm512_loadu_si512(x + t * ldx + k + 32 * j));
+        }
+    for (; k + 32 <= K; k += 32) {
+        __m512bh w = (__m512bh)_mm512_loadu_si512(row + k);
+        for (int t = 0; t < tb; t++)
+            acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w, (__m512bh)_mm512_loadu_si512(x + t * ldx + k));
+    }
+    for (int t = 0; t < tb; t++) {
+        for (int j = 1; j < u; j++) acc[0][t] = _mm512_add_ps(acc[0][t], acc[j][t]);
+        float s = _mm512_reduce_add_ps(acc[0][t]);
+        for (int64_t i = k; i < K; i++) s += bf16_to_f32(row[i]) * bf16_to_f32(x[t * ldx + i]);
+        out[t] = s;
+    }
+}
+
+/* 32 e4m3 codes -> bf16, exactly, in the integer domain: a normal code's exponent rebiased from 7 to 127 and its
+ * mantissa moved up, a subnormal one (exponent 0) looked up, 0x7F NaN, the sign moved to bit 15 */
+static inline __m512i e4m3_bf16(const uint8_t *p) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                      _mm512_loadu_si512(SUBNORMAL_BF16));
+    v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
+    return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+
+/* an fp8 row against bf16 inputs in their own order, its scales changing every B inputs (a multiple of 32): each 32
+ * codes decoded to bf16 in registers and multiplied in pairs (VDPBF16PS), each block's sums scaled once; the last
+ * K % 32 inputs one by one */
+static inline __attribute__((always_inline)) void dot8_pairs(const uint8_t *row, const float *scales, int64_t B,
+                                                             const uint16_t *x, int64_t ldx, int64_t K, int tb,
+                                                             float *out) {
+    __m512 acc[TOKENS_PER_READ], part[TOKENS_PER_READ];
+    float tail[TOKENS_PER_READ] = {0};
+    for (int t = 0; t < tb; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < K; b0 += B) {
+        const int64_t end = min64(K, b0 + B);
+        const float scale = scales[b0 / B];
+        for (int t = 0; t < tb; t++) part[t] = _mm512_setzero_ps();
+        int64_t k = b0;
+        for (; k + 32 <= end; k += 32) {
+            __m512bh w = (__m512bh)e4m3_bf16(row + k);
+            for (int t = 0; t < tb; t++)
+                part[t] = _mm512_dpbf16_ps(part[t], w, (__m512bh)_mm512_loadu_si512(x + t * ldx + k));
+        }
+        for (int t = 0; t < tb; t++) {
+            acc[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(scale), acc[t]);
+            float rest = 0.0f;
+            for (int64_t i = k; i < end; i++) rest += E4M3[row[i]] * bf16_to_f32(x[t * ldx + i]);
+            tail[t] += scale * rest;
+        }
+    }
+    for (int t = 0; t < tb; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + tail[t];
+}
 #endif
 
-/* out[t] for row n of expert e of a 4-bit matrix, inputs in bf16 (pair_position), tb tokens */
+/* out[t] for row n of expert e of a matrix that takes pairs, inputs in bf16 (input_position's order), tb tokens */
 static void dot_row_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint16_t *x, int64_t ldx, int tb,
                           float *out) {
     const int64_t K = m->k;
-    const int mx = m->format == AMC_MXFP4, shift = __builtin_ctzll((unsigned long long)m->block_cols);
     const uint8_t *row = expert_weight(m, e) + n * row_bytes(m);
+    if (m->format == AMC_BF16) {
+#define PAIRS16(TB) dot16_pairs((const uint16_t *)row, x, ldx, K, TB, out)
+        DISPATCH_TOKENS(PAIRS16)
+#undef PAIRS16
+        return;
+    }
+    if (m->format == AMC_FP8) {
+        const float *scales = (const float *)expert_scales(m, e) + (n / m->block_rows) * cdiv(K, m->block_cols);
+#define PAIRS8(TB) dot8_pairs(row, scales, m->block_cols, x, ldx, K, TB, out)
+        DISPATCH_TOKENS(PAIRS8)
+#undef PAIRS8
+        return;
+    }
+    const int mx = m->format == AMC_MXFP4, shift = __builtin_ctzll((unsigned long long)m->block_cols);
     const uint8_t *scales = expert_scales(m, e) + n * (K >> shift) * (mx ? 1 : 2);
 #define PAIRS(TB) dot4_pairs(row, scales, mx, shift, x, ldx, K, TB, out)
     DISPATCH_TOKENS(PAIRS)
@@ -741,10 +880,12 @@ static void dot_row_fused(const amc_matrix *m, int64_t e, int64_t n, const float
 }
 #endif
 
-/* Whether `m`, given bf16 inputs, takes dot4_pairs: a fused 4-bit matrix on a build with AVX512-BF16 */
+/* Whether `m`, given bf16 inputs, is multiplied in bf16 pairs on a build with AVX512-BF16: a fused 4-bit matrix
+ * (dot4_pairs), or one stored [N, K] in bf16 (dot16_pairs) or in fp8 with blocks of whole 32s (dot8_pairs) */
 static int takes_pairs(const amc_matrix *m) {
 #if defined(AMC_BF16_PAIRS)
-    return is_4bit(m) && fused(m);
+    if (m->transposed) return 0;
+    return is_4bit(m) ? fused(m) : m->format == AMC_BF16 || (m->format == AMC_FP8 && m->block_cols % 32 == 0);
 #else
     (void)m;
     return 0;
@@ -829,7 +970,7 @@ static void project_cols(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1,
     }
 }
 
-/* ... from x [tokens, K] float32 (in split_position's order for a 4-bit m), or from xb (pair_position's order, bf16)
+/* ... from x [tokens, K] float32 (in split_position's order for a 4-bit m), or from xb (input_position's order, bf16)
  * where it is not NULL, which only a matrix that takes `pairs` is given */
 static void project(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, const uint16_t *xb,
                     int64_t tokens, float *y, int64_t ldy, float *buf) {
@@ -874,7 +1015,7 @@ static inline float gpt_oss_gate(float gate, float up, float alpha, float limit)
 /* a[j] for j in [j0, j1), one token's up-projection row h: act(gate) * up (halves), GPT-OSS's gate, or act(up);
  * rounded to bf16 when the inputs are bf16 (the model's own precision between its projections), and placed where
  * the down-projection reads input j: float32 in `a` (split_position's order when `split`), or bf16 in `ab`
- * (pair_position's order) where ab is not NULL */
+ * (input_position's order) where ab is not NULL */
 static void activate(const amc_layer *L, const float *h, float *a, uint16_t *ab, int64_t j0, int64_t j1, int split,
                      int bf16) {
     const int64_t I = L->down.k;
@@ -885,7 +1026,7 @@ static void activate(const amc_layer *L, const float *h, float *a, uint16_t *ab,
         case AMC_GATE_GPT_OSS: v = gpt_oss_gate(h[2 * j], h[2 * j + 1], L->alpha, L->limit); break;
         default: v = activation(L->act, h[j]); break;
         }
-        if (ab) ab[pair_position(j, I)] = f32_to_bf16(v);
+        if (ab) ab[input_position(L->down.format, j, I)] = f32_to_bf16(v);
         else a[split ? split_position(j) : j] = bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
     }
 }
@@ -1098,9 +1239,10 @@ static void up_task(void *arg, int tid, int threads) {
     const int interleaved = L->gate == AMC_GATE_GPT_OSS; /* unit j: columns 2j, 2j+1 */
     const int split = is_4bit(&L->down);                 /* activations in the 4-bit decoders' order */
     const int up_pairs = s->bf16 && takes_pairs(&L->up), down_pairs = s->bf16 && takes_pairs(&L->down);
-    /* shares of whole reorder blocks, so that no two threads write one block's cache lines */
+    /* shares of whole reorder blocks and cache lines of activations, so that no two threads write one line */
+    const int64_t block = split ? (down_pairs ? 64 : 32) : (down_pairs ? 32 : 1);
     int64_t j0, j1, align = max64(1, split_align(&L->up) / (interleaved ? 2 : 1));
-    share(I, split ? max64(align, down_pairs ? 64 : 32) : align, tid, threads, &j0, &j1);
+    share(I, max64(align, block), tid, threads, &j0, &j1);
     if (j0 >= j1) return;
     float *buf = thread_buffer(s->pool, tid);
     for (int64_t g = 0; g < s->ngroups; g++) {
@@ -1192,7 +1334,7 @@ static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int3
         const int64_t token = token_ids[ws->order[i]];
         if (up_pairs) {
             const uint16_t *row = (const uint16_t *)x + token * H;
-            for (int64_t k = 0; k < H; k++) ws->xb[i * H + pair_position(k, H)] = row[k];
+            for (int64_t k = 0; k < H; k++) ws->xb[i * H + input_position(L->up.format, k, H)] = row[k];
             continue;
         }
         convert_row(x, x_format, token, H, ws->x + i * H);

@@ -56,9 +56,17 @@ def pool(isa: str, threads: int) -> Pool:
 
 
 def stored(
-    fmt: str, E: int, N: int, K: int, transposed: bool, bias: bool, gen: torch.Generator
+    fmt: str,
+    E: int,
+    N: int,
+    K: int,
+    transposed: bool,
+    bias: bool,
+    gen: torch.Generator,
+    block: tuple[int, int] = (16, 24),
 ) -> Projection:
-    """Random stored tensors of a projection: every code of the format, scales that keep outputs near 1."""
+    """Random stored tensors of a projection: every code of the format, scales that keep outputs near 1; fp8 in
+    `block`s (the default: several a row and a column, the last ones partial, none of whole 32s)."""
     bias_dtype = DENSE.get(fmt, torch.bfloat16)
     b = (torch.randn(E, N, generator=gen) * 0.1).to(bias_dtype) if bias else None
     shape = (E, K, N) if transposed else (E, N, K)
@@ -67,12 +75,13 @@ def stored(
             (torch.randn(shape, generator=gen) / K**0.5).to(DENSE[fmt]), None, b, None, transposed
         )
     if fmt == "fp8":
-        block = Fp8((16, 24))  # several blocks a row and a column, the last ones partial
         codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0  # 0x7F and 0xFF are NaN
         rows, cols = shape[1:]
-        scales = torch.rand(E, -(-rows // 16), -(-cols // 24), generator=gen) / (50 * K**0.5)
-        return Projection(codes.view(FP8), scales, b, block, transposed)
+        scales = torch.rand(E, -(-rows // block[0]), -(-cols // block[1]), generator=gen) / (
+            50 * K**0.5
+        )
+        return Projection(codes.view(FP8), scales, b, Fp8(block), transposed)
     packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8)
     if fmt == "mxfp4":
         scales = torch.randint(121, 125, (E, N, K // 32), generator=gen, dtype=torch.uint8)
@@ -208,14 +217,14 @@ def test_mixed_formats(isa, up, down):
         check(layer, x, token_ids, expert_ids, pool(isa, 2))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "fp8", "bf16"])
 def test_pairs_tails(isa, fmt):
-    """4-bit projections whose inputs end in a half (K % 64 == 32) both ways, one bf16 token and several."""
+    """Projections multiplied in bf16 pairs where the host can, with one bf16 token and several: 4-bit inputs that
+    end in a half (K % 64 == 32) both ways; fp8 in blocks of 32 and bf16, their inputs ending in a part of 32."""
     gen = torch.Generator().manual_seed(9)
-    E, H, I = 3, 160, 96
-    layer = CpuExperts(
-        stored(fmt, E, 2 * I, H, False, True, gen), stored(fmt, E, H, I, False, True, gen)
-    )
+    E, H, I = 3, (160 if fmt in ("mxfp4", "int4") else 100), 96
+    up, down = (stored(fmt, E, n, k, False, True, gen, (16, 32)) for n, k in ((2 * I, H), (H, I)))
+    layer = CpuExperts(up, down)
     for T, k in ((1, 2), (5, 3)):
         x = torch.randn(T, H, generator=gen).bfloat16()
         token_ids = torch.arange(T).repeat_interleave(k)
