@@ -159,5 +159,5 @@ def copy_ns(hosts: list[torch.Tensor], slots: list[torch.Tensor], repeats: int =
     for _ in range(repeats):
         gather_copy(hosts, slots, src, dst, one)
     end.record()
-    end.synchronize()
+    end.synchronize()  # at compile only
     return int(start.elapsed_time(end) / repeats * 1e6)

@@ -73,7 +73,7 @@ def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer
     executor.send(x, ids, layer)
     executor.receive(layer, ids.numel())
     end.record()
-    end.synchronize()
+    end.synchronize()  # at compile only
     return start.elapsed_time(end) * 1e6
 
 

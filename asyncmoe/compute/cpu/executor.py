@@ -153,9 +153,8 @@ class CpuExecutor:
             if reset:
                 self.counts.zero_()
             return counts, None
-        waited = (
-            self.waited.cpu()
-        )  # the host sync stats are read with, on request, never in a forward
+        # the host sync stats are read with, on request, never in a forward
+        waited = self.waited.cpu()
         if reset:
             self.waited.zero_()
         return self.worker.stats(reset), waited

@@ -437,6 +437,17 @@ static inline const uint8_t *expert_scales(const amc_matrix *m, int64_t e) {
     return (const uint8_t *)m->scales + e * bytes;
 }
 
+/* the scales of stored row n (a [N, K] matrix) of expert e: fp8's, one float a block of columns */
+static inline const float *fp8_row_scales(const amc_matrix *m, int64_t e, int64_t n) {
+    return (const float *)expert_scales(m, e) + (n / m->block_rows) * cdiv(m->k, m->block_cols);
+}
+
+/* ... a 4-bit format's, one a group of 2^group_shift(m) inputs (uint8 e8m0 for mxfp4, bf16 for int4) */
+static inline int group_shift(const amc_matrix *m) { return __builtin_ctzll((unsigned long long)m->block_cols); }
+static inline const uint8_t *group_scales(const amc_matrix *m, int64_t e, int64_t n) {
+    return expert_scales(m, e) + n * (m->k >> group_shift(m)) * (m->format == AMC_MXFP4 ? 1 : 2);
+}
+
 /* bytes one expert of `m` occupies in the host store: weights, scales and bias */
 static int64_t matrix_bytes(const amc_matrix *m) {
     int64_t bytes = stored_rows(m) * row_bytes(m);
@@ -466,12 +477,11 @@ static const float *stored_row(const amc_matrix *m, int64_t e, int64_t r, int64_
         return buf;
     }
     case AMC_MXFP4: {
-        const uint8_t *scales = expert_scales(m, e) + r * (m->k / 32);
-        decode_mxfp4(row + c0 / 2, scales + c0 / 32, len, buf);
+        decode_mxfp4(row + c0 / 2, group_scales(m, e, r) + c0 / 32, len, buf);
         return buf;
     }
     default: { /* AMC_INT4 */
-        const uint16_t *scales = (const uint16_t *)expert_scales(m, e) + r * (m->k / m->block_cols);
+        const uint16_t *scales = (const uint16_t *)group_scales(m, e, r);
         decode_int4(row + c0 / 2, scales + c0 / m->block_cols, m->block_cols, len, buf);
         return buf;
     }
@@ -833,14 +843,14 @@ static void dot_row_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint1
         return;
     }
     if (m->format == AMC_FP8) {
-        const float *scales = (const float *)expert_scales(m, e) + (n / m->block_rows) * cdiv(K, m->block_cols);
+        const float *scales = fp8_row_scales(m, e, n);
 #define PAIRS8(TB) dot8_pairs(row, scales, m->block_cols, x, ldx, K, TB, out)
         DISPATCH_TOKENS(PAIRS8)
 #undef PAIRS8
         return;
     }
-    const int mx = m->format == AMC_MXFP4, shift = __builtin_ctzll((unsigned long long)m->block_cols);
-    const uint8_t *scales = expert_scales(m, e) + n * (K >> shift) * (mx ? 1 : 2);
+    const int mx = m->format == AMC_MXFP4, shift = group_shift(m);
+    const uint8_t *scales = group_scales(m, e, n);
 #define PAIRS(TB) dot4_pairs(row, scales, mx, shift, x, ldx, K, TB, out)
     DISPATCH_TOKENS(PAIRS)
 #undef PAIRS
@@ -858,14 +868,14 @@ static void dot_row_fused(const amc_matrix *m, int64_t e, int64_t n, const float
     const uint8_t *row = expert_weight(m, e) + n * row_bytes(m);
     const int64_t K = m->k;
     if (m->format == AMC_FP8) {
-        const float *scales = (const float *)expert_scales(m, e) + (n / m->block_rows) * cdiv(K, m->block_cols);
+        const float *scales = fp8_row_scales(m, e, n);
 #define DOT8(TB) dot8_fixed(row, scales, m->block_cols, x, ldx, K, TB, out)
         DISPATCH_TOKENS(DOT8)
 #undef DOT8
         return;
     }
-    const int mx = m->format == AMC_MXFP4, shift = __builtin_ctzll((unsigned long long)m->block_cols);
-    const uint8_t *scales = expert_scales(m, e) + n * (K >> shift) * (mx ? 1 : 2);
+    const int mx = m->format == AMC_MXFP4, shift = group_shift(m);
+    const uint8_t *scales = group_scales(m, e, n);
 #define DOT4(TB) dot4_fixed(row, scales, mx, shift, x, ldx, K, TB, out)
     DISPATCH_TOKENS(DOT4)
 #undef DOT4
@@ -1334,7 +1344,9 @@ static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int3
         const int64_t token = token_ids[ws->order[i]];
         if (up_pairs) {
             const uint16_t *row = (const uint16_t *)x + token * H;
-            for (int64_t k = 0; k < H; k++) ws->xb[i * H + input_position(L->up.format, k, H)] = row[k];
+            if (!is_4bit(&L->up)) memcpy(ws->xb + i * H, row, H * sizeof(uint16_t));
+            else
+                for (int64_t k = 0; k < H; k++) ws->xb[i * H + pair_position(k, H)] = row[k];
             continue;
         }
         convert_row(x, x_format, token, H, ws->x + i * H);
