@@ -163,15 +163,20 @@ class CachedProvider(ExpertWeightProvider):
         hybrid = self.hybrid
         if hybrid is not None and (waves > 1 or T > hybrid.executor.settings.max_tokens):
             hybrid = None
-        ids = top_k_index
+        elsewhere = None
         if hybrid is not None:
-            ids, cpu_ids = hybrid_ops.hybrid_send(
+            elsewhere, cpu_ids = hybrid_ops.hybrid_send(
                 hidden_states, top_k_index, self.wait and linked, self.cache, hybrid
-            )  # [T, k] each
+            )  # [E], [T, k]
         while wave < waves:
             first = wave == 0 and linked
             slots = cache_ops.ensure(
-                self.cache, ids, wave, wait=self.wait and first, lap=self.laps and first
+                self.cache,
+                top_k_index,
+                wave,
+                wait=self.wait and first,
+                lap=self.laps and first,
+                elsewhere=elsewhere,
             )  # [T, k]
             # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
             if filled is not None:

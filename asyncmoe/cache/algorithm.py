@@ -19,7 +19,9 @@ returns slot -1 for pairs of other waves (docs/decisions.md#resident-first-waves
 
 An expert id equal to E names no expert of this cache: expert parallelism routes that pair to
 another rank's experts (transformers' sentinel, weight 0). It needs nothing here and gets slot -1,
-as another wave's pair does.
+as another wave's pair does. An expert in `elsewhere` (the hybrid's CPU computes it this call) is
+routed here, so the history (`routed`, the policy's observations, the prefetch's outcomes) counts
+it, but it is neither copied nor a hit, and its pairs get slot -1 too.
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ def ensure(
     hosts: list[torch.Tensor],  # [E, ...] each
     slots: list[torch.Tensor],  # [C, ...] each
     use_kernel: bool | None = None,
+    elsewhere: torch.Tensor | None = None,  # [E] bool
 ) -> torch.Tensor:
-    """Make wave `wave` of this call's experts resident; return slot ids [T, k] (-1: another wave's
-    pair)."""
-    out, copies = ensure_plan(top_k_index, wave, policy, s, slots, use_kernel)
+    """Make wave `wave` of this call's experts resident, but those `elsewhere` computes; return slot
+    ids [T, k] (-1: another wave's pair, or elsewhere's)."""
+    out, copies = ensure_plan(top_k_index, wave, policy, s, slots, use_kernel, elsewhere)
     copy_in(hosts, slots, copies)
     return out
 
@@ -60,13 +63,14 @@ def ensure_plan(
     s: CacheState,
     slots: list[torch.Tensor],
     use_kernel=None,
+    elsewhere: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Copies]:
     """`ensure`'s decision, tables updated: slot ids [T, k] and the copies still to make."""
     ids, policy, nbytes = top_k_index.long().reshape(-1), get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes)
+        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes, elsewhere)
     else:
-        out, copies = ensure_reference(ids, wave, policy, s, nbytes)
+        out, copies = ensure_reference(ids, wave, policy, s, nbytes, elsewhere)
     return out.view(top_k_index.shape), copies
 
 
@@ -113,14 +117,21 @@ def _use_kernel(s: CacheState, use_kernel: bool | None) -> bool:
 
 
 def ensure_reference(
-    ids: torch.Tensor, wave: int, policy: Policy, s: CacheState, nbytes: int
+    ids: torch.Tensor,
+    wave: int,
+    policy: Policy,
+    s: CacheState,
+    nbytes: int,
+    elsewhere: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Copies]:
-    """`ensure`'s decision for the routed experts `ids` [P]: slot of each pair [P] and the copies to
-    make."""
+    """`ensure`'s decision for the routed experts `ids` [P], but those `elsewhere` [E] computes: slot
+    of each pair [P] and the copies to make."""
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     s.clock.add_(1)
     resident = s.expert_to_slot[:E] >= 0
     need, now, later = wave_plan(ids, wave, C, resident, s.wave_of)
+    if elsewhere is not None:
+        now, later = now & ~elsewhere, later & ~elsewhere
     if wave == 0:
         policy.observe(s, need)
     s.routed.copy_(need)

@@ -349,12 +349,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["wave", "n_pairs", "E", "C", "M"])
     def _cache_step(
         ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
+        elsewhere_ptr,  # ensure: [E] bool, experts computed elsewhere (ELSEWHERE)
         pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
         e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr,
         evicted_at_ptr, wave_of_ptr, explored_ptr, runners_up_ptr, counters_ptr, scratch_ptr, follows_ptr,
         src_ptr, dst_ptr, count_ptr,  # the planned copies
         wave, E, C, M, expert_bytes,
-        POLICY: tl.constexpr, PREFETCH: tl.constexpr,
+        POLICY: tl.constexpr, PREFETCH: tl.constexpr, ELSEWHERE: tl.constexpr,
         BE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     ):  # fmt: skip
         e = tl.arange(0, BE)
@@ -374,6 +375,9 @@ if triton is not None:
                 ids_ptr, n_pairs, wave_of_ptr, e2s, e, emask, wave, C, BE, BP
             )
             now, later = (wave_of == wave).to(tl.int32), (wave_of > wave).to(tl.int32)
+            if ELSEWHERE:  # routed, but neither copied nor a hit
+                here = 1 - tl.load(elsewhere_ptr + e, mask=emask, other=0).to(tl.int32)
+                now, later = now * here, later * here
             if POLICY == _MARKOV:
                 if wave == 0:
                     _learn_follows(follows_ptr, routed_ptr, need, e, emask, E, BE, BR)
@@ -453,12 +457,16 @@ if triton is not None:
         tl.store(counters_ptr + k, counters + add, mask=k < _N_COUNTERS)
 
 
-def ensure_triton(ids: torch.Tensor, wave: int, policy_id: int, s: CacheState, expert_bytes: int):
-    """`ensure`'s decision for the routed experts `ids` [P] on the cache state `s`:
-    (slot of each pair [P], (src [M], dst [M], count [1])) with M = min(C, E, P)."""
+def ensure_triton(
+    ids: torch.Tensor, wave: int, policy_id: int, s: CacheState, expert_bytes: int,
+    elsewhere: torch.Tensor | None = None,
+):  # fmt: skip
+    """`ensure`'s decision for the routed experts `ids` [P] on the cache state `s`, but those
+    `elsewhere` [E] computes: (slot of each pair [P], (src [M], dst [M], count [1])) with
+    M = min(C, E, P)."""
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     out, *copies = _launch(
-        ids, None, None, wave, policy_id, min(C, E, ids.numel()), s, expert_bytes
+        ids, None, None, wave, policy_id, min(C, E, ids.numel()), s, expert_bytes, elsewhere
     )
     return out, tuple(copies)
 
@@ -472,7 +480,9 @@ def prefetch_triton(
     return tuple(copies)
 
 
-def _launch(ids, predicted, nominated, wave, policy_id, max_new, s: CacheState, expert_bytes):
+def _launch(
+    ids, predicted, nominated, wave, policy_id, max_new, s: CacheState, expert_bytes, elsewhere=None
+):
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     dev = s.expert_to_slot.device
     prefetch = predicted is not None
@@ -481,16 +491,17 @@ def _launch(ids, predicted, nominated, wave, policy_id, max_new, s: CacheState, 
     count = torch.empty(1, dtype=torch.int64, device=dev)
     ids = torch.empty(0, dtype=torch.int64, device=dev) if prefetch else ids
     out = torch.empty_like(ids)
-    # unread without PREFETCH
+    # `scores` are unread without PREFETCH, `away` without ELSEWHERE
     scores = (predicted, nominated) if prefetch else (s.wave_of, s.scratch)
+    away = s.routed if elsewhere is None else elsewhere
     n_pairs = ids.numel()
     _cache_step[(1,)](
-        ids, n_pairs, out, *scores,
+        ids, n_pairs, out, away, *scores,
         s.expert_to_slot, s.slot_to_expert, s.last_use, s.born, s.freq, s.used, s.clock, s.source, s.routed,
         s.evicted_at, s.wave_of, s.explored, s.runners_up, s.counters, s.scratch, s.follows,
         src, dst, count,
         wave, E, C, max_new, expert_bytes,
-        POLICY=policy_id, PREFETCH=prefetch,
+        POLICY=policy_id, PREFETCH=prefetch, ELSEWHERE=elsewhere is not None,
         BE=triton.next_power_of_2(E), BC=triton.next_power_of_2(C),
         BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024), BK=triton.next_power_of_2(len(Counter)), BR=16,
         num_warps=4,

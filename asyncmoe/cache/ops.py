@@ -51,6 +51,7 @@ def _ensure(
     state: list[Tensor],
     hosts: list[Tensor],
     slots: list[Tensor],
+    elsewhere: Tensor | None = None,
 ) -> Tensor:
     """Make this call's wave of routed experts resident in the slots; return their slot ids.
 
@@ -60,7 +61,8 @@ def _ensure(
     (they may fill a slot this decision evicts). A non-empty `timer` (CUDA) times the wait for those
     copies and the rest on the GPU clock (cache/clock.py). `lap`: first fold the time since the
     prefetch op stamped `pace` into its window (the compute that prefetch had to hide behind; see
-    `providers.link`).
+    `providers.link`). `elsewhere` [E] bool: experts another executor computes this call (the
+    hybrid's CPU), routed but neither copied nor given a slot.
     """
     s = CacheState._make(state)
     cuda, timed = s.expert_to_slot.is_cuda, s.timer.numel() > 0
@@ -70,7 +72,7 @@ def _ensure(
         clock.stamp(s.timer, TIMER_START)
     if wait and cuda:
         torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
-    out, copies = algorithm.ensure_plan(top_k_index, wave, policy, s, slots)
+    out, copies = algorithm.ensure_plan(top_k_index, wave, policy, s, slots, elsewhere=elsewhere)
     if cuda:
         SIDE.mark("decided", s.routed)
     if timed:
@@ -88,9 +90,13 @@ def _ensure(
 
 
 @_ensure.register_fake
-def _(top_k_index, wave, wait, lap, policy, state, hosts, slots):
+def _(top_k_index, wave, wait, lap, policy, state, hosts, slots, elsewhere=None):
     s = check_state(state)
-    C = s.slot_to_expert.shape[0]
+    C, E = s.slot_to_expert.shape[0], s.expert_to_slot.shape[0] - 1
+    torch._check(
+        elsewhere is None or (elsewhere.shape == (E,) and elsewhere.dtype == torch.bool),
+        lambda: f"elsewhere must be [E={E}] bool",
+    )
     torch._check(
         top_k_index.dim() == 2,
         lambda: f"top_k_index must be [tokens, top_k], got {top_k_index.dim()}D",
@@ -108,10 +114,16 @@ def _(top_k_index, wave, wait, lap, policy, state, hosts, slots):
 
 
 def ensure(
-    cache: ExpertCache, top_k_index: Tensor, wave: int, wait: bool = False, lap: bool = False
+    cache: ExpertCache,
+    top_k_index: Tensor,
+    wave: int,
+    wait: bool = False,
+    lap: bool = False,
+    elsewhere: Tensor | None = None,
 ) -> Tensor:
-    """`asyncmoe::ensure` on one layer's cache; slot ids [T, k], -1 for pairs of other waves."""
+    """`asyncmoe::ensure` on one layer's cache; slot ids [T, k], -1 for pairs of other waves and of
+    the experts `elsewhere` computes."""
     state = list(cache.state)
     return torch.ops.asyncmoe.ensure(
-        top_k_index, wave, wait, lap, cache.policy, state, cache.hosts, cache.slots
+        top_k_index, wave, wait, lap, cache.policy, state, cache.hosts, cache.slots, elsewhere
     )

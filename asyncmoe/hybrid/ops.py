@@ -39,16 +39,16 @@ def _hybrid_send(
     executor_id: int, layer: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Split this call's misses between the link and the CPU (hybrid/split.py) and send the CPU's
-    pairs of rows `x` to the worker; returns (gpu_ids, cpu_ids) [T, k]: the ids `ensure` serves (E:
-    the CPU's pair) and those the CPU computes (-1: the GPU's). `wait`: a prefetch into this layer
-    was issued earlier in the forward, so decide once it has decided (its experts count as
-    resident)."""
+    pairs of rows `x` to the worker; returns (elsewhere [E] bool: the CPU's experts, which `ensure`
+    counts as routed but does not copy; cpu_ids [T, k]: the pairs the CPU computes, -1 the GPU's).
+    `wait`: a prefetch into this layer was issued earlier in the forward, so decide once it has
+    decided (its experts count as resident)."""
     s = CacheState._make(state)
     if wait and s.expert_to_slot.is_cuda:
         torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
-    gpu_ids, cpu_ids = split.split(top_k_index, s.expert_to_slot, cost, s.counters)
+    elsewhere, cpu_ids = split.split(top_k_index, s.expert_to_slot, cost, s.counters)
     executor(executor_id).send(x, cpu_ids, layer)
-    return gpu_ids, cpu_ids
+    return elsewhere, cpu_ids
 
 
 @_hybrid_send.register_fake
@@ -62,8 +62,9 @@ def _(x, top_k_index, wait, state, cost, executor_id, layer):
         ),
     )
     torch._check(cost.shape == (len(Cost),), lambda: f"cost must be [{len(Cost)}]")
+    E = state[0].shape[0] - 1  # expert_to_slot [E + 1]
     ids = torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
-    return ids, torch.empty_like(ids)
+    return torch.empty(E, dtype=torch.bool, device=top_k_index.device), ids
 
 
 @torch.library.custom_op("asyncmoe::hybrid_receive", mutates_args=())

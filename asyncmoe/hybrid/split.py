@@ -11,8 +11,10 @@ copies the other m - n one after another. n is the one that finishes both soones
 
 The costs are `cost` [len(Cost)] int64 ns, calibrated once (hybrid/calibrate.py). The decision adds n
 to the layer's counter CPU_MISSES and max(cpu(n), link(n)) to COST_NS, the time the model predicts
-for the call's misses. `split_reference` is the plain-torch decision (the CPU, and the kernel's
-reference); on CUDA `_split_kernel` makes it in one program, bit for bit the same (integers).
+for the call's misses. The CPU's experts go to `ensure` as `elsewhere`: routed, so the cache's history
+and the prefetch's predictors see them, but never copied. `split_reference` is the plain-torch
+decision (the CPU, and the kernel's reference); on CUDA `_split_kernel` makes it in one program, bit
+for bit the same (integers).
 
 Dims: E experts, T tokens, k experts a token, P = T*k pairs.
 """
@@ -45,7 +47,8 @@ class Cost(IntEnum):
 def split_reference(
     ids: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor, counters: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ids` [P] -> (gpu_ids [P]: E for pairs the CPU computes, cpu_ids [P]: -1 for the others)."""
+    """`ids` [P] -> (elsewhere [E] bool: the experts the CPU computes, cpu_ids [P]: -1 for the pairs
+    it does not)."""
     E = expert_to_slot.numel() - 1
     experts = torch.arange(E, device=ids.device)
     tokens = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
@@ -61,10 +64,11 @@ def split_reference(
     finish = torch.maximum(cpu, (m - n).clamp(min=0) * cost[Cost.COPY])
     finish = finish.masked_fill(n > m, torch.iinfo(torch.int64).max)
     n_cpu = torch.argmin(finish)  # the first of equal minima: the fewest on the CPU
-    on_cpu = torch.cat([miss & (rank < n_cpu), miss.new_zeros(1)])[ids]  # [P]; id E: no expert
+    elsewhere = miss & (rank < n_cpu)
+    on_cpu = torch.cat([elsewhere, miss.new_zeros(1)])[ids]  # [P]; id E: no expert
     counters[Counter.CPU_MISSES] += n_cpu
     counters[Counter.COST_NS] += finish[n_cpu]
-    return torch.where(on_cpu, E, ids), torch.where(on_cpu, ids, -1)
+    return elsewhere, torch.where(on_cpu, ids, -1)
 
 
 if triton is not None:
@@ -74,7 +78,7 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, gpu_ids_ptr, cpu_ids_ptr, P, E,
+        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
         BP: tl.constexpr, BE: tl.constexpr,
     ):  # fmt: skip
         p, e = tl.arange(0, BP), tl.arange(0, BE)
@@ -105,7 +109,7 @@ if triton is not None:
             tl.max(((ids[:, None] == expert[None, :]) & cpu_sorted[None, :]).to(tl.int32), axis=1)
             > 0
         )
-        tl.store(gpu_ids_ptr + p, tl.where(on_cpu, E, ids), mask=p < P)
+        tl.store(elsewhere_ptr + expert, cpu_sorted, mask=expert < E)  # a permutation of 0..BE-1
         tl.store(cpu_ids_ptr + p, tl.where(on_cpu, ids, -1), mask=p < P)
         tl.store(counters_ptr + _CPU_MISSES, tl.load(counters_ptr + _CPU_MISSES) + n_cpu)
         tl.store(counters_ptr + _COST_NS, tl.load(counters_ptr + _COST_NS) + tl.minimum(best, none))
@@ -115,17 +119,18 @@ def split(
     top_k_index: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor, counters: torch.Tensor,
     use_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`top_k_index` [T, k] -> (gpu_ids [T, k], cpu_ids [T, k]): the pairs the GPU computes (the
-    others' id E, which the cache skips) and those the CPU computes (the others' id -1, which the
-    CPU worker skips)."""
+    """`top_k_index` [T, k] -> (elsewhere [E] bool, cpu_ids [T, k]): the experts the CPU computes,
+    which the cache counts as routed but does not copy, and each pair's expert where the CPU computes
+    it (-1 elsewhere, which the CPU worker skips)."""
     ids = top_k_index.long().reshape(-1)
     if not (gpu.available(ids) if use_kernel is None else use_kernel):
-        gpu_ids, cpu_ids = split_reference(ids, expert_to_slot, cost, counters)
+        elsewhere, cpu_ids = split_reference(ids, expert_to_slot, cost, counters)
     else:
-        gpu_ids, cpu_ids = torch.empty_like(ids), torch.empty_like(ids)
         P, E = ids.numel(), expert_to_slot.numel() - 1
+        elsewhere = torch.empty(E, dtype=torch.bool, device=ids.device)
+        cpu_ids = torch.empty_like(ids)
         _split_kernel[(1,)](
-            ids, expert_to_slot, cost, counters, gpu_ids, cpu_ids, P, E,
+            ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, P, E,
             BP=triton.next_power_of_2(max(P, 2)), BE=triton.next_power_of_2(max(E, 2)),
         )  # fmt: skip
-    return gpu_ids.view(top_k_index.shape), cpu_ids.view(top_k_index.shape)
+    return elsewhere, cpu_ids.view(top_k_index.shape)

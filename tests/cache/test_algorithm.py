@@ -107,6 +107,33 @@ def test_another_ranks_experts_need_nothing_here():
     ).all()  # a call with none of this rank's experts
 
 
+def test_experts_computed_elsewhere_are_routed_but_never_copied():
+    """The hybrid's CPU computes experts 3 and 5 of this call: `routed` (the temporal predictor's input) and the
+    nominations' outcomes count them, but they get slot -1, no copy, and count as neither hit nor miss here (the
+    split counts them); the next call's temporal prefetch can then admit them."""
+    cache = make_cache(E=8, C=4, policy="lru")
+    ensure(cache, torch.tensor([[1, 2]]), 0)  # 1 and 2 resident
+    cache.explored.fill_(5)  # a closed gate nominated 5 last call, with no copy
+    elsewhere = torch.zeros(8, dtype=torch.bool)
+    elsewhere[[3, 5]] = True
+    ids = torch.tensor([[1, 3], [5, 6]])
+    slots = algorithm.ensure(
+        ids, 0, cache.policy, cache.state, cache.hosts, cache.slots, elsewhere=elsewhere
+    )
+    assert (slots >= 0).tolist() == [[True, False], [False, True]]
+    check_invariants(cache, ids, slots)
+    assert cache.routed.nonzero().flatten().tolist() == [1, 3, 5, 6]
+    assert (cache.expert_to_slot[[3, 5]] == -1).all()
+    c = dict(zip(COUNTERS, cache.counters.tolist(), strict=True))
+    # 3 and 5: neither hit nor miss here
+    assert (c["hits"], c["misses"], c["bytes_h2d"]) == (1, 2 + 1, 3 * cache.expert_bytes)
+    assert (c["explored"], c["explored_paid"]) == (1, 1)  # 5 was routed: a copy would have paid
+    temporal = cache.routed.float()
+    algorithm.prefetch(temporal, temporal.to(torch.int8) * TEMPORAL, 2, "lru", cache.state, cache.hosts,
+                       cache.slots)  # fmt: skip
+    assert (cache.expert_to_slot[[3, 5]] >= 0).all()
+
+
 def test_waves_cover_more_experts_than_slots():
     cache = make_cache(E=12, C=3, policy="lfru")
     ids = torch.arange(12).view(6, 2)  # 12 distinct experts, 3 slots: 4 waves

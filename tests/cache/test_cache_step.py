@@ -24,9 +24,9 @@ def pair(E, C, policy, device):
 def run(cache, kind, args, use_kernel):
     c = cache
     if kind == "ensure":
-        ids, wave = args
+        ids, wave, elsewhere = args
         return algorithm.ensure(
-            ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel=use_kernel
+            ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel, elsewhere
         )
     scores, sources, budget = args
     algorithm.prefetch(
@@ -44,8 +44,12 @@ def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]])
                 torch.rand(1, generator=g) < 0.5
             ):  # some pairs on another rank's experts (expert parallelism): id E
                 ids = torch.where(torch.rand(size, k, generator=g) < 0.3, E, ids)
+            # a third of the calls have some experts computed elsewhere (the hybrid's CPU)
+            elsewhere = (
+                torch.rand(E, generator=g) < 0.3 if torch.rand(1, generator=g) < 0.3 else None
+            )
             for wave in range(num_waves(size * k, C, E)):
-                yield "ensure", (ids, wave)
+                yield "ensure", (ids, wave, elsewhere)
         else:
             scores = torch.rand(E, generator=g) * (torch.rand(E, generator=g) < 0.4)
             scores[: size % E] = 0.5  # ties: lower expert id first
