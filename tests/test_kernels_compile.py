@@ -48,12 +48,13 @@ def _cache(E=20, C=8, policy="lfru"):
     return ExpertCache({"w": torch.randn(E, 2, 3)}, C, policy)
 
 
-def _ensure(policy: str):
+def _ensure(policy: str, elsewhere: bool = False):
     from asyncmoe.cache import algorithm
 
     c = _cache(policy=policy)
     ids = torch.randint(0, c.num_experts, (3, 2))
-    algorithm.ensure_plan(ids, 0, c.policy, c.state, c.slots, use_kernel=True)
+    away = torch.arange(c.num_experts) % 3 == 0 if elsewhere else None  # the hybrid's CPU experts
+    algorithm.ensure_plan(ids, 0, c.policy, c.state, c.slots, use_kernel=True, elsewhere=away)
 
 
 def _prefetch(policy: str):
@@ -214,6 +215,7 @@ SOURCES = [
 ]
 CASES: dict[str, Callable[[], None]] = {
     **{f"cache_step-ensure-{p}": (lambda p=p: _ensure(p)) for p in POLICIES},
+    "cache_step-ensure-elsewhere": lambda: _ensure("lfru", elsewhere=True),
     **{f"cache_step-prefetch-{p}": (lambda p=p: _prefetch(p)) for p in POLICIES},
     **{f"prefetch_scores-{'+'.join(s)}": (lambda s=s: _prefetch_scores(s)) for s in SOURCES},
     "gate_scores-bf16": lambda: _gate_scores(torch.bfloat16),
