@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import asyncmoe
+from asyncmoe.cache.state import COUNTERS
 from asyncmoe.hybrid.split import Cost
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
@@ -84,6 +85,21 @@ def test_hybrid_under_torch_compile_fullgraph():
     for ids in prompt().split(2, dim=1):  # calls of decode size (one wave), each its own split
         torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
     assert_split_both_ways(ours)
+
+
+@torch.no_grad()
+def test_the_cpus_experts_are_routed_but_not_copied():
+    """One call from empty caches: each layer's `routed` holds every expert it routed to, the CPU's
+    too (so the next call's temporal prefetch may admit them), and its slots only the link's misses."""
+    ours = hybrid(tiny("olmoe"))
+    ours(prompt()[:, :2])  # 2 tokens x top-2 <= 4 slots: one wave, split
+    split = 0
+    for p in providers(ours):
+        c = dict(zip(COUNTERS, p.cache.counters.tolist(), strict=True))
+        assert c["hits"] == 0 and int(p.cache.routed.sum()) == c["misses"] + c["cpu_misses"]
+        assert int((p.cache.expert_to_slot[:NUM_EXPERTS] >= 0).sum()) == c["misses"]
+        split += c["cpu_misses"] > 0 and c["misses"] > 0
+    assert split > 0
 
 
 @torch.no_grad()
