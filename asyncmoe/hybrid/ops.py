@@ -53,7 +53,7 @@ def _hybrid_send(
 
 @_hybrid_send.register_fake
 def _(x, top_k_index, wait, state, cost, executor_id, layer):
-    check_state(state)
+    s = check_state(state)
     torch._check(
         top_k_index.dim() == 2 and x.dim() == 2 and x.shape[0] == top_k_index.shape[0],
         lambda: (
@@ -62,7 +62,7 @@ def _(x, top_k_index, wait, state, cost, executor_id, layer):
         ),
     )
     torch._check(cost.shape == (len(Cost),), lambda: f"cost must be [{len(Cost)}]")
-    E = state[0].shape[0] - 1  # expert_to_slot [E + 1]
+    E = s.expert_to_slot.shape[0] - 1
     ids = torch.empty(top_k_index.shape, dtype=torch.int64, device=top_k_index.device)
     return torch.empty(E, dtype=torch.bool, device=top_k_index.device), ids
 

@@ -23,7 +23,7 @@ SOURCE = Path(__file__).with_name("experts.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 # instruction sets the kernels are built for: "native" takes the best the host has (AVX-512 with BF16, AVX-512, AVX2,
 # else plain C); the others build the narrower paths on the same host, so tests reach every path that host can run,
-# and "pairs-emulated" (tests only) runs AVX512-BF16's 4-bit path as plain C on an AVX2 build
+# and "pairs-emulated" (tests only) runs AVX512-BF16's pairs paths as plain C on an AVX2 build
 ISA_FLAGS = {
     "native": (),
     "avx512": ("-mno-avx512bf16",),

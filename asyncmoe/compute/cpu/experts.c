@@ -5,10 +5,11 @@
  *     out[p] = down_e(gate(up_e(x[t])))     for pair p = (t, e)
  * in float32 accumulation, for every format of asyncmoe/formats.py (dense f32/bf16/f16 in either layout, fp8
  * block-wise in either layout, mxfp4 and int4 stored [N, K/2]). With bf16 inputs the activation between the
- * projections is rounded to bf16, as the model computes it, and where the host has AVX512-BF16 4-bit and bf16
- * weights stored [N, K] are multiplied with bf16 inputs in pairs (dot4_pairs, dot16_pairs). Pairs are grouped by expert so that each weight
- * is read once for all of its tokens; each projection is split over output rows across a persistent thread pool,
- * so that one token uses every thread (at batch 1 the work is a stream of weights from DRAM).
+ * projections is rounded to bf16, as the model computes it, and where the host has AVX512-BF16 weights stored
+ * [N, K] are multiplied with bf16 inputs in pairs (dot4_pairs, dot16_pairs, dot8_pairs). Pairs are grouped by expert
+ * so that each weight is read once for all of its tokens; each projection is split over output rows across a
+ * persistent thread pool, so that one token uses every thread (at batch 1 the work is a stream of weights from
+ * DRAM).
  *
  * The worker is a C thread that polls a request block in (pinned) host memory, written by the GPU inside a
  * captured decode step: it never takes the Python GIL and never calls the CUDA driver.
@@ -229,8 +230,8 @@ static inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 static inline float vsum(vf v) { return v; }
 #endif
 
-/* A build for tests (build.py's "pairs-emulated"): dot4_pairs as plain C, so that hosts without AVX512-BF16 run the
- * pairs path's layout and wiring */
+/* A build for tests (build.py's "pairs-emulated"): the pairs kernels as plain C, so that hosts without AVX512-BF16
+ * run the pairs paths' layout and wiring */
 #if defined(AMC_EMULATE_PAIRS) && VL > 1 && !defined(AMC_BF16_PAIRS)
 #define AMC_BF16_PAIRS 1
 #define AMC_PAIRS_EMULATED 1
@@ -759,7 +760,6 @@ static inline __attribute__((always_inline)) void dot4_pairs(const uint8_t *row,
     }
     for (int t = 0; t < tb; t++) out[t] = _mm512_reduce_add_ps(u == 2 ? _mm512_add_ps(acc[0][t], acc[1][t]) : acc[0][t]);
 }
-
 
 /* a bf16 row against bf16 inputs in their own order: 32 weights a load, no decoding, into float32 by VDPBF16PS;
  * `u` chains for one or two tokens; the last K % 32 inputs one by one */
