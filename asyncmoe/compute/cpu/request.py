@@ -5,8 +5,9 @@ take its outputs back, from inside a captured step.
 hidden rows) into the pinned channel through its device view, then publishes the next request number
 with a system-scope release store: the worker, polling that number, sees the payload. The number
 lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without the host. A request
-whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing) is not published,
-so `receive` finds it answered at once and the call pays no round trip.
+whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing) is neither written
+nor published, and the merging `receive` then reads nothing over the link: such a call pays no round
+trip and no system-scope fence or load, which can wait behind a prefetch's copies on the link.
 
 `receive` spins on the worker's `done` with system-scope acquire loads until it holds that number,
 then copies the outputs to the GPU. It never hangs: after `timeout_ns` on the GPU clock it records
@@ -94,6 +95,16 @@ if triton is not None:
         )
 
     @triton.jit
+    def _cpu_pairs(ids_ptr, P, BLOCK: tl.constexpr):
+        """How many of the P pairs name an expert (the others, -1, stay on the GPU)."""
+        offs = tl.arange(0, BLOCK)
+        active = tl.sum(tl.zeros([BLOCK], dtype=tl.int32))
+        for p0 in range(0, P, BLOCK):
+            p = p0 + offs
+            active += tl.sum((tl.load(ids_ptr + p, mask=p < P, other=-1) >= 0).to(tl.int32))
+        return active
+
+    @triton.jit
     def _send_kernel(
         x_ptr,  # [T, H], the rows of this request
         ids_ptr,  # [T, k] expert ids of those rows
@@ -113,22 +124,21 @@ if triton is not None:
         # every thread reads the number before any writes it (the barrier below): all publish the same one
         seq = tl.load(seq_ptr) + 1
         offs = tl.arange(0, BLOCK)
-        active = 0
-        for p0 in range(0, P, BLOCK):
-            p = p0 + offs
-            tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
-            ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-            tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
-            active += tl.sum((ids >= 0).to(tl.int32))
-        for i0 in range(0, T * H, BLOCK):
-            i = i0 + offs
-            tl.store(chan_x_ptr + i, tl.load(x_ptr + i, mask=i < T * H), mask=i < T * H)
-        tl.store(header_ptr, layer)
-        tl.store(header_ptr + 1, P)
-        tl.store(header_ptr + 2, T)
-        _fence_system()  # this thread's payload stores reach host memory first
-        tl.debug_barrier()  # ... and every other thread's
-        if active > 0:
+        active = _cpu_pairs(ids_ptr, P, BLOCK)
+        if active > 0:  # else nothing crosses the link: a system fence can wait behind copies there
+            for p0 in range(0, P, BLOCK):
+                p = p0 + offs
+                tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
+                ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+                tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
+            for i0 in range(0, T * H, BLOCK):
+                i = i0 + offs
+                tl.store(chan_x_ptr + i, tl.load(x_ptr + i, mask=i < T * H), mask=i < T * H)
+            tl.store(header_ptr, layer)
+            tl.store(header_ptr + 1, P)
+            tl.store(header_ptr + 2, T)
+            _fence_system()  # this thread's payload stores reach host memory first
+            tl.debug_barrier()  # ... and every other thread's
             tl.store(seq_ptr, seq)
             _store_release(request_ptr, seq)
 
@@ -151,20 +161,23 @@ if triton is not None:
         MERGE: tl.constexpr,
     ):
         pid, programs = tl.program_id(0), tl.num_programs(0)
-        seq = tl.load(seq_ptr)
-        start = _now()
-        done = _load_acquire(done_ptr)
-        while done < seq:
-            if _now() - start > timeout_ns:
-                _fault(fault_ptr, seq, layer, done, _TIMED_OUT)
+        # merging a call whose pairs all stayed on the GPU: no request was sent, nothing to wait for
+        asked = _cpu_pairs(ids_ptr, n // H, BLOCK) > 0 if MERGE else True
+        if asked:
+            seq = tl.load(seq_ptr)
+            start = _now()
             done = _load_acquire(done_ptr)
-        error = tl.load(error_ptr, volatile=True)
-        if error != 0:
-            _fault(fault_ptr, seq, layer, error.to(tl.int64), _REFUSED)
-        if pid == 0:
-            count = waited_ptr + layer * 2
-            tl.store(count + _WAITS, tl.load(count + _WAITS) + 1)
-            tl.store(count + _WAITED_NS, tl.load(count + _WAITED_NS) + (_now() - start))
+            while done < seq:
+                if _now() - start > timeout_ns:
+                    _fault(fault_ptr, seq, layer, done, _TIMED_OUT)
+                done = _load_acquire(done_ptr)
+            error = tl.load(error_ptr, volatile=True)
+            if error != 0:
+                _fault(fault_ptr, seq, layer, error.to(tl.int64), _REFUSED)
+            if pid == 0:
+                count = waited_ptr + layer * 2
+                tl.store(count + _WAITS, tl.load(count + _WAITS) + 1)
+                tl.store(count + _WAITED_NS, tl.load(count + _WAITED_NS) + (_now() - start))
         offs = tl.arange(0, BLOCK)
         for i0 in range(pid * BLOCK, n, programs * BLOCK):
             i = i0 + offs

@@ -9,6 +9,7 @@ what the slot path computes: greedy tokens equal over 64 steps in float32 activa
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import subprocess
 import sys
@@ -246,6 +247,28 @@ def test_a_round_trip_is_cheap(capsys):
     with capsys.disabled():
         print(f"\none-pair CPU round trip in a graph: {us:.1f} us (median of 20 x 100)")
     assert us < 30
+
+
+@pytest.mark.cuda
+def test_a_call_with_nothing_for_the_cpu_neither_writes_nor_waits():
+    """The hybrid's split gave the CPU no pair: the send writes nothing into the channel, and the
+    merge takes the GPU's rows without waiting, even with the worker stopped and a request number
+    it never answered."""
+    ours = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
+    ex = executor_of(ours)
+    ex.settings = dataclasses.replace(ex.settings, timeout_s=2.0)  # a wrong wait fails fast
+    ex.worker.close()
+    before = ex.channel.buffer.clone()
+    x = torch.randn(2, 32, device="cuda")
+    skipped = torch.full((2, TOP_K), -1, device="cuda")
+    request.send(x, skipped, ex.seq, ex.gpu, 0)
+    torch.cuda.synchronize()
+    assert torch.equal(ex.channel.buffer, before)  # not even the payload
+    ex.seq.fill_(1)  # a request the stopped worker never answers
+    gpu_out = torch.randn(2 * TOP_K, 32, device="cuda")
+    out = ex.merge(gpu_out, skipped.reshape(-1), 0)
+    torch.cuda.synchronize()
+    assert torch.equal(out, gpu_out) and int(ex.waited.sum()) == 0
 
 
 @pytest.mark.cuda
