@@ -1407,7 +1407,8 @@ const char *amc_isa(void) { return AMC_ISA; }
  * The request channel: one block of host memory, written by a producer (the GPU) and a worker (below).
  *
  *   offset  0: int64 request     the producer's sequence number, stored last (release) after the payload
- *   offset 64: int64 done        the worker's: the number of the request served, stored last (release)
+ *   offset 64: int64 done        the worker's: the number of the request served, stored last (release), with
+ *                                AMC_REFUSED set where it was refused
  *   offset 72: int32 error       AMC_OK, or what was wrong with request `done` (nothing was computed)
  *   offset 80: int64 detail      the offending value or pair
  *   offset 128: int32 layer, int32 pairs (P), int32 tokens (T)
@@ -1415,6 +1416,10 @@ const char *amc_isa(void) { return AMC_ISA; }
  *   x [max_tokens, hidden] in x_format, out [max_pairs, hidden] float32
  * `request` and `done` sit on cache lines of their own: each has one writer.
  */
+
+/* set in `done` beside the request number when the worker refused it (`error` says why): one load tells a waiter
+ * both that the request is answered and whether its outputs are there (request.py's DONE_REFUSED) */
+#define AMC_REFUSED ((int64_t)1 << 62)
 
 typedef struct {
     int64_t request;
@@ -1464,7 +1469,7 @@ int32_t amc_done_wait(void *channel, int64_t seq, int64_t timeout_ns) {
     amc_header *h = channel;
     int64_t start = now_ns(), waited = 0;
     for (int i = 1;; i++) {
-        if (__atomic_load_n(&h->done, __ATOMIC_ACQUIRE) == seq) return h->error;
+        if ((__atomic_load_n(&h->done, __ATOMIC_ACQUIRE) & ~AMC_REFUSED) == seq) return h->error;
         if (waited > YIELD_AFTER_NS) sched_yield();
         else cpu_relax();
         if (i % 256 == 0 && (waited = now_ns() - start) > timeout_ns) return -1;
@@ -1539,7 +1544,7 @@ static void *worker_thread(void *opaque) {
         int32_t err = seq == seen + 1 ? serve(w, &detail) : (detail = seen + 1, AMC_ERR_SEQUENCE);
         h->error = err;
         h->detail = detail;
-        __atomic_store_n(&h->done, seq, __ATOMIC_RELEASE); /* outputs and error before it */
+        __atomic_store_n(&h->done, err ? seq | AMC_REFUSED : seq, __ATOMIC_RELEASE); /* outputs, error before it */
         seen = seq;
         last_active = now_ns();
         napping = 0;

@@ -2,15 +2,18 @@
 take its outputs back, from inside a captured step.
 
 `send` writes the request's payload (layer, pairs, tokens, each pair's token and expert id, the
-hidden rows) into the pinned channel through its device view, then publishes the next request number
-with a system-scope release store: the worker, polling that number, sees the payload. The number
-lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without the host. A request
+hidden rows) into the pinned channel through its device view; once every thread's stores are made,
+one system-scope fence, then the next request number: the worker, polling that number, sees the
+payload. A fence waits behind the link's copies, so there is one, not two (a release store is
+another). The number lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without
+the host. A request
 whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing) is neither written
 nor published, and the merging `receive` then reads nothing over the link: such a call pays no round
 trip and no system-scope fence or load, which can wait behind a prefetch's copies on the link.
 
-`receive` spins on the worker's `done` with system-scope acquire loads until it holds that number,
-then copies the outputs to the GPU. It never hangs: after `timeout_ns` on the GPU clock it records
+`receive` spins on the worker's `done` with system-scope acquire loads until it holds that number
+(with DONE_REFUSED where the worker refused it, so that a request served needs no second load), then
+copies the outputs to the GPU. It never hangs: after `timeout_ns` on the GPU clock it records
 what it waited for in `fault` (pinned: the host reads it after the error) and traps, which ends the
 CUDA context with an error at the host's next sync, so no forward returns a result computed without
 the CPU's outputs. A request the worker refused (its error code) traps the same way. It also adds the
@@ -35,6 +38,8 @@ if triton is not None:
 # fault [4]: the request number, its layer, what was seen (`done`, or the worker's error code), why
 FAULT_SEQ, FAULT_LAYER, FAULT_SEEN, FAULT_KIND = range(4)
 TIMED_OUT, REFUSED = 1, 2
+# set in `done` beside the request number where the worker refused the request (experts.c's AMC_REFUSED)
+DONE_REFUSED = 1 << 62
 # waited [layers, 2]: requests received, ns the GPU waited for them
 WAITS, WAITED_NS = 0, 1
 BLOCK = 1024
@@ -67,9 +72,9 @@ if triton is not None:
         )
 
     @triton.jit
-    def _store_release(ptr, value):
+    def _store_relaxed(ptr, value):
         tl.inline_asm_elementwise(
-            "st.release.sys.global.b64 [$1], $2; mov.u32 $0, 0;",
+            "st.relaxed.sys.global.b64 [$1], $2; mov.u32 $0, 0;",
             "=r,l,l",
             [ptr, value],
             dtype=tl.int32,
@@ -137,10 +142,10 @@ if triton is not None:
             tl.store(header_ptr, layer)
             tl.store(header_ptr + 1, P)
             tl.store(header_ptr + 2, T)
-            _fence_system()  # this thread's payload stores reach host memory first
-            tl.debug_barrier()  # ... and every other thread's
+            tl.debug_barrier()  # every thread's payload stores are made ...
+            _fence_system()  # ... and, by this cumulative fence, reach host memory before the number
             tl.store(seq_ptr, seq)
-            _store_release(request_ptr, seq)
+            _store_relaxed(request_ptr, seq)
 
     @triton.jit
     def _receive_kernel(
@@ -171,9 +176,12 @@ if triton is not None:
                 if _now() - start > timeout_ns:
                     _fault(fault_ptr, seq, layer, done, _TIMED_OUT)
                 done = _load_acquire(done_ptr)
-            error = tl.load(error_ptr, volatile=True)
-            if error != 0:
-                _fault(fault_ptr, seq, layer, error.to(tl.int64), _REFUSED)
+            if (
+                done != seq
+            ):  # DONE_REFUSED is set: only then is `error` read, one more trip over the link
+                _fault(
+                    fault_ptr, seq, layer, tl.load(error_ptr, volatile=True).to(tl.int64), _REFUSED
+                )
             if pid == 0:
                 count = waited_ptr + layer * 2
                 tl.store(count + _WAITS, tl.load(count + _WAITS) + 1)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from asyncmoe.compute.cpu import Channel, CpuExperts, Projection, Worker, reference
+from asyncmoe.compute.cpu.request import DONE_REFUSED
 from asyncmoe.formats import Mxfp4
 
 E, H, T, MAX_PAIRS = 8, 64, 8, 32
@@ -81,7 +82,7 @@ def test_empty_request(served):
         0, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0, H)
     )
     assert channel.result(seq).shape == (0, H)
-    assert int(channel.done) == seq
+    assert int(channel.done) == seq  # served: DONE_REFUSED clear
 
 
 def test_skipped_pairs(served):
@@ -139,6 +140,7 @@ def test_malformed_requests_set_an_error(served):
         channel.seq += 1
         channel.publish(channel.seq)
         assert channel.wait(channel.seq) == expected
+        assert int(channel.done) == channel.seq | DONE_REFUSED  # the GPU's wait reads only this
         assert channel.out.isnan().all(), "a refused request must leave the outputs alone"
         return int(channel.detail)
 

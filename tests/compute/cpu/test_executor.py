@@ -272,6 +272,45 @@ def test_a_call_with_nothing_for_the_cpu_neither_writes_nor_waits():
 
 
 @pytest.mark.cuda
+def test_a_refused_request_fails_loudly():
+    """An expert id the layer does not have: the worker refuses the request, and the GPU's wait,
+    reading only `done`, ends the CUDA context with the worker's reason. In a child process."""
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[2])!r})
+        import asyncmoe
+        from models import tiny
+        from asyncmoe.compute.cpu import request
+        from asyncmoe.integrations.transformers import PROVIDER, find_experts
+        model = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
+        ex = getattr(find_experts(model)[0][1], PROVIDER).executor
+        x = torch.zeros(1, ex.hidden, device="cuda")
+        request.send(x, torch.tensor([[ex.layers[0].num_experts + 3]], device="cuda"), ex.seq, ex.gpu, 0)
+        out = torch.empty(1, ex.hidden, device="cuda")
+        request.receive(ex.seq, ex.gpu, out, ex.fault_view, ex.waited, 0, 10**10)
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            try:
+                ex.check()
+            except Exception as e:
+                print("RAISED", str(e)[:600])
+                sys.exit(0)
+        print("NO ERROR")
+        sys.exit(1)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "refused request 1 of layer 0 with error 6" in result.stdout, (
+        result.stdout + result.stderr
+    )
+
+
+@pytest.mark.cuda
 def test_a_wait_past_its_timeout_fails_loudly(tmp_path):
     """The worker stopped: the GPU's wait ends the CUDA context after its timeout, and the Decoder
     says why. In a child process: the context does not survive."""
