@@ -1076,6 +1076,7 @@ struct amc_pool {
     task_fn task;
     void *arg;
     uint64_t generation; /* bumped to start a task */
+    uint64_t nudges;     /* bumped by pool_nudge: sleepers wake and spin again */
     int pending;         /* workers still running it */
     int sleepers;
     int stop;
@@ -1087,25 +1088,30 @@ struct amc_pool {
 
 static float *thread_buffer(amc_pool *p, int tid) { return p->buffers + (int64_t)tid * (SEGMENT + 16); }
 
-/* Wait for a generation other than `seen`: spin, then sleep. Sleeping announces itself in `sleepers` before the
- * last check of `generation`, and pool_run bumps `generation` before reading `sleepers` (both sequentially
- * consistent): either the sleeper sees the new generation or pool_run sees the sleeper and broadcasts under the
- * lock the sleeper holds until it waits. */
+/* Wait for a generation other than `seen`: spin, then sleep; a nudge (pool_nudge) since the spin began starts
+ * another spin. Sleeping announces itself in `sleepers` before the last check of `generation` and `nudges`, and
+ * pool_run and pool_nudge bump theirs before reading `sleepers` (all sequentially consistent): either the sleeper
+ * sees the new value or the waker sees the sleeper and broadcasts under the lock the sleeper holds until it waits. */
 static uint64_t wait_generation(amc_pool *p, uint64_t seen) {
-    int64_t start = now_ns();
-    for (int i = 1;; i++) {
-        uint64_t g = __atomic_load_n(&p->generation, __ATOMIC_ACQUIRE);
+    for (;;) {
+        const uint64_t nudged = __atomic_load_n(&p->nudges, __ATOMIC_SEQ_CST);
+        int64_t start = now_ns();
+        for (int i = 1;; i++) {
+            uint64_t g = __atomic_load_n(&p->generation, __ATOMIC_ACQUIRE);
+            if (g != seen) return g;
+            cpu_relax();
+            if (i % 256 == 0 && now_ns() - start > p->spin_ns) break;
+        }
+        pthread_mutex_lock(&p->lock);
+        __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint64_t g;
+        while ((g = __atomic_load_n(&p->generation, __ATOMIC_SEQ_CST)) == seen &&
+               __atomic_load_n(&p->nudges, __ATOMIC_SEQ_CST) == nudged)
+            pthread_cond_wait(&p->wake, &p->lock);
+        __atomic_sub_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
+        pthread_mutex_unlock(&p->lock);
         if (g != seen) return g;
-        cpu_relax();
-        if (i % 256 == 0 && now_ns() - start > p->spin_ns) break;
     }
-    pthread_mutex_lock(&p->lock);
-    __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
-    uint64_t g;
-    while ((g = __atomic_load_n(&p->generation, __ATOMIC_SEQ_CST)) == seen) pthread_cond_wait(&p->wake, &p->lock);
-    __atomic_sub_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
-    pthread_mutex_unlock(&p->lock);
-    return g;
 }
 
 static void *pool_thread(void *opaque) {
@@ -1120,13 +1126,24 @@ static void *pool_thread(void *opaque) {
     }
 }
 
-static void wake_all(amc_pool *p) {
-    __atomic_add_fetch(&p->generation, 1, __ATOMIC_SEQ_CST);
+static void broadcast_if_sleeping(amc_pool *p) {
     if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST) > 0) {
         pthread_mutex_lock(&p->lock);
         pthread_cond_broadcast(&p->wake);
         pthread_mutex_unlock(&p->lock);
     }
+}
+
+static void wake_all(amc_pool *p) {
+    __atomic_add_fetch(&p->generation, 1, __ATOMIC_SEQ_CST);
+    broadcast_if_sleeping(p);
+}
+
+/* wake sleeping workers to spin for another spin_ns with no task: a request is likely soon, and waking a sleeping
+ * pool costs a request more than its experts */
+static void pool_nudge(amc_pool *p) {
+    __atomic_add_fetch(&p->nudges, 1, __ATOMIC_SEQ_CST);
+    broadcast_if_sleeping(p);
 }
 
 /* task(arg, tid, threads) on every thread, the caller as thread 0; returns when all are done */
@@ -1407,6 +1424,8 @@ const char *amc_isa(void) { return AMC_ISA; }
  * The request channel: one block of host memory, written by a producer (the GPU) and a worker (below).
  *
  *   offset  0: int64 request     the producer's sequence number, stored last (release) after the payload
+ *   offset  8: int64 awake       the producer's: changed by a call that sends nothing, so the worker keeps its pool
+ *                                awake for the requests of the calls after it
  *   offset 64: int64 done        the worker's: the number of the request served, stored last (release), with
  *                                AMC_REFUSED set where it was refused
  *   offset 72: int32 error       AMC_OK, or what was wrong with request `done` (nothing was computed)
@@ -1423,7 +1442,8 @@ const char *amc_isa(void) { return AMC_ISA; }
 
 typedef struct {
     int64_t request;
-    int64_t pad0[7];
+    int64_t awake;
+    int64_t pad0[6];
     int64_t done;
     int32_t error, pad1;
     int64_t detail;
@@ -1434,7 +1454,7 @@ typedef struct {
 typedef struct {
     int64_t max_pairs, max_tokens, hidden;
     int32_t x_format, pad;
-    int64_t request, done, error, detail, layer, pairs, tokens; /* byte offsets of the header's fields */
+    int64_t request, awake, done, error, detail, layer, pairs, tokens; /* byte offsets of the header's fields */
     int64_t token_ids, expert_ids, x, out, nbytes;              /* byte offsets of the arrays; the block's size */
 } amc_channel_layout;
 
@@ -1445,7 +1465,8 @@ int32_t amc_channel_layout_init(amc_channel_layout *l, int64_t max_pairs, int64_
     if (max_pairs < 0 || max_tokens < 0 || hidden <= 0 || x_format < AMC_F32 || x_format > AMC_F16) return -1;
     memset(l, 0, sizeof(*l));
     l->max_pairs = max_pairs, l->max_tokens = max_tokens, l->hidden = hidden, l->x_format = x_format;
-    l->request = offsetof(amc_header, request), l->done = offsetof(amc_header, done);
+    l->request = offsetof(amc_header, request), l->awake = offsetof(amc_header, awake);
+    l->done = offsetof(amc_header, done);
     l->error = offsetof(amc_header, error), l->detail = offsetof(amc_header, detail);
     l->layer = offsetof(amc_header, layer), l->pairs = offsetof(amc_header, pairs);
     l->tokens = offsetof(amc_header, tokens);
@@ -1526,12 +1547,18 @@ static int32_t serve(amc_worker *w, int64_t *detail) {
 static void *worker_thread(void *opaque) {
     amc_worker *w = opaque;
     amc_header *h = (amc_header *)w->channel;
-    int64_t seen = w->first_seen, last_active = now_ns();
+    int64_t seen = w->first_seen, last_active = now_ns(), awake = __atomic_load_n(&h->awake, __ATOMIC_RELAXED);
     int napping = 0; /* idle for longer than idle_spin_ns: sleep between polls */
     for (int i = 1; !__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE); i++) {
         int64_t seq = __atomic_load_n(&h->request, __ATOMIC_ACQUIRE); /* the payload's reads come after this */
         if (seq == seen) {
-            if (napping) {
+            int64_t now_awake = __atomic_load_n(&h->awake, __ATOMIC_RELAXED);
+            if (now_awake != awake) { /* a call that sent nothing: the next calls' requests find the pool awake */
+                awake = now_awake;
+                pool_nudge(w->pool);
+                last_active = now_ns();
+                napping = 0;
+            } else if (napping) {
                 struct timespec nap = {0, w->idle_sleep_ns};
                 nanosleep(&nap, NULL);
             } else {
@@ -1617,6 +1644,9 @@ void amc_worker_destroy(amc_worker *w) {
 
 /* The counters of every layer into out [num_layers, AMC_STATS] (a consistent row only while no request is being
  * served); then zero them if `reset`. */
+/* how many of the worker's pool threads sleep now (not spinning for a task) */
+int32_t amc_worker_sleeping(amc_worker *w) { return __atomic_load_n(&w->pool->sleepers, __ATOMIC_SEQ_CST); }
+
 void amc_worker_stats(amc_worker *w, int64_t *out, int32_t reset) {
     for (int64_t i = 0; i < (int64_t)w->num_layers * AMC_STATS; i++)
         out[i] = reset ? __atomic_exchange_n(&w->stats[i], 0, __ATOMIC_RELAXED)

@@ -90,7 +90,7 @@ class ChannelLayout(ctypes.Structure):
         ("pad", ctypes.c_int32),
         *[
             (name, ctypes.c_int64)
-            for name in ("request", "done", "error", "detail", "layer", "pairs", "tokens")
+            for name in ("request", "awake", "done", "error", "detail", "layer", "pairs", "tokens")
             + ("token_ids", "expert_ids", "x", "out", "nbytes")
         ],
     ]
@@ -130,6 +130,7 @@ def library(isa: str = "native") -> ctypes.CDLL:
         "amc_worker_start": (i32, [p]),
         "amc_worker_destroy": (None, [p]),
         "amc_worker_stats": (None, [p, p, i32]),
+        "amc_worker_sleeping": (i32, [p]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -6,10 +6,11 @@ hidden rows) into the pinned channel through its device view; once every thread'
 one system-scope fence, then the next request number: the worker, polling that number, sees the
 payload. A fence waits behind the link's copies, so there is one, not two (a release store is
 another). The number lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without
-the host. A request
-whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing) is neither written
-nor published, and the merging `receive` then reads nothing over the link: such a call pays no round
-trip and no system-scope fence or load, which can wait behind a prefetch's copies on the link.
+the host. A request whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing)
+is neither written nor published, and the merging `receive` then reads nothing over the link: such a
+call pays no round trip and no system-scope fence or load, which can wait behind a prefetch's copies
+on the link. It only changes the channel's `awake` word, which keeps the worker's pool awake for the
+calls after it.
 
 `receive` spins on the worker's `done` with system-scope acquire loads until it holds that number
 (with DONE_REFUSED where the worker refused it, so that a request served needs no second load), then
@@ -115,6 +116,7 @@ if triton is not None:
         ids_ptr,  # [T, k] expert ids of those rows
         seq_ptr,  # int64 [1] on the device: the last request number sent
         request_ptr,
+        awake_ptr,
         header_ptr,  # int32 [3] at the channel's `layer`: layer, pairs, tokens
         token_ids_ptr,
         expert_ids_ptr,
@@ -146,6 +148,8 @@ if triton is not None:
             _fence_system()  # ... and, by this cumulative fence, reach host memory before the number
             tl.store(seq_ptr, seq)
             _store_relaxed(request_ptr, seq)
+        else:  # no fence: the worker need only see it soon, to wake its pool for the calls after this one
+            _store_relaxed(awake_ptr, _now())
 
     @triton.jit
     def _receive_kernel(
@@ -206,7 +210,7 @@ def send(x: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, gpu, layer: int)
     channel whose device-side fields are `gpu` (worker.Fields), and publish it."""
     T, k = ids.shape
     _send_kernel[(1,)](
-        x, ids, seq, gpu.request, gpu.layer, gpu.token_ids, gpu.expert_ids, gpu.x,
+        x, ids, seq, gpu.request, gpu.awake, gpu.layer, gpu.token_ids, gpu.expert_ids, gpu.x,
         layer, T, k, x.shape[1], BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
 

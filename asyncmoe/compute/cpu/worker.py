@@ -44,6 +44,7 @@ class Fields(NamedTuple):
     """A channel's fields as tensors (experts.c says what each holds)."""
 
     request: torch.Tensor  # int64 [1]
+    awake: torch.Tensor  # int64 [1]
     done: torch.Tensor  # int64 [1]
     error: torch.Tensor  # int32 [1]
     detail: torch.Tensor  # int64 [1]
@@ -88,7 +89,7 @@ class Channel:
             )
         self.layout, self.buffer, self.x_dtype, self.seq = layout, buffer, x_dtype, 0
         (
-            self.request, self.done, self.error, self.detail, self.layer, self.pairs, self.tokens,
+            self.request, self.awake, self.done, self.error, self.detail, self.layer, self.pairs, self.tokens,
             self.token_ids, self.expert_ids, self.x, self.out,
         ) = self.fields(buffer)  # fmt: skip
 
@@ -104,7 +105,7 @@ class Channel:
         P, T, H = layout.max_pairs, layout.max_tokens, layout.hidden
         i32, i64 = torch.int32, torch.int64
         return Fields(
-            view(layout.request, i64), view(layout.done, i64), view(layout.error, i32),
+            view(layout.request, i64), view(layout.awake, i64), view(layout.done, i64), view(layout.error, i32),
             view(layout.detail, i64), view(layout.layer, i32), view(layout.pairs, i32),
             view(layout.tokens, i32), view(layout.token_ids, i32, P), view(layout.expert_ids, i32, P),
             view(layout.x, self.x_dtype, T, H), view(layout.out, torch.float32, P, H),
@@ -163,7 +164,9 @@ class Worker:
     never serves) with `threads` threads in all (default: all but one core).
 
     While idle it polls with a pause instruction for `idle_spin_ms`, then sleeps `idle_sleep_us` between polls
-    (a request then waits up to that long). Its pool's threads spin `pool_spin_us` after each phase, then sleep.
+    (a request then waits up to that long). Its pool's threads spin `pool_spin_us` after each phase, then sleep;
+    a change of the channel's `awake` (a call that sent the CPU nothing) keeps the worker polling and wakes the
+    pool to spin again, so that the requests of the calls after it do not wait for sleeping threads.
     `close()` stops and joins it; so do garbage collection and interpreter exit. The channel's buffer and the
     layers' tensors stay alive until then."""
 
@@ -218,6 +221,12 @@ class Worker:
         out = torch.zeros(self.num_layers, len(STATS), dtype=torch.int64)
         self.channel.lib.amc_worker_stats(self.handle, out.data_ptr(), int(reset))
         return out
+
+    def sleeping(self) -> int:
+        """How many of the pool's threads sleep now, rather than spin for the next task."""
+        if not self._close.alive:
+            raise ValueError("this Worker was closed: its pool went with it")
+        return self.channel.lib.amc_worker_sleeping(self.handle)
 
     def close(self) -> None:
         """Stop the thread and join it (idempotent)."""

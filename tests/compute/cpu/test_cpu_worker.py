@@ -106,6 +106,32 @@ def test_skipped_pairs(served):
     assert channel.result(channel.submit(0, token_ids, everything, x)).isnan().all()
 
 
+def test_a_change_of_awake_wakes_the_sleeping_pool_for_one_spin():
+    """A call that sends the CPU nothing changes `awake`: the worker wakes its sleeping pool, which
+    spins for one `pool_spin_us`, then sleeps again."""
+    channel = Channel(MAX_PAIRS, T, H, torch.bfloat16)
+    worker = Worker(channel, layers(), threads=3, pool_spin_us=300_000)
+
+    def until(asleep: int, seconds: float) -> float:
+        start = time.monotonic()
+        while worker.sleeping() != asleep:
+            assert time.monotonic() - start < seconds, (
+                f"{worker.sleeping()} of 2 asleep, not {asleep}"
+            )
+            time.sleep(0.001)
+        return time.monotonic() - start
+
+    try:
+        until(2, 5.0)  # started, spun, asleep
+        time.sleep(0.4)
+        assert worker.sleeping() == 2  # nothing wakes them but a task or a nudge
+        channel.awake[0] += 1
+        until(0, 0.25)  # woken, within the spin they were given
+        assert until(2, 5.0) > 0.03  # ... which they spin before sleeping again
+    finally:
+        worker.close()
+
+
 def test_empty_request_latency(served, capsys):
     """Printed, not asserted: the worker's turn-around of a request with no pairs, from Python through ctypes, over
     1000 requests (or as many as 2 s allow: on a machine whose cores are all busy, a polling thread waits for its

@@ -251,9 +251,9 @@ def test_a_round_trip_is_cheap(capsys):
 
 @pytest.mark.cuda
 def test_a_call_with_nothing_for_the_cpu_neither_writes_nor_waits():
-    """The hybrid's split gave the CPU no pair: the send writes nothing into the channel, and the
-    merge takes the GPU's rows without waiting, even with the worker stopped and a request number
-    it never answered."""
+    """The hybrid's split gave the CPU no pair: the send writes nothing into the channel but its
+    `awake` word, and the merge takes the GPU's rows without waiting, even with the worker stopped
+    and a request number it never answered."""
     ours = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
     ex = executor_of(ours)
     ex.settings = dataclasses.replace(ex.settings, timeout_s=2.0)  # a wrong wait fails fast
@@ -263,7 +263,10 @@ def test_a_call_with_nothing_for_the_cpu_neither_writes_nor_waits():
     skipped = torch.full((2, TOP_K), -1, device="cuda")
     request.send(x, skipped, ex.seq, ex.gpu, 0)
     torch.cuda.synchronize()
-    assert torch.equal(ex.channel.buffer, before)  # not even the payload
+    awake = slice(ex.channel.layout.awake, ex.channel.layout.awake + 8)
+    assert not torch.equal(ex.channel.buffer[awake], before[awake])
+    before[awake] = ex.channel.buffer[awake]
+    assert torch.equal(ex.channel.buffer, before)  # not the payload, not the request number
     ex.seq.fill_(1)  # a request the stopped worker never answers
     gpu_out = torch.randn(2 * TOP_K, 32, device="cuda")
     out = ex.merge(gpu_out, skipped.reshape(-1), 0)
@@ -271,13 +274,12 @@ def test_a_call_with_nothing_for_the_cpu_neither_writes_nor_waits():
     assert torch.equal(out, gpu_out) and int(ex.waited.sum()) == 0
 
 
-@pytest.mark.cuda
-def test_a_refused_request_fails_loudly():
-    """An expert id the layer does not have: the worker refuses the request, and the GPU's wait,
-    reading only `done`, ends the CUDA context with the worker's reason. In a child process."""
-    script = textwrap.dedent(
-        f"""
-        import sys, torch
+def failure_in_a_child(body: str) -> str:
+    """What a child process printed on running `body` after building the tiny model with `cache=0`
+    on the GPU (`model`, its executor `ex`): a trapped CUDA context does not survive. `body` must
+    fail as expected; its error is printed after RAISED."""
+    setup = f"""
+        import dataclasses, sys, torch
         sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[2])!r})
         import asyncmoe
         from models import tiny
@@ -285,58 +287,53 @@ def test_a_refused_request_fails_loudly():
         from asyncmoe.integrations.transformers import PROVIDER, find_experts
         model = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
         ex = getattr(find_experts(model)[0][1], PROVIDER).executor
-        x = torch.zeros(1, ex.hidden, device="cuda")
-        request.send(x, torch.tensor([[ex.layers[0].num_experts + 3]], device="cuda"), ex.seq, ex.gpu, 0)
-        out = torch.empty(1, ex.hidden, device="cuda")
-        request.receive(ex.seq, ex.gpu, out, ex.fault_view, ex.waited, 0, 10**10)
         try:
-            torch.cuda.synchronize()
-        except RuntimeError:
-            try:
-                ex.check()
-            except Exception as e:
-                print("RAISED", str(e)[:600])
-                sys.exit(0)
-        print("NO ERROR")
-        sys.exit(1)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "refused request 1 of layer 0 with error 6" in result.stdout, (
-        result.stdout + result.stderr
-    )
-
-
-@pytest.mark.cuda
-def test_a_wait_past_its_timeout_fails_loudly(tmp_path):
-    """The worker stopped: the GPU's wait ends the CUDA context after its timeout, and the Decoder
-    says why. In a child process: the context does not survive."""
-    script = textwrap.dedent(
-        f"""
-        import dataclasses, sys, torch
-        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parents[2])!r})
-        import asyncmoe
-        from models import tiny
-        from asyncmoe.integrations.transformers import PROVIDER, find_experts
-        model = asyncmoe.compile(tiny("olmoe"), cache=0, device="cuda")
-        ex = getattr(find_experts(model)[0][1], PROVIDER).executor
-        ex.settings = dataclasses.replace(ex.settings, timeout_s=0.5)
-        ex.worker.close()
-        ids = torch.randint(3, 128, (1, 4), device="cuda")
-        try:
-            asyncmoe.Decoder(model, 1, 16).generate(ids, 4)
-        except RuntimeError as e:
+    """
+    failed = """
+        except Exception as e:
             print("RAISED", str(e)[:600])
             sys.exit(0)
         print("NO ERROR")
         sys.exit(1)
-        """
-    )
+    """
+    script = textwrap.dedent(setup) + textwrap.indent(textwrap.dedent(body), "    ")
+    script += textwrap.dedent(failed)
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "the GPU waited more than 0.5 s" in result.stdout, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.cuda
+def test_a_refused_request_fails_loudly():
+    """An expert id the layer does not have: the worker refuses the request, and the GPU's wait,
+    reading only `done`, ends the CUDA context with the worker's reason."""
+    printed = failure_in_a_child(
+        """
+        x = torch.zeros(1, ex.hidden, device="cuda")
+        bad = torch.tensor([[ex.layers[0].num_experts + 3]], device="cuda")
+        request.send(x, bad, ex.seq, ex.gpu, 0)
+        request.receive(ex.seq, ex.gpu, torch.empty_like(x), ex.fault_view, ex.waited, 0, 10**10)
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError:
+            ex.check()
+        """
+    )
+    assert "refused request 1 of layer 0 with error 6" in printed, printed
+
+
+@pytest.mark.cuda
+def test_a_wait_past_its_timeout_fails_loudly():
+    """The worker stopped: the GPU's wait ends the CUDA context after its timeout, and the Decoder
+    says why."""
+    printed = failure_in_a_child(
+        """
+        ex.settings = dataclasses.replace(ex.settings, timeout_s=0.5)
+        ex.worker.close()
+        ids = torch.randint(3, 128, (1, 4), device="cuda")
+        asyncmoe.Decoder(model, 1, 16).generate(ids, 4)
+        """
+    )
+    assert "the GPU waited more than 0.5 s" in printed, printed
