@@ -41,9 +41,9 @@ def compile(
     (`asyncmoe.AutoCache(max_length=, batch_size=)` leaves what a Decoder of that size needs
     instead). `cache >= num_experts` keeps every expert resident and runs the model's own
     implementation. `cache=0` computes every routed expert on the host's CPU from the host store,
-    with `cpu_threads` threads (default: all but one core); the rest of the model runs on `device`
-    (on a CUDA device, inside the same graphs: the GPU sends each layer's pairs to a CPU worker
-    through pinned memory and waits for its outputs). `hybrid`: a cached layer's misses split
+    with `cpu_threads` threads (default: all but one core, two for a model on CUDA); the rest of the
+    model runs on `device` (on a CUDA device, inside the same graphs: the GPU sends each layer's
+    pairs to a CPU worker through pinned memory and waits for its outputs). `hybrid`: a cached layer's misses split
     between the link (copied into slots) and the host's CPU (computed from the host store, while the
     GPU copies and computes the rest), by a cost model timed on this host at compile; the default,
     None, turns it on where the model runs on CUDA and the CPU would take any of a decode call's

@@ -116,7 +116,8 @@ class Settings:
     replay: Trace | None = None
     time_stalls: bool = False
     quantize: str | Format | None = None
-    cpu_threads: int | None = None  # the CPU executor's threads (None: all but one core)
+    # the CPU executor's threads (None: all but one core, two on CUDA)
+    cpu_threads: int | None = None
     # split a cached layer's misses between the link and the CPU (None: where it pays, on CUDA)
     hybrid: bool | None = None
 
@@ -132,7 +133,7 @@ class Settings:
         if self.cpu_threads is not None and (not is_int(self.cpu_threads) or self.cpu_threads < 1):
             raise ValueError(
                 f"cpu_threads={self.cpu_threads!r}: the CPU threads computing experts, an int >= 1 "
-                "(None: all but one core)"
+                "(None: all but one core, two on CUDA)"
             )
         if self.hybrid is not None and not isinstance(self.hybrid, bool):
             raise TypeError(

@@ -37,7 +37,8 @@ class CpuExecutorError(RuntimeError):
 
 @dataclass(frozen=True)
 class CpuSettings:
-    """`threads`: the CPU threads computing experts (None: all but one core). `max_tokens`: rows in
+    """`threads`: the CPU threads computing experts (None: `default_threads`, all but one core, two
+    for a model on CUDA). `max_tokens`: rows in
     one request; a longer call is sent in chunks. `timeout_s`: how long the GPU waits for one chunk
     before it fails."""
 
@@ -60,7 +61,11 @@ class CpuExecutor:
     ):
         self.layers, self.device, self.x_dtype, self.top_k = layers, device, x_dtype, top_k
         self.settings = settings
-        self.threads = default_threads() if settings.threads is None else settings.threads
+        self.threads = (
+            default_threads(beside_gpu=device.type == "cuda")
+            if settings.threads is None
+            else settings.threads
+        )
         self.hidden = layers[0].hidden
         self.id = next(_ids)
         _executors[self.id] = self

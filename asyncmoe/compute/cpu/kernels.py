@@ -139,12 +139,15 @@ def library(isa: str = "native") -> ctypes.CDLL:
     return lib
 
 
-def default_threads() -> int:
-    """All but one of the cores this process may run on: the one left runs Python and launches the GPU's work."""
+def default_threads(beside_gpu: bool = False) -> int:
+    """The threads a CPU computation takes by default: all but one of the cores this process may run
+    on, left to the host's other threads, which would otherwise preempt a thread mid-task and hold the
+    whole computation for a scheduler slice (ms); `beside_gpu` (a worker serving the GPU's requests),
+    all but two: Python spins on another while it waits for the GPU."""
     cores = (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     )
-    return max(1, cores - 1)
+    return max(1, cores - (2 if beside_gpu else 1))
 
 
 class Pool:

@@ -161,7 +161,7 @@ class Channel:
 
 class Worker:
     """A C thread serving `channel`'s requests for `layers` (index = the request's layer; None: a layer the CPU
-    never serves) with `threads` threads in all (default: all but one core).
+    never serves) with `threads` threads in all (default: all but two cores, `default_threads`).
 
     While idle it polls with a pause instruction for `idle_spin_ms`, then sleeps `idle_sleep_us` between polls
     (a request then waits up to that long). Its pool's threads spin `pool_spin_us` after each phase, then sleep;
@@ -180,7 +180,7 @@ class Worker:
         idle_sleep_us: float = 50.0,
     ):
         lib, H = channel.lib, channel.layout.hidden
-        threads = default_threads() if threads is None else threads
+        threads = default_threads(beside_gpu=True) if threads is None else threads
         if threads < 1:
             raise ValueError(
                 f"threads={threads}: the worker needs at least its own thread (threads >= 1)"

@@ -5,6 +5,7 @@ back with an error code and untouched outputs."""
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import weakref
 import pytest
 import torch
 
-from asyncmoe.compute.cpu import Channel, CpuExperts, Projection, Worker, reference
+from asyncmoe.compute.cpu import Channel, CpuExperts, Pool, Projection, Worker, reference
 from asyncmoe.compute.cpu.request import DONE_REFUSED
 from asyncmoe.formats import Mxfp4
 
@@ -220,6 +221,23 @@ def test_close_and_collect_stop_the_thread():
     assert ref() is None
     with pytest.raises(TimeoutError):
         channel.result(channel.submit(0, none, none, torch.zeros(0, H)), timeout=0.05)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 16])
+def test_default_threads_leave_a_core_to_the_host_and_one_to_python_beside_a_gpu(
+    monkeypatch, cores
+):
+    """Every busy thread beside a GPU (the worker's, and Python spinning on the GPU) on a core of its own
+    with one to spare: one more runnable thread holds a request for a scheduler slice."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    worker = Worker(Channel(MAX_PAIRS, T, H), layers())
+    pool = Pool()
+    try:
+        assert worker.threads == max(1, cores - 2)
+        assert pool.threads == max(1, cores - 1)
+    finally:
+        worker.close()
+        pool.close()
 
 
 def test_refuses_layers_of_another_hidden_size():
