@@ -24,6 +24,7 @@ nothing of the trace (as in the latency suite's synthetic traces; the prefetch g
 `--quantize fp8` (mxfp4, int4) keeps asyncmoe's experts in that format; the unmodified model stays bf16.
 `--hybrid off on` runs each cached case with and without the CPU computing some misses (compile's `hybrid`), and
 says how the step compares with what the hybrid's cost model predicts (resident + its misses' time).
+`--compile` runs every row's steps (the unmodified model's too) through torch.compile: Decoder(compile=True).
 `--caches 0` has the host's CPU compute every routed expert, once per `--cpu-threads` value; a cache may also be a
 GPU-memory budget for every layer's slots (`--caches 0 8GiB`).
 `--random-mxfp4` builds every asyncmoe model afresh with random MXFP4 experts made straight in host memory
@@ -72,12 +73,21 @@ def timed_round(model, dec, ids: torch.Tensor, steps: int, cached: bool) -> floa
     return start.elapsed_time(end) / steps
 
 
-def measure(model, label: str, graph: bool, steps: int, rounds: int, ids: torch.Tensor) -> dict:
+def measure(
+    model,
+    label: str,
+    graph: bool,
+    steps: int,
+    rounds: int,
+    ids: torch.Tensor,
+    compile: bool = False,
+) -> dict:
     """`model`'s median ms per decode step over `rounds` rounds (`timed_round`), printed as one line; for a cached
-    model also the bytes it moved per token, its hit rate and its prefetch recall."""
+    model also the bytes it moved per token, its hit rate and its prefetch recall. `compile`: the Decoder's."""
     dec = asyncmoe.Decoder(
-        model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph
-    )
+        model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph,
+        compile=compile,
+    )  # fmt: skip
     per_round, moved = [], 0
     cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
     for _ in range(rounds):
@@ -216,6 +226,11 @@ def main():
     )
     p.add_argument("--no-eager", action="store_true", help="graph rows only")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="every row's steps through torch.compile (Decoder(compile=True)), the unmodified model's too",
+    )
+    p.add_argument(
         "--prefetch-only", action="store_true", help="cached rows with prefetch only, none without"
     )
     p.add_argument(
@@ -284,7 +299,7 @@ def main():
         out = []
         for graph, steps, rounds in timings:
             torch.cuda.reset_peak_memory_stats()
-            row = measure(model, label, graph, steps, rounds, ids)
+            row = measure(model, label, graph, steps, rounds, ids, args.compile)
             peaks = dict(
                 host_peak_bytes=host_status("VmHWM"),
                 gpu_peak_bytes=torch.cuda.max_memory_allocated(),
@@ -395,6 +410,7 @@ def main():
     result = {
         "shape": args.shape,
         "random_mxfp4": args.random_mxfp4,
+        "compile": args.compile,
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -254,6 +254,10 @@ class Decoder:
     With prefetch, each step runs with it or without it as the prefetch gates ask (`Gates`; a graph
     of each), and the host queues at most LEAD graph steps ahead of the GPU, so that it reads the
     gates of recent steps.
+
+    `compile=True` runs each step's forward through `torch.compile` (Inductor fuses the model's
+    many small ops around the experts into few kernels); the first step of each kind compiles,
+    for seconds to minutes, and prompts stay eager, so no prompt length compiles again.
     """
 
     def __init__(
@@ -263,8 +267,11 @@ class Decoder:
         max_length: int | None = None,
         graph: bool | None = None,
         waves: bool = False,
+        compile: bool = False,
     ):
         check_model(model)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(
                 "batch_size must be an int >= 1, the number of prompts per call; got "
@@ -277,6 +284,7 @@ class Decoder:
                 f"max_length must be an int >= 2, room for prompt + new tokens; got {max_length!r}"
             )
         self.model, self.batch_size, self.max_length = model, int(batch_size), int(max_length)
+        self._step_model = torch.compile(model, dynamic=False) if compile else model
         self.device = model.device
         self.vocab = model.get_input_embeddings().num_embeddings  # ids a prompt may hold
         self.graphed = self.device.type == "cuda" if graph is None else graph
@@ -316,10 +324,10 @@ class Decoder:
         self.length = 0
         self.stops = False  # whether the last prefill has EOS ids the model can produce
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
         # positions come from the StaticCache's own device-side length, so a replayed step advances
         # them
-        logits = self.model(input_ids=ids, **{self._kv_arg: self.kv}).logits[:, -1]
+        logits = model(input_ids=ids, **{self._kv_arg: self.kv}).logits[:, -1]
         if self.logits is None:
             self.logits = torch.empty_like(logits)
             self.is_eos = torch.zeros(logits.shape[-1], dtype=torch.bool, device=self.device)
@@ -335,7 +343,7 @@ class Decoder:
 
     @torch.no_grad()
     def _step(self, do_sample: bool, top_k: int) -> None:
-        logits = self._forward(self.tok)
+        logits = self._forward(self.tok, self._step_model)
         nxt = self._finish(sample(logits, do_sample, top_k, self.temperature, self.top_p))  # [B]
         self.history.index_copy_(1, self.pos + 1, nxt[:, None])
         self.tok.copy_(nxt[:, None])
@@ -417,7 +425,7 @@ class Decoder:
         self.top_p.fill_(top_p if do_sample else 1.0)
         self.kv.reset()
         ids = input_ids.to(self.device, torch.long)
-        logits = self._forward(ids)
+        logits = self._forward(ids, self.model)
         self._set_stops(eos, pad)
         self.done.zero_()
         first = self._finish(sample(logits, *self._sampling, self.temperature, self.top_p))

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import masking_utils
 
 import asyncmoe
@@ -715,3 +716,42 @@ def test_max_length_past_the_positions_warns():
     ):
         asyncmoe.Decoder(model, max_length=300)
     assert asyncmoe.Decoder(model).max_length == 256  # the default: the model's positions
+
+
+def compiled_and_not(device: str, graph: bool, steps: int):
+    """Greedy steps of one cached model through a Decoder with compile=True and one without: (tokens,
+    logits of the last step) of each."""
+    ref = tiny("olmoe", device=device)
+    model = asyncmoe.compile(ref, cache=3 * TOP_K)
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(4)).to(device)
+    out = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        dec = asyncmoe.Decoder(model, 2, 6 + steps, graph=graph, compile=compiled)
+        got = dec.generate(ids, steps, eos_token_id=[])
+        # Dynamo compiled the steps of the Decoder that asked for it, and nothing for the other
+        assert (counters["stats"]["unique_graphs"] > 0) == compiled
+        out.append((got.tokens, dec.logits.float().clone()))
+    return out
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_a_compiled_step_decodes_as_the_eager_one():
+    (tokens, logits), (want_tokens, want_logits) = compiled_and_not("cpu", False, 6)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_a_compiled_graph_step_decodes_as_the_uncompiled_one():
+    (tokens, logits), (want_tokens, want_logits) = compiled_and_not("cuda", True, 24)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=2e-2)
+
+
+def test_compile_must_be_a_bool():
+    with pytest.raises(ValueError, match="compile must be True or False"):
+        asyncmoe.Decoder(tiny("olmoe"), 1, 8, graph=False, compile="max-autotune")
