@@ -1,9 +1,9 @@
 """Decode's expert matmul from 4-bit slots (mxfp4 or int4): out[s] = dequantize(W[slot[s]]) @ x[s].
 
-As `fp8_gemv`: one program per (pair, block of outputs) streams its rows' packed bytes once, decodes
-both nibbles of each byte (e2m1 by its bits, or the integer less 8), scales them by their group's
-scale, rounds to the activations' dtype as the reference's dequantized weight is, and accumulates in
-float32.
+As `fp8_gemv`: one program per (pair, block of outputs) streams its rows' packed bytes once, a few
+whole scale groups a step, decodes both nibbles of each byte with integer ops (e2m1 into float32's
+bits, or the integer less 8), scales them by their group's scale (decoded once a group), rounds to
+the activations' dtype as the reference's dequantized weight is, and accumulates in float32.
 
 The reference, `gemv4_reference`, dequantizes the pairs' experts with the format's plain-torch
 definition, then multiplies in float32. Dims: S pairs, C slots, N outputs, K inputs, G inputs per
@@ -41,20 +41,22 @@ def gemv4_reference(
 if triton is not None:
 
     @triton.jit
-    def nibble_weights(byte, sc, nibble: tl.constexpr, MXFP4: tl.constexpr, dtype):
-        """The weights in one nibble of each byte (0: low, the even inputs), scaled and rounded to
-        `dtype` as the reference's dequantized weight is: e2m1 by its bits, or the integer less
-        8."""
+    def nibble_values(byte, nibble: tl.constexpr, MXFP4: tl.constexpr):
+        """The unscaled values in one nibble of each int32 `byte` (0: low, the even inputs), float32:
+        e2m1 built from its bits with integer ops (no exp2), or the integer less 8."""
         code = (byte >> (4 * nibble)) & 15
-        if MXFP4:  # e2m1: sign, 2 exponent bits, 1 mantissa bit
+        if MXFP4:  # sign, 2 exponent bits, 1 mantissa bit -> float32's sign, exponent and mantissa
             mag = code & 7
-            e = mag >> 1
-            m = (mag & 1).to(tl.float32)
-            value = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-            value = tl.where(code >= 8, -value, value)
-        else:
-            value = (code - 8).to(tl.float32)
-        return (value * sc).to(dtype)
+            # magnitude 1 is the subnormal 0.5; from 2 on the exponent is rebiased by 126
+            bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + (126 << 23))
+            return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+        return (code - 8).to(tl.float32)
+
+    @triton.jit
+    def nibble_weights(byte, sc, nibble: tl.constexpr, MXFP4: tl.constexpr, dtype):
+        """The weights in one nibble of each byte, scaled by `sc` (float32) and rounded to `dtype` as
+        the reference's dequantized weight is."""
+        return (nibble_values(byte, nibble, MXFP4) * sc).to(dtype)
 
     @triton.jit
     def _gemv4(
@@ -68,39 +70,35 @@ if triton is not None:
         MXFP4: tl.constexpr,
         GROUP: tl.constexpr,
         BN: tl.constexpr,
-        BK: tl.constexpr,  # BK: inputs a step, even
+        NG: tl.constexpr,  # groups a step: each row's NG * GROUP / 2 packed bytes
     ):
         pair = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
+        GB: tl.constexpr = GROUP // 2  # bytes a group
+        g, j = tl.arange(0, NG), tl.arange(0, GB)
         slot = tl.maximum(tl.load(slot_ptr + pair), 0).to(tl.int64)
-        half = K // 2
-        w_base = w_ptr + slot * N * half
-        s_base = scale_ptr + slot * N * (K // GROUP)
-        acc = tl.zeros([BN], dtype=tl.float32)
-        for b0 in range(0, half, BK // 2):
-            b = b0 + tl.arange(0, BK // 2)  # byte b holds inputs 2b (low nibble) and 2b + 1
-            bmask = b < half
-            mask = nmask[:, None] & bmask[None, :]
-            byte = tl.load(w_base + n[:, None] * half + b[None, :], mask=mask, other=0).to(tl.int32)
-            sc = tl.load(
-                s_base + n[:, None] * (K // GROUP) + (2 * b[None, :]) // GROUP, mask=mask, other=0
-            )
-            if MXFP4:
-                sc = tl.exp2(sc.to(tl.float32) - 127.0)
-            else:
-                sc = sc.to(tl.float32)
-            x_type = x_ptr.dtype.element_ty
+        half, groups = K // 2, K // GROUP
+        w_rows = w_ptr + slot * N * half + n[:, None, None] * half  # [BN, 1, 1]
+        s_rows = scale_ptr + slot * N * groups + n[:, None] * groups  # [BN, 1]
+        x_dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros([BN, NG, GB], dtype=tl.float32)
+        for g0 in range(0, groups, NG):
+            gm = (g0 + g) < groups  # [NG]
+            b = (g0 + g)[:, None] * GB + j[None, :]  # [NG, GB]: byte b holds inputs 2b and 2b + 1
+            mask = (n < N)[:, None, None] & gm[None, :, None]
+            byte = tl.load(w_rows + b[None, :, :], mask=mask, other=0).to(tl.int32)
+            sc = tl.load(s_rows + (g0 + g)[None, :], mask=(n < N)[:, None] & gm[None, :], other=0)
+            sc = (tl.exp2(sc.to(tl.float32) - 127.0) if MXFP4 else sc.to(tl.float32))[:, :, None]
             for nibble in tl.static_range(2):
-                weight = nibble_weights(byte, sc, nibble, MXFP4, x_type).to(tl.float32)
-                xs = tl.load(x_ptr + pair * K + 2 * b + nibble, mask=bmask, other=0.0).to(
-                    tl.float32
-                )
-                acc += tl.sum(weight * xs[None, :], axis=1)
-        tl.store(out_ptr + pair * N + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+                weight = nibble_weights(byte, sc, nibble, MXFP4, x_dtype).to(tl.float32)
+                xs = tl.load(x_ptr + pair * K + 2 * b + nibble, mask=gm[:, None], other=0.0)
+                acc += weight * xs.to(tl.float32)[None, :, :]
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        tl.store(out_ptr + pair * N + n, out.to(out_ptr.dtype.element_ty), mask=n < N)
 
 
-BN, BK = 16, 256  # a program's outputs and the inputs per step: 2 KB of packed weights in flight
+# a program's outputs, and the packed bytes of each of its rows a step (2 KB in flight)
+BN, ROW_BYTES = 16, 128
 
 
 def check_stored_order(kernel: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
@@ -131,7 +129,7 @@ def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
         MXFP4=kind == "mxfp4",
         GROUP=group,
         BN=BN,
-        BK=BK,
+        NG=max(1, ROW_BYTES // (group // 2)),
         num_warps=4,
     )
     return out
