@@ -718,9 +718,16 @@ def test_max_length_past_the_positions_warns():
     assert asyncmoe.Decoder(model).max_length == 256  # the default: the model's positions
 
 
-def compiled_and_not(device: str, graph: bool, steps: int):
-    """Greedy steps of one cached model through a Decoder with compile=True and one without: (tokens,
-    logits of the last step) of each."""
+@pytest.mark.parametrize(
+    "device, graph, steps",
+    [
+        pytest.param("cpu", False, 6, marks=pytest.mark.slow, id="eager-cpu"),
+        pytest.param("cuda", True, 24, marks=pytest.mark.cuda, id="graph-cuda"),
+    ],
+)
+@torch.no_grad()
+def test_a_compiled_step_decodes_as_the_uncompiled_one(device, graph, steps):
+    """Greedy steps of one cached model through a Decoder with compile=True and one without agree."""
     ref = tiny("olmoe", device=device)
     model = asyncmoe.compile(ref, cache=3 * TOP_K)
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(4)).to(device)
@@ -733,21 +740,7 @@ def compiled_and_not(device: str, graph: bool, steps: int):
         # Dynamo compiled the steps of the Decoder that asked for it, and nothing for the other
         assert (counters["stats"]["unique_graphs"] > 0) == compiled
         out.append((got.tokens, dec.logits.float().clone()))
-    return out
-
-
-@pytest.mark.slow
-@torch.no_grad()
-def test_a_compiled_step_decodes_as_the_eager_one():
-    (tokens, logits), (want_tokens, want_logits) = compiled_and_not("cpu", False, 6)
-    assert torch.equal(tokens, want_tokens)
-    torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.cuda
-@torch.no_grad()
-def test_a_compiled_graph_step_decodes_as_the_uncompiled_one():
-    (tokens, logits), (want_tokens, want_logits) = compiled_and_not("cuda", True, 24)
+    (tokens, logits), (want_tokens, want_logits) = out
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logits, want_logits, rtol=2e-2, atol=2e-2)
 
