@@ -119,10 +119,10 @@ class ChunkedPrefill(asyncmoe.Decoder):
         super().__init__(model, batch_size, max_length, **kwargs)
         self.chunk = chunk
 
-    def _forward(self, ids):
+    def _forward(self, ids, model=None):
         chunk = self.chunk or ids.shape[1]
         for t in range(0, ids.shape[1], chunk):
-            logits = super()._forward(ids[:, t : t + chunk])
+            logits = super()._forward(ids[:, t : t + chunk], model)
         return logits
 
 

@@ -324,9 +324,12 @@ class Decoder:
         self.length = 0
         self.stops = False  # whether the last prefill has EOS ids the model can produce
 
-    def _forward(self, ids: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, model: nn.Module | None = None) -> torch.Tensor:
+        """The last position's logits of `ids` through `model` (None: the model itself; a step
+        passes its compiled forward)."""
         # positions come from the StaticCache's own device-side length, so a replayed step advances
         # them
+        model = self.model if model is None else model
         logits = model(input_ids=ids, **{self._kv_arg: self.kv}).logits[:, -1]
         if self.logits is None:
             self.logits = torch.empty_like(logits)
@@ -425,7 +428,7 @@ class Decoder:
         self.top_p.fill_(top_p if do_sample else 1.0)
         self.kv.reset()
         ids = input_ids.to(self.device, torch.long)
-        logits = self._forward(ids, self.model)
+        logits = self._forward(ids)
         self._set_stops(eos, pad)
         self.done.zero_()
         first = self._finish(sample(logits, *self._sampling, self.temperature, self.top_p))
