@@ -3,7 +3,8 @@
 As `fp8_gemv`: one program per (pair, block of outputs) streams its rows' packed bytes once, a few
 whole scale groups a step, decodes both nibbles of each byte with integer ops (e2m1 into float32's
 bits, or the integer less 8), scales them by their group's scale (decoded once a group), rounds to
-the activations' dtype as the reference's dequantized weight is, and accumulates in float32.
+the activations' dtype as the reference's dequantized weight is (a no-op, so skipped, for mxfp4 in
+bf16 and anything in float32), and accumulates in float32.
 
 The reference, `gemv4_reference`, dequantizes the pairs' experts with the format's plain-torch
 definition, then multiplies in float32. Dims: S pairs, C slots, N outputs, K inputs, G inputs per
@@ -71,6 +72,7 @@ if triton is not None:
         GROUP: tl.constexpr,
         BN: tl.constexpr,
         NG: tl.constexpr,  # groups a step: each row's NG * GROUP / 2 packed bytes
+        ROUND: tl.constexpr,  # round each weight to x's dtype (where that is not exact already)
     ):
         pair = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -90,7 +92,9 @@ if triton is not None:
             sc = tl.load(s_rows + (g0 + g)[None, :], mask=(n < N)[:, None] & gm[None, :], other=0)
             sc = (tl.exp2(sc.to(tl.float32) - 127.0) if MXFP4 else sc.to(tl.float32))[:, :, None]
             for nibble in tl.static_range(2):
-                weight = nibble_weights(byte, sc, nibble, MXFP4, x_dtype).to(tl.float32)
+                weight = nibble_values(byte, nibble, MXFP4) * sc
+                if ROUND:
+                    weight = weight.to(x_dtype).to(tl.float32)
                 xs = tl.load(x_ptr + pair * K + 2 * b + nibble, mask=gm[:, None], other=0.0)
                 acc += weight * xs.to(tl.float32)[None, :, :]
         out = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -130,6 +134,9 @@ def gemv4_triton(x, packed, scales, slots, kind: str) -> torch.Tensor:
         GROUP=group,
         BN=BN,
         NG=max(1, ROW_BYTES // (group // 2)),
+        # an e2m1 value (two significant bits) times a power of two is a bf16 as it is, but below
+        # bf16's normal range (scales under 2^-126)
+        ROUND=x.dtype != torch.float32 and not (kind == "mxfp4" and x.dtype == torch.bfloat16),
         num_warps=4,
     )
     return out
