@@ -43,25 +43,25 @@ def compile(
     implementation. `cache=0` computes every routed expert on the host's CPU from the host store,
     with `cpu_threads` threads (default: all but one core, two for a model on CUDA); the rest of the
     model runs on `device` (on a CUDA device, inside the same graphs: the GPU sends each layer's
-    pairs to a CPU worker through pinned memory and waits for its outputs). `hybrid`: a cached layer's misses split
-    between the link (copied into slots) and the host's CPU (computed from the host store, while the
-    GPU copies and computes the rest), by a cost model timed on this host at compile; the default,
-    None, turns it on where the model runs on CUDA and the CPU would take any of a decode call's
-    misses; calls of more distinct experts than slots (waves) stay on the GPU. `quantize="fp8"`:
-    store the experts as block-wise fp8 (transformers' fine-grained FP8 layout, 128x128 blocks),
-    quantized layer by layer on the way to host memory: a miss copies about half of bf16's bytes and
-    the same GPU memory holds twice the experts. None keeps the model's dtype (or its fp8 experts).
-    `device` is where the model runs (default: where its experts are now); a model loaded on the CPU
-    can be compiled straight onto the GPU without its experts ever going there. `policy`: eviction
-    policy, one of "markov" (the default: LFRU behind a prediction of the next call from the experts
-    that followed the current ones; an [E, E] table a layer), "lfru", "lru", "lfu", "fifo".
-    `prefetch`: predict the next layers' experts and copy them on a side stream while a layer
-    computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to choose).
-    The default, None, turns it on where the model runs on a CUDA device and off elsewhere: on the
-    CPU nothing runs beside the copies, so prefetch can only cost. `replay`: a routing trace (or its
-    .npz path) to route by instead of the routers, whose work still runs: realistic routing for
-    random-weight models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock, how
-    long each layer waits for its prefetch and for its own decision and copies (`stats` reports
+    pairs to a CPU worker through pinned memory and waits for its outputs). `hybrid`: a cached
+    layer's misses split between the link (copied into slots) and the host's CPU (computed from the
+    host store, while the GPU copies and computes the rest), by a cost model timed on this host at
+    compile; the default, None, turns it on where the model runs on CUDA and the CPU would take any
+    of a decode call's misses; calls of more distinct experts than slots (waves) stay on the GPU.
+    `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout,
+    128x128 blocks), quantized layer by layer on the way to host memory: a miss copies about half of
+    bf16's bytes and the same GPU memory holds twice the experts. None keeps the model's dtype (or
+    its fp8 experts). `device` is where the model runs (default: where its experts are now); a model
+    loaded on the CPU can be compiled straight onto the GPU without its experts ever going there.
+    `policy`: eviction policy, one of "markov" (the default: LFRU behind a prediction of the next
+    call from the experts that followed the current ones; an [E, E] table a layer), "lfru", "lru",
+    "lfu", "fifo". `prefetch`: predict the next layers' experts and copy them on a side stream while
+    a layer computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to
+    choose). The default, None, turns it on where the model runs on a CUDA device and off elsewhere:
+    on the CPU nothing runs beside the copies, so prefetch can only cost. `replay`: a routing trace
+    (or its .npz path) to route by instead of the routers, whose work still runs: realistic routing
+    for random-weight models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock,
+    how long each layer waits for its prefetch and for its own decision and copies (`stats` reports
     them); three one-thread kernels per layer call, so off by default
     (docs/decisions.md#stall-timing-off).
     Returns the same model.

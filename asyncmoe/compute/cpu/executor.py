@@ -38,9 +38,8 @@ class CpuExecutorError(RuntimeError):
 @dataclass(frozen=True)
 class CpuSettings:
     """`threads`: the CPU threads computing experts (None: `default_threads`, all but one core, two
-    for a model on CUDA). `max_tokens`: rows in
-    one request; a longer call is sent in chunks. `timeout_s`: how long the GPU waits for one chunk
-    before it fails."""
+    for a model on CUDA). `max_tokens`: rows in one request; a longer call is sent in chunks.
+    `timeout_s`: how long the GPU waits for one chunk before it fails."""
 
     threads: int | None = None
     max_tokens: int = 256
