@@ -29,7 +29,7 @@ says how the step compares with what the hybrid's cost model predicts (resident 
 GPU-memory budget for every layer's slots (`--caches 0 8GiB`).
 `--random-mxfp4` builds every asyncmoe model afresh with random MXFP4 experts made straight in host memory
 (shapes.random_mxfp4_model), for shapes whose bf16 experts do not fit anywhere; there is then no unmodified row,
-and a first cache of every expert (128 here: all resident, in MXFP4 on the GPU) stands in for it:
+and a cache of every expert (128 here: all resident, in MXFP4 on the GPU) stands in for it:
     python benchmarks/decode_step.py --shape gpt-oss-120b --random-mxfp4 --replay trace --caches 128 0 8GiB
 Every row also says the memory its case held: host RSS after compile and its peak over the build and the rounds,
 the pinned host store, and the GPU's allocated bytes after compile and peak over the rounds (a bf16 model's

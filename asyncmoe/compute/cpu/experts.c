@@ -1423,7 +1423,7 @@ const char *amc_isa(void) { return AMC_ISA; }
 /* ---------------------------------------------------------------------------------------------------------------
  * The request channel: one block of host memory, written by a producer (the GPU) and a worker (below).
  *
- *   offset  0: int64 request     the producer's sequence number, stored last (release) after the payload
+ *   offset  0: int64 request     the producer's sequence number, stored last, after the payload and a fence
  *   offset  8: int64 awake       the producer's: changed by a call that sends nothing, so the worker keeps its pool
  *                                awake for the requests of the calls after it
  *   offset 64: int64 done        the worker's: the number of the request served, stored last (release), with
@@ -1642,11 +1642,11 @@ void amc_worker_destroy(amc_worker *w) {
     free(w);
 }
 
-/* The counters of every layer into out [num_layers, AMC_STATS] (a consistent row only while no request is being
- * served); then zero them if `reset`. */
 /* how many of the worker's pool threads sleep now (not spinning for a task) */
 int32_t amc_worker_sleeping(amc_worker *w) { return __atomic_load_n(&w->pool->sleepers, __ATOMIC_SEQ_CST); }
 
+/* The counters of every layer into out [num_layers, AMC_STATS] (a consistent row only while no request is being
+ * served); then zero them if `reset`. */
 void amc_worker_stats(amc_worker *w, int64_t *out, int32_t reset) {
     for (int64_t i = 0; i < (int64_t)w->num_layers * AMC_STATS; i++)
         out[i] = reset ? __atomic_exchange_n(&w->stats[i], 0, __ATOMIC_RELAXED)

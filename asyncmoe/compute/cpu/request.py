@@ -104,7 +104,7 @@ if triton is not None:
     def _cpu_pairs(ids_ptr, P, BLOCK: tl.constexpr):
         """How many of the P pairs name an expert (the others, -1, stay on the GPU)."""
         offs = tl.arange(0, BLOCK)
-        active = tl.sum(tl.zeros([BLOCK], dtype=tl.int32))
+        active = 0
         for p0 in range(0, P, BLOCK):
             p = p0 + offs
             active += tl.sum((tl.load(ids_ptr + p, mask=p < P, other=-1) >= 0).to(tl.int32))
@@ -180,9 +180,8 @@ if triton is not None:
                 if _now() - start > timeout_ns:
                     _fault(fault_ptr, seq, layer, done, _TIMED_OUT)
                 done = _load_acquire(done_ptr)
-            if (
-                done != seq
-            ):  # DONE_REFUSED is set: only then is `error` read, one more trip over the link
+            # DONE_REFUSED set: only then is `error` read, one more trip over the link
+            if done != seq:
                 _fault(
                     fault_ptr, seq, layer, tl.load(error_ptr, volatile=True).to(tl.int64), _REFUSED
                 )
