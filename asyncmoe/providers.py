@@ -194,8 +194,10 @@ class CachedProvider(ExpertWeightProvider):
         for target in gated:
             # the side stream has read hidden_states: free it
             prefetch_ops.gate_join(hidden_states, target.prefetch)
-        if hybrid is not None:
-            out = hybrid_ops.hybrid_receive(out, cpu_ids, hybrid)
+        if hybrid is not None:  # the combine below, with the CPU's outputs (never expert-parallel)
+            return hybrid_ops.hybrid_receive(
+                out, cpu_ids, top_k_weights, hidden_states.dtype, hybrid
+            )
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
 

@@ -20,6 +20,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -191,8 +192,14 @@ def _cpu_request():
     out, fault = torch.zeros(6, 32), torch.zeros(4, dtype=torch.int64)
     waited = torch.zeros(2, 2, dtype=torch.int64)
     request.receive(seq, fields, out, fault, waited, 1, 10**9)
-    merge = (torch.tensor([0, -1, 3, -1, -1, 2]), torch.zeros(6, 32, dtype=torch.bfloat16))
-    request.receive(seq, fields, torch.empty_like(merge[1]), fault, waited, 1, 10**9, merge)
+    for weights in (torch.rand(3, 2), torch.rand(3, 2).bfloat16()):  # fp32 and bf16 products
+        parts = request.Combine(
+            torch.tensor([[0, -1], [3, -1], [-1, 2]]),
+            torch.zeros(6, 32, dtype=torch.bfloat16),
+            weights,
+        )
+        out = torch.empty(3, 32, dtype=torch.bfloat16)
+        request.receive(seq, fields, out, fault, waited, 1, 10**9, parts)
 
 
 def _hybrid_split():
@@ -204,6 +211,25 @@ def _hybrid_split():
     cost = torch.tensor([15_000, 200_000, 1_000, 300_000])[: len(Cost)]
     counters = torch.zeros(len(Counter), dtype=torch.int64)
     split(torch.tensor([[1, 3], [4, 5]]), table, cost, counters, use_kernel=True)
+
+
+def _hybrid_split_send():
+    from asyncmoe.cache.state import Counter
+    from asyncmoe.compute.cpu.worker import Channel
+    from asyncmoe.hybrid import split
+    from asyncmoe.hybrid.split import Cost
+
+    table = torch.full((17,), -1, dtype=torch.int64)
+    table[[1, 5]] = torch.tensor([0, 1])
+    cost = torch.tensor([15_000, 200_000, 1_000, 300_000])[: len(Cost)]
+    counters = torch.zeros(len(Counter), dtype=torch.int64)
+    channel = Channel(8, 4, 32, torch.bfloat16)
+    executor = types.SimpleNamespace(
+        gpu=channel.fields(channel.buffer), seq=torch.zeros(1, dtype=torch.int64),
+        check_request=lambda x, ids: None,
+    )  # fmt: skip
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    split.split_and_send(x, torch.tensor([[1, 3], [4, 5]]), table, cost, counters, executor, 1)
 
 
 SOURCES = [
@@ -237,6 +263,7 @@ CASES: dict[str, Callable[[], None]] = {
     "clock": _clock,
     "cpu_request": _cpu_request,
     "hybrid_split": _hybrid_split,
+    "hybrid_split_send": _hybrid_split_send,
 }
 
 

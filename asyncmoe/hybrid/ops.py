@@ -1,7 +1,7 @@
 """The hybrid's custom ops with their fakes: `hybrid_send` (split a call's misses by the cost model
-and send the CPU's share to the worker) and `hybrid_receive` (take the CPU's outputs back into the
-GPU's). Between them the layer's `ensure` copies the GPU's misses and the GPU computes its pairs,
-while the CPU computes: the ops order by data (`cpu_ids` flows from one to the other, and
+and send the CPU's share to the worker) and `hybrid_receive` (take the CPU's outputs back, and weight
+and sum every token's pairs). Between them the layer's `ensure` copies the GPU's misses and the GPU
+computes its pairs, while the CPU computes: the ops order by data (`cpu_ids` flows from one to the other, and
 `hybrid_receive` reads the GPU's outputs), so a compiled graph keeps that overlap.
 
 Dims: T tokens, k experts a token, P = T*k pairs, H hidden, E experts.
@@ -39,15 +39,17 @@ def _hybrid_send(
     executor_id: int, layer: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Split this call's misses between the link and the CPU (hybrid/split.py) and send the CPU's
-    pairs of rows `x` to the worker; returns (elsewhere [E] bool: the CPU's experts, which `ensure`
-    counts as routed but does not copy; cpu_ids [T, k]: the pairs the CPU computes, -1 the GPU's).
-    `wait`: a prefetch into this layer was issued earlier in the forward, so decide once it has
-    decided (its experts count as resident)."""
-    s = CacheState._make(state)
-    if wait and s.expert_to_slot.is_cuda:
-        torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
+    pairs of rows `x` to the worker, on CUDA in one kernel; returns (elsewhere [E] bool: the CPU's
+    experts, which `ensure` counts as routed but does not copy; cpu_ids [T, k]: the pairs the CPU
+    computes, -1 the GPU's). `wait`: a prefetch into this layer was issued earlier in the forward,
+    so decide once it has decided (its experts count as resident)."""
+    s, ex = CacheState._make(state), executor(executor_id)
+    if ex.device.type == "cuda":
+        if wait:
+            torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
+        return split.split_and_send(x, top_k_index, s.expert_to_slot, cost, s.counters, ex, layer)
     elsewhere, cpu_ids = split.split(top_k_index, s.expert_to_slot, cost, s.counters)
-    executor(executor_id).send(x, cpu_ids, layer)
+    ex.send(x, cpu_ids, layer)
     return elsewhere, cpu_ids
 
 
@@ -68,19 +70,29 @@ def _(x, top_k_index, wait, state, cost, executor_id, layer):
 
 
 @torch.library.custom_op("asyncmoe::hybrid_receive", mutates_args=())
-def _hybrid_receive(gpu_out: Tensor, cpu_ids: Tensor, executor_id: int, layer: int) -> Tensor:
-    """Every pair's output [P, H]: the CPU's where `cpu_ids` names an expert (waiting for them; on
-    CUDA a wait past the executor's timeout fails loudly), `gpu_out`'s elsewhere, in its dtype."""
-    return executor(executor_id).merge(gpu_out, cpu_ids, layer)
+def _hybrid_receive(
+    gpu_out: Tensor, cpu_ids: Tensor, top_k_weights: Tensor, dtype: torch.dtype, executor_id: int,
+    layer: int,
+) -> Tensor:  # fmt: skip
+    """Each token's output [T, H] in `dtype`, its pairs weighted and summed as
+    `compute.experts.combine` does: the CPU's outputs where `cpu_ids` [T, k] names an expert
+    (waiting for them; on CUDA a wait past the executor's timeout fails loudly), `gpu_out`'s
+    [T*k, H] rows elsewhere. On CUDA one kernel, in place of the GPU-only path's combine."""
+    return executor(executor_id).combine(gpu_out, cpu_ids, top_k_weights, layer, dtype)
 
 
 @_hybrid_receive.register_fake
-def _(gpu_out, cpu_ids, executor_id, layer):
+def _(gpu_out, cpu_ids, top_k_weights, dtype, executor_id, layer):
     torch._check(
         gpu_out.dim() == 2 and gpu_out.shape[0] == cpu_ids.numel(),
         lambda: f"gpu_out must be [P={cpu_ids.numel()}, H], got {tuple(gpu_out.shape)}",
     )
-    return torch.empty(gpu_out.shape, dtype=gpu_out.dtype, device=gpu_out.device)
+    torch._check(
+        top_k_weights.shape == cpu_ids.shape,
+        lambda: f"top_k_weights must be {tuple(cpu_ids.shape)}, got {tuple(top_k_weights.shape)}",
+    )
+    T = cpu_ids.shape[0]
+    return torch.empty(T, gpu_out.shape[1], dtype=dtype, device=gpu_out.device)
 
 
 def hybrid_send(
@@ -91,5 +103,9 @@ def hybrid_send(
     )
 
 
-def hybrid_receive(gpu_out: Tensor, cpu_ids: Tensor, hybrid: Hybrid) -> Tensor:
-    return torch.ops.asyncmoe.hybrid_receive(gpu_out, cpu_ids, hybrid.executor.id, hybrid.layer)
+def hybrid_receive(
+    gpu_out: Tensor, cpu_ids: Tensor, top_k_weights: Tensor, dtype: torch.dtype, hybrid: Hybrid
+) -> Tensor:
+    return torch.ops.asyncmoe.hybrid_receive(
+        gpu_out, cpu_ids, top_k_weights, dtype, hybrid.executor.id, hybrid.layer
+    )

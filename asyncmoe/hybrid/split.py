@@ -13,8 +13,9 @@ The costs are `cost` [len(Cost)] int64 ns, calibrated once (hybrid/calibrate.py)
 to the layer's counter CPU_MISSES and max(cpu(n), link(n)) to COST_NS, the time the model predicts
 for the call's misses. The CPU's experts go to `ensure` as `elsewhere`: routed, so the cache's history
 and the prefetch's predictors see them, but never copied. `split_reference` is the plain-torch
-decision (the CPU, and the kernel's reference); on CUDA `_split_kernel` makes it in one program, bit
-for bit the same (integers).
+decision (the CPU, and the kernels' reference); on CUDA `_split_kernel` makes it in one program, bit
+for bit the same (integers), and `split_and_send` also sends the CPU's pairs to the worker from that
+program (compute/cpu/request.py's `publish`).
 
 Dims: E experts, T tokens, k experts a token, P = T*k pairs.
 """
@@ -27,6 +28,7 @@ import torch
 
 from .. import gpu
 from ..cache.state import Counter
+from ..compute.cpu.executor import CpuExecutor
 
 try:
     import triton
@@ -76,11 +78,14 @@ if triton is not None:
     _PER_PAIR, _COPY = tl.constexpr(Cost.PER_PAIR), tl.constexpr(Cost.COPY)
     _CPU_MISSES, _COST_NS = tl.constexpr(Counter.CPU_MISSES), tl.constexpr(Counter.COST_NS)
 
+    from ..compute.cpu.request import BLOCK, publish
+
     @triton.jit
-    def _split_kernel(
+    def _decide(
         ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
         BP: tl.constexpr, BE: tl.constexpr,
     ):  # fmt: skip
+        """The split, stored; returns the CPU's pair ids [BP] (-1: the GPU's) and their offsets."""
         p, e = tl.arange(0, BP), tl.arange(0, BE)
         ids = tl.load(ids_ptr + p, mask=p < P, other=E)
         tokens = tl.sum((ids[:, None] == e[None, :]).to(tl.int64), axis=0)  # [BE]
@@ -109,10 +114,37 @@ if triton is not None:
             tl.max(((ids[:, None] == expert[None, :]) & cpu_sorted[None, :]).to(tl.int32), axis=1)
             > 0
         )
+        cpu_ids = tl.where(on_cpu, ids, -1)
         tl.store(elsewhere_ptr + expert, cpu_sorted, mask=expert < E)  # a permutation of 0..BE-1
-        tl.store(cpu_ids_ptr + p, tl.where(on_cpu, ids, -1), mask=p < P)
+        tl.store(cpu_ids_ptr + p, cpu_ids, mask=p < P)
         tl.store(counters_ptr + _CPU_MISSES, tl.load(counters_ptr + _CPU_MISSES) + n_cpu)
         tl.store(counters_ptr + _COST_NS, tl.load(counters_ptr + _COST_NS) + tl.minimum(best, none))
+        return cpu_ids, p
+
+    @triton.jit
+    def _split_kernel(
+        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
+        BP: tl.constexpr, BE: tl.constexpr,
+    ):  # fmt: skip
+        _decide(
+            ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
+            BP, BE,
+        )  # fmt: skip
+
+    @triton.jit
+    def _split_send_kernel(
+        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
+        x_ptr, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr, expert_ids_ptr,
+        chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BE: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        cpu_ids, p = _decide(
+            ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
+            BP, BE,
+        )  # fmt: skip
+        publish(
+            x_ptr, cpu_ids, p, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr,
+            expert_ids_ptr, chan_x_ptr, layer, T, k, H, BLOCK,
+        )  # fmt: skip
 
 
 def split(
@@ -125,12 +157,34 @@ def split(
     ids = top_k_index.long().reshape(-1)
     if not (gpu.available(ids) if use_kernel is None else use_kernel):
         elsewhere, cpu_ids = split_reference(ids, expert_to_slot, cost, counters)
-    else:
-        P, E = ids.numel(), expert_to_slot.numel() - 1
-        elsewhere = torch.empty(E, dtype=torch.bool, device=ids.device)
-        cpu_ids = torch.empty_like(ids)
-        _split_kernel[(1,)](
-            ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, P, E,
-            BP=triton.next_power_of_2(max(P, 2)), BE=triton.next_power_of_2(max(E, 2)),
-        )  # fmt: skip
+        return elsewhere, cpu_ids.view(top_k_index.shape)
+    elsewhere, cpu_ids, grid_args = _outputs(ids, expert_to_slot)
+    _split_kernel[(1,)](ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, *grid_args)
     return elsewhere, cpu_ids.view(top_k_index.shape)
+
+
+def split_and_send(
+    x: torch.Tensor, top_k_index: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor,
+    counters: torch.Tensor, executor: CpuExecutor, layer: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`split`, and the CPU's pairs of rows `x` [T, H] sent to the worker of `executor` (on CUDA) as
+    a request of `layer`, in the same kernel."""
+    executor.check_request(x, top_k_index)
+    ids = top_k_index.long().reshape(-1)
+    elsewhere, cpu_ids, (P, E, BP, BE) = _outputs(ids, expert_to_slot)
+    T, k = top_k_index.shape
+    g = executor.gpu
+    _split_send_kernel[(1,)](
+        ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, P, E, x.contiguous(), executor.seq,
+        g.request, g.awake, g.layer, g.token_ids, g.expert_ids, g.x, layer, T, k, x.shape[1],
+        BP=BP, BE=BE, BLOCK=BLOCK, num_warps=8,
+    )  # fmt: skip
+    return elsewhere, cpu_ids.view(top_k_index.shape)
+
+
+def _outputs(ids: torch.Tensor, expert_to_slot: torch.Tensor):
+    """The split kernels' outputs, empty, and their sizes P, E, BP, BE."""
+    P, E = ids.numel(), expert_to_slot.numel() - 1
+    elsewhere = torch.empty(E, dtype=torch.bool, device=ids.device)
+    BP, BE = triton.next_power_of_2(max(P, 2)), triton.next_power_of_2(max(E, 2))
+    return elsewhere, torch.empty_like(ids), (P, E, BP, BE)

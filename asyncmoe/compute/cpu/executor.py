@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.host import PinnedBlock, device_view, uva_view
+from ..experts import combine
 from . import request
 from .kernels import STATS, CpuExperts, Pool, default_threads, experts_mlp
 from .worker import Channel, Worker, channel_layout
@@ -100,9 +101,8 @@ class CpuExecutor:
             out[t0 * k : t1 * k] = self.receive(layer, (t1 - t0) * k)
         return out
 
-    def send(self, x: torch.Tensor, ids: torch.Tensor, layer: int) -> None:
-        """Start computing the pairs of `ids` [T, k] (T <= max_tokens) on rows `x` [T, H]; a pair of
-        expert -1 is skipped. `receive` takes the outputs; one request is in flight at a time."""
+    def check_request(self, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """Raise unless rows `x` [T, H] and pairs `ids` [T, k] fit one request of this executor."""
         T, k = ids.shape
         if x.dtype != self.x_dtype or x.shape != (T, self.hidden) or x.device != self.device:
             raise ValueError(
@@ -115,7 +115,13 @@ class CpuExecutor:
                 f"one request holds at most {self.settings.max_tokens} tokens of {self.top_k} "
                 f"experts, got ids {tuple(ids.shape)}: send longer calls in chunks (compute)"
             )
+
+    def send(self, x: torch.Tensor, ids: torch.Tensor, layer: int) -> None:
+        """Start computing the pairs of `ids` [T, k] (T <= max_tokens) on rows `x` [T, H]; a pair of
+        expert -1 is skipped. `receive` takes the outputs; one request is in flight at a time."""
+        self.check_request(x, ids)
         if self.device.type != "cuda":
+            T, k = ids.shape
             token_ids = torch.arange(T).repeat_interleave(k)
             self.pending = experts_mlp(
                 self.layers[layer], x, token_ids, ids.flatten(), self.pool, self.counts[layer]
@@ -134,18 +140,23 @@ class CpuExecutor:
         request.receive(self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns)
         return out
 
-    def merge(self, gpu_out: torch.Tensor, ids: torch.Tensor, layer: int) -> torch.Tensor:
-        """`gpu_out` [P, H] with the rows whose `ids` [P] name an expert replaced by the outputs of
-        the request `send` started, in gpu_out's dtype (a new tensor); on CUDA one kernel waits as
-        `receive` does and reads only those rows over the link."""
+    def combine(
+        self, gpu_out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, layer: int, dtype: torch.dtype
+    ) -> torch.Tensor:  # fmt: skip
+        """Each token's output [T, H] in `dtype`: its pairs' outputs weighted by `weights` [T, k] and
+        summed (`compute.experts.combine`), where a pair's output is the CPU's (from the request
+        `send` started, rounded to gpu_out's dtype) where `ids` [T, k] names an expert and
+        `gpu_out`'s [T*k, H] row elsewhere. On CUDA one kernel waits as `receive` does and reads
+        only the CPU's rows over the link."""
         if self.device.type != "cuda":
             cpu_out, self.pending = self.pending, None
-            return torch.where((ids >= 0).reshape(-1, 1), cpu_out.to(gpu_out.dtype), gpu_out)
-        out = torch.empty(gpu_out.shape, dtype=gpu_out.dtype, device=gpu_out.device)
+            on_cpu = (ids >= 0).reshape(-1, 1)
+            return combine(torch.where(on_cpu, cpu_out.to(gpu_out.dtype), gpu_out), weights, dtype)
+        out = torch.empty(ids.shape[0], self.hidden, dtype=dtype, device=gpu_out.device)
         timeout_ns = int(self.settings.timeout_s * 1e9)
-        merge = (ids.reshape(-1).contiguous(), gpu_out.contiguous())
+        parts = request.Combine(ids.contiguous(), gpu_out.contiguous(), weights.contiguous())
         request.receive(
-            self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns, merge
+            self.seq, self.gpu, out, self.fault_view, self.waited, layer, timeout_ns, parts
         )
         return out
 

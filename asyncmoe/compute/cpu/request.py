@@ -1,4 +1,4 @@
-"""The GPU's side of the channel: two Triton kernels that send a layer's pairs to the CPU worker and
+"""The GPU's side of the channel: Triton kernels that send a layer's pairs to the CPU worker and
 take its outputs back, from inside a captured step.
 
 `send` writes the request's payload (layer, pairs, tokens, each pair's token and expert id, the
@@ -7,14 +7,15 @@ one system-scope fence, then the next request number: the worker, polling that n
 payload. A fence waits behind the link's copies, so there is one, not two (a release store is
 another). The number lives on the device (`seq`), so a replayed graph sends 1, 2, 3, ... without
 the host. A request whose pairs are all skipped (expert -1: the hybrid's split gave the CPU nothing)
-is neither written nor published, and the merging `receive` then reads nothing over the link: such a
-call pays no round trip and no system-scope fence or load, which can wait behind a prefetch's copies
-on the link. It only changes the channel's `awake` word, which keeps the worker's pool awake for the
-calls after it.
+is neither written nor published, and the combining `receive` then reads nothing over the link:
+such a call pays no round trip and no system-scope fence or load, which can wait behind a prefetch's
+copies on the link. It only changes the channel's `awake` word, which keeps the worker's pool awake
+for the calls after it. `publish` is the send's body, which the hybrid's split kernel calls too.
 
 `receive` spins on the worker's `done` with system-scope acquire loads until it holds that number
 (with DONE_REFUSED where the worker refused it, so that a request served needs no second load), then
-copies the outputs to the GPU. It never hangs: after `timeout_ns` on the GPU clock it records
+copies the outputs to the GPU, or (the hybrid) weights and sums each token's pairs, the CPU's and the
+GPU's, into the layer's output. It never hangs: after `timeout_ns` on the GPU clock it records
 what it waited for in `fault` (pinned: the host reads it after the error) and traps, which ends the
 CUDA context with an error at the host's next sync, so no forward returns a result computed without
 the CPU's outputs. A request the worker refused (its error code) traps the same way. It also adds the
@@ -24,6 +25,8 @@ Dims: T tokens, k experts a token, P = T*k pairs, H hidden.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +47,7 @@ DONE_REFUSED = 1 << 62
 # waited [layers, 2]: requests received, ns the GPU waited for them
 WAITS, WAITED_NS = 0, 1
 BLOCK = 1024
+COMBINE_BLOCK = 256  # a token's [H] row over several programs: the CPU's rows read by many at once
 RECEIVE_PROGRAMS = 32  # enough loads in flight to read the outputs over the link in a few us
 
 if triton is not None:
@@ -111,9 +115,10 @@ if triton is not None:
         return active
 
     @triton.jit
-    def _send_kernel(
+    def publish(
         x_ptr,  # [T, H], the rows of this request
-        ids_ptr,  # [T, k] expert ids of those rows
+        ids,  # [BP] expert ids of pairs p (-1: not the CPU's)
+        p,  # [BP] pair offsets
         seq_ptr,  # int64 [1] on the device: the last request number sent
         request_ptr,
         awake_ptr,
@@ -127,17 +132,18 @@ if triton is not None:
         H,
         BLOCK: tl.constexpr,
     ):
+        """Write pairs `ids` of rows `x` into the channel as the next request and publish it; one
+        with no pair for the CPU only stores the `awake` word. One program."""
         P = T * k
         # every thread reads the number before any writes it (the barrier below): all publish the same one
         seq = tl.load(seq_ptr) + 1
-        offs = tl.arange(0, BLOCK)
-        active = _cpu_pairs(ids_ptr, P, BLOCK)
-        if active > 0:  # else nothing crosses the link: a system fence can wait behind copies there
-            for p0 in range(0, P, BLOCK):
-                p = p0 + offs
-                tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
-                ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-                tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
+        ids = tl.where(p < P, ids, -1)
+        if (
+            tl.sum((ids >= 0).to(tl.int32)) > 0
+        ):  # else nothing crosses the link: a system fence can wait behind copies there
+            tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
+            tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
+            offs = tl.arange(0, BLOCK)
             for i0 in range(0, T * H, BLOCK):
                 i = i0 + offs
                 tl.store(chan_x_ptr + i, tl.load(x_ptr + i, mask=i < T * H), mask=i < T * H)
@@ -152,26 +158,41 @@ if triton is not None:
             _store_relaxed(awake_ptr, _now())
 
     @triton.jit
+    def _send_kernel(
+        x_ptr, ids_ptr, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr, expert_ids_ptr,
+        chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.arange(0, BP)
+        ids = tl.load(ids_ptr + p, mask=p < T * k, other=-1)
+        publish(
+            x_ptr, ids, p, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr,
+            expert_ids_ptr, chan_x_ptr, layer, T, k, H, BLOCK,
+        )  # fmt: skip
+
+    @triton.jit
     def _receive_kernel(
         seq_ptr,
         done_ptr,
         error_ptr,
         chan_out_ptr,  # float32 [P, H] in the channel
-        out_ptr,  # [P, H] on the GPU: float32, or gpu_out's dtype when MERGE
-        ids_ptr,  # MERGE: [P] the CPU's expert ids (-1: the GPU's pair)
-        gpu_out_ptr,  # MERGE: [P, H] the GPU's outputs
+        out_ptr,  # float32 [P, H] on the GPU; COMBINE: [T, H] in the model's dtype
+        ids_ptr,  # COMBINE: [P] the CPU's expert ids (-1: the GPU's pair)
+        gpu_out_ptr,  # COMBINE: [P, H] the GPU's outputs
+        weights_ptr,  # COMBINE: [P] the pairs' router weights
         fault_ptr,
         waited_ptr,  # int64 [layers, 2]
         layer,
-        n,  # P * H
+        n,  # elements of out
         H,
         timeout_ns,
+        K: tl.constexpr,  # COMBINE: experts a token
         BLOCK: tl.constexpr,
-        MERGE: tl.constexpr,
+        COMBINE: tl.constexpr,
+        ROUND: tl.constexpr,  # COMBINE: a pair's output times its weight is in gpu_out's dtype
     ):
         pid, programs = tl.program_id(0), tl.num_programs(0)
-        # merging a call whose pairs all stayed on the GPU: no request was sent, nothing to wait for
-        asked = _cpu_pairs(ids_ptr, n // H, BLOCK) > 0 if MERGE else True
+        # combining a call whose pairs all stayed on the GPU: no request was sent, nothing to wait for
+        asked = _cpu_pairs(ids_ptr, n // H * K, BLOCK) > 0 if COMBINE else True
         if asked:
             seq = tl.load(seq_ptr)
             start = _now()
@@ -192,12 +213,26 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         for i0 in range(pid * BLOCK, n, programs * BLOCK):
             i = i0 + offs
-            if MERGE:  # the link is read only for the CPU's rows
-                on_cpu = tl.load(ids_ptr + i // H, mask=i < n, other=-1) >= 0
-                cpu = tl.load(chan_out_ptr + i, mask=(i < n) & on_cpu, other=0.0, volatile=True)
-                gpu = tl.load(gpu_out_ptr + i, mask=(i < n) & ~on_cpu, other=0.0)
-                merged = tl.where(on_cpu, cpu.to(out_ptr.dtype.element_ty), gpu)
-                tl.store(out_ptr + i, merged, mask=i < n)
+            if COMBINE:  # as compute.experts.combine does; the link is read only for the CPU's rows
+                row, h = i // H, i % H
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for j in tl.static_range(K):
+                    pair = row * K + j
+                    on_cpu = tl.load(ids_ptr + pair, mask=i < n, other=-1) >= 0
+                    at = pair * H + h
+                    cpu = tl.load(
+                        chan_out_ptr + at, mask=(i < n) & on_cpu, other=0.0, volatile=True
+                    )
+                    gpu = tl.load(gpu_out_ptr + at, mask=(i < n) & ~on_cpu, other=0.0)
+                    value = tl.where(on_cpu, cpu.to(gpu_out_ptr.dtype.element_ty), gpu)
+                    w = tl.load(weights_ptr + pair, mask=i < n, other=0.0)
+                    weighted = value.to(tl.float32) * w.to(tl.float32)
+                    if ROUND:
+                        weighted = weighted.to(gpu_out_ptr.dtype.element_ty).to(tl.float32)
+                    acc += weighted
+                if ROUND:
+                    acc = acc.to(gpu_out_ptr.dtype.element_ty)
+                tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < n)
             else:
                 tl.store(
                     out_ptr + i, tl.load(chan_out_ptr + i, mask=i < n, volatile=True), mask=i < n
@@ -210,8 +245,17 @@ def send(x: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, gpu, layer: int)
     T, k = ids.shape
     _send_kernel[(1,)](
         x, ids, seq, gpu.request, gpu.awake, gpu.layer, gpu.token_ids, gpu.expert_ids, gpu.x,
-        layer, T, k, x.shape[1], BLOCK=BLOCK, num_warps=8,
+        layer, T, k, x.shape[1], BP=triton.next_power_of_2(T * k), BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
+
+
+class Combine(NamedTuple):
+    """What `receive` combines the CPU's outputs with: `ids` [T, k] (the CPU's expert ids, -1: the
+    GPU's pair), the GPU's outputs `gpu_out` [T*k, H] and the router's `weights` [T, k]."""
+
+    ids: torch.Tensor
+    gpu_out: torch.Tensor
+    weights: torch.Tensor
 
 
 def receive(
@@ -222,15 +266,23 @@ def receive(
     waited: torch.Tensor,
     layer: int,
     timeout_ns: int,
-    merge: tuple[torch.Tensor, torch.Tensor] | None = None,
+    combine: Combine | None = None,
 ) -> None:
     """Wait for the last request sent, then copy its outputs into `out` [P, H] float32; or, with
-    `merge` = (ids [P], gpu_out [P, H]), fill `out` (gpu_out's dtype) with the CPU's outputs where
-    ids >= 0 and gpu_out's rows elsewhere."""
+    `combine`, fill `out` [T, H] with each token's pairs weighted and summed, as
+    `compute.experts.combine` does, the CPU's outputs (rounded to gpu_out's dtype) where ids name
+    an expert and gpu_out's rows elsewhere."""
     n = out.numel()
-    programs = max(1, min(RECEIVE_PROGRAMS, triton.cdiv(n, BLOCK)))
-    ids, gpu_out = merge if merge is not None else (out, out)
+    if combine is None:
+        ids = gpu_out = weights = out
+        k, block, rounded = 1, BLOCK, False
+    else:
+        ids, gpu_out, weights = combine
+        k, block = ids.shape[1], COMBINE_BLOCK
+        rounded = torch.promote_types(gpu_out.dtype, weights.dtype) != torch.float32
+    programs = max(1, min(RECEIVE_PROGRAMS, triton.cdiv(n, block)))
     _receive_kernel[(programs,)](
-        seq, gpu.done, gpu.error, gpu.out, out, ids, gpu_out, fault, waited, layer, n, out.shape[1],
-        timeout_ns, BLOCK=BLOCK, MERGE=merge is not None, num_warps=4,
+        seq, gpu.done, gpu.error, gpu.out, out, ids, gpu_out, weights, fault, waited, layer, n,
+        out.shape[1], timeout_ns, K=k, BLOCK=block, COMBINE=combine is not None, ROUND=rounded,
+        num_warps=4,
     )  # fmt: skip

@@ -21,6 +21,7 @@ import torch
 import asyncmoe
 from asyncmoe.compute.cpu import request
 from asyncmoe.compute.cpu.executor import CpuExecutor
+from asyncmoe.compute.experts import combine
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
 from greedy import GREEDY, STEPS, assert_same_greedy, prompt
@@ -269,9 +270,33 @@ def test_a_call_with_nothing_for_the_cpu_neither_writes_nor_waits():
     assert torch.equal(ex.channel.buffer, before)  # not the payload, not the request number
     ex.seq.fill_(1)  # a request the stopped worker never answers
     gpu_out = torch.randn(2 * TOP_K, 32, device="cuda")
-    out = ex.merge(gpu_out, skipped.reshape(-1), 0)
+    weights = torch.rand(2, TOP_K, device="cuda")
+    out = ex.combine(gpu_out, skipped, weights, 0, torch.float32)
     torch.cuda.synchronize()
-    assert torch.equal(out, gpu_out) and int(ex.waited.sum()) == 0
+    assert torch.equal(out, combine(gpu_out, weights, torch.float32)) and int(ex.waited.sum()) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_combine_weights_and_sums_the_cpus_rows_and_the_gpus(weights_dtype):
+    """The receiving kernel's combine, against `combine` of the rows it picks: the CPU's outputs
+    (rounded to bf16) where ids name an expert, the GPU's elsewhere; with fp32 router weights the
+    products stay fp32, with bf16 ones they round to bf16, as torch computes them."""
+    ours = asyncmoe.compile(tiny("olmoe").to(torch.bfloat16), cache=0, device="cuda")
+    ex = executor_of(ours)
+    T = 5
+    x = torch.randn(T, 32, dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 16, (T, TOP_K), device="cuda")
+    cpu_out = ex.compute(x, ids, 0)  # every pair's, float32
+    ids[0, 0] = ids[2, 1] = ids[3, 0] = ids[3, 1] = -1  # the GPU's pairs
+    gpu_out = torch.randn(T * TOP_K, 32, dtype=torch.bfloat16, device="cuda")
+    weights = torch.rand(T, TOP_K, device="cuda").to(weights_dtype)
+    ex.send(x, ids, 0)
+    got = ex.combine(gpu_out, ids, weights, 0, torch.bfloat16)
+    rows = torch.where((ids >= 0).reshape(-1, 1), cpu_out.bfloat16(), gpu_out)
+    assert torch.equal(got, combine(rows, weights, torch.bfloat16))  # top-2: one sum order
+    assert int(ex.waited[0, request.WAITS]) == 2  # compute's request and this one
 
 
 def failure_in_a_child(body: str) -> str:
