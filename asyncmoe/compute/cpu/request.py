@@ -245,7 +245,7 @@ def send(x: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, gpu, layer: int)
     T, k = ids.shape
     _send_kernel[(1,)](
         x, ids, seq, gpu.request, gpu.awake, gpu.layer, gpu.token_ids, gpu.expert_ids, gpu.x,
-        layer, T, k, x.shape[1], BP=triton.next_power_of_2(T * k), BLOCK=BLOCK, num_warps=8,
+        layer, T, k, x.shape[1], BP=triton.next_power_of_2(max(T * k, 2)), BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
 
 
