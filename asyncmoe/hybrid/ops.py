@@ -1,8 +1,8 @@
 """The hybrid's custom ops with their fakes: `hybrid_send` (split a call's misses by the cost model
 and send the CPU's share to the worker) and `hybrid_receive` (take the CPU's outputs back, and weight
 and sum every token's pairs). Between them the layer's `ensure` copies the GPU's misses and the GPU
-computes its pairs, while the CPU computes: the ops order by data (`cpu_ids` flows from one to the other, and
-`hybrid_receive` reads the GPU's outputs), so a compiled graph keeps that overlap.
+computes its pairs, while the CPU computes: the ops order by data (`cpu_ids` flows from one to the
+other, and `hybrid_receive` reads the GPU's outputs), so a compiled graph keeps that overlap.
 
 Dims: T tokens, k experts a token, P = T*k pairs, H hidden, E experts.
 """

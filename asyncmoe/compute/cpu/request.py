@@ -138,9 +138,8 @@ if triton is not None:
         # every thread reads the number before any writes it (the barrier below): all publish the same one
         seq = tl.load(seq_ptr) + 1
         ids = tl.where(p < P, ids, -1)
-        if (
-            tl.sum((ids >= 0).to(tl.int32)) > 0
-        ):  # else nothing crosses the link: a system fence can wait behind copies there
+        # none for the CPU: nothing crosses the link, as a system fence can wait behind copies there
+        if tl.sum((ids >= 0).to(tl.int32)) > 0:
             tl.store(token_ids_ptr + p, (p // k).to(tl.int32), mask=p < P)
             tl.store(expert_ids_ptr + p, ids.to(tl.int32), mask=p < P)
             offs = tl.arange(0, BLOCK)
