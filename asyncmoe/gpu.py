@@ -3,6 +3,8 @@ which run on the CPU and wherever triton is missing."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -14,3 +16,9 @@ except ImportError:  # non-Linux: triton is a Linux-only dependency
 def available(t: torch.Tensor) -> bool:
     """Whether the kernels run for a tensor on `t`'s device: CUDA with triton installed."""
     return t.is_cuda and triton is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton interprets the kernels on the host (TRITON_INTERPRET=1, as the CPU tests run
+    them): the few jit functions written in PTX have host twins then."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

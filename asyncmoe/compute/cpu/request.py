@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from ... import gpu
+
 try:
     import triton
     import triton.language as tl
@@ -50,25 +52,27 @@ BLOCK = 1024
 COMBINE_BLOCK = 256  # a token's [H] row over several programs: the CPU's rows read by many at once
 RECEIVE_PROGRAMS = 32  # enough loads in flight to read the outputs over the link in a few us
 
-if triton is not None:
-    _FAULT_SEQ, _FAULT_LAYER = tl.constexpr(FAULT_SEQ), tl.constexpr(FAULT_LAYER)
-    _FAULT_SEEN, _FAULT_KIND = tl.constexpr(FAULT_SEEN), tl.constexpr(FAULT_KIND)
-    _TIMED_OUT, _REFUSED = tl.constexpr(TIMED_OUT), tl.constexpr(REFUSED)
-    _WAITS, _WAITED_NS = tl.constexpr(WAITS), tl.constexpr(WAITED_NS)
+if triton is not None and gpu.interpreted():
+    # Triton interprets the kernels on the host (the CPU tests): one program at a time, its stores in
+    # program order (x86), on the channel's own memory, beside the worker thread.
 
     @triton.jit
-    def _fault(fault_ptr, seq, layer, seen, kind):
-        """Record what the wait was for, give the writes a millisecond to reach the host (a trap can
-        drop those still on their way), and end the context."""
-        tl.store(fault_ptr + _FAULT_SEQ, seq)
-        tl.store(fault_ptr + _FAULT_LAYER, layer)
-        tl.store(fault_ptr + _FAULT_SEEN, seen)
-        tl.store(fault_ptr + _FAULT_KIND, kind)
-        _fence_system()
-        start = _now()
-        while _now() - start < 1_000_000:
-            _fence_system()
-        _trap()
+    def _fence_system():
+        return 0
+
+    @triton.jit
+    def _store_relaxed(ptr, value):
+        tl.store(ptr, value)
+
+    @triton.jit
+    def _load_acquire(ptr):
+        return tl.load(ptr, volatile=True)
+
+    @triton.jit
+    def _trap():
+        raise RuntimeError("trap: a CPU request failed (its fault says why)")
+
+elif triton is not None:
 
     @triton.jit
     def _fence_system():
@@ -103,6 +107,27 @@ if triton is not None:
         tl.inline_asm_elementwise(
             "trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
         )
+
+
+if triton is not None:
+    _FAULT_SEQ, _FAULT_LAYER = tl.constexpr(FAULT_SEQ), tl.constexpr(FAULT_LAYER)
+    _FAULT_SEEN, _FAULT_KIND = tl.constexpr(FAULT_SEEN), tl.constexpr(FAULT_KIND)
+    _TIMED_OUT, _REFUSED = tl.constexpr(TIMED_OUT), tl.constexpr(REFUSED)
+    _WAITS, _WAITED_NS = tl.constexpr(WAITS), tl.constexpr(WAITED_NS)
+
+    @triton.jit
+    def _fault(fault_ptr, seq, layer, seen, kind):
+        """Record what the wait was for, give the writes a millisecond to reach the host (a trap can
+        drop those still on their way), and end the context."""
+        tl.store(fault_ptr + _FAULT_SEQ, seq)
+        tl.store(fault_ptr + _FAULT_LAYER, layer)
+        tl.store(fault_ptr + _FAULT_SEEN, seen)
+        tl.store(fault_ptr + _FAULT_KIND, kind)
+        _fence_system()
+        start = _now()
+        while _now() - start < 1_000_000:
+            _fence_system()
+        _trap()
 
     @triton.jit
     def _cpu_pairs(ids_ptr, P, BLOCK: tl.constexpr):
