@@ -252,6 +252,7 @@ CASES: dict[str, Callable[[], None]] = {
     "slot_gemv-fp32": lambda: _slot_gemv(torch.float32),
     "fp8_gemv": lambda: _fp8_gemv(False, (128, 128)),
     "fp8_gemv-transposed": lambda: _fp8_gemv(True, (16, 32)),
+    "fp8_gemv-scale-a-weight": lambda: _fp8_gemv(False, (24, 24)),  # a block not dividing a step
     "gemv4-mxfp4": lambda: _gemv4("mxfp4"),
     "gemv4-int4": lambda: _gemv4("int4"),
     "dequant_mm-mxfp4-bf16": lambda: _dequant_mm("mxfp4", torch.bfloat16),

@@ -60,6 +60,9 @@ if triton is not None:
         BLOCK_SK: tl.constexpr,  # the scale block, in (n, k) coordinates
         BN: tl.constexpr,
         BK: tl.constexpr,
+        # scales a row of a step: BK // BLOCK_SK where the scale block divides BK, 1 where BK divides it;
+        # 0: neither (a block not a power of two), a scale loaded for every weight
+        G: tl.constexpr,
     ):
         pair = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -75,13 +78,23 @@ if triton is not None:
             q = tl.load(w_base + n[:, None] * w_n + k[None, :] * w_k, mask=mask, other=0.0).to(
                 tl.float32
             )
-            sc = tl.load(
-                s_base + (n[:, None] // BLOCK_SN) * s_n + (k[None, :] // BLOCK_SK) * s_k,
-                mask=mask,
-                other=0.0,
-            )
+            if G > 0:  # each scale loaded once a step, applied to its block of the row
+                g = k0 // BLOCK_SK + tl.arange(0, G)
+                gmask = nmask[:, None] & (g[None, :] * BLOCK_SK < K)
+                sc = tl.load(
+                    s_base + (n[:, None] // BLOCK_SN) * s_n + g[None, :] * s_k,
+                    mask=gmask,
+                    other=0.0,
+                )  # [BN, G]
+                q = tl.reshape(tl.reshape(q, (BN, G, BK // G)) * sc[:, :, None], (BN, BK))
+            else:
+                q *= tl.load(
+                    s_base + (n[:, None] // BLOCK_SN) * s_n + (k[None, :] // BLOCK_SK) * s_k,
+                    mask=mask,
+                    other=0.0,
+                )
             # the dequantized weight, as the reference's
-            weight = (q * sc).to(x_ptr.dtype.element_ty).to(tl.float32)
+            weight = q.to(x_ptr.dtype.element_ty).to(tl.float32)
             xs = tl.load(x_ptr + pair * K + k, mask=kmask, other=0.0).to(tl.float32)
             acc += tl.sum(weight * xs[None, :], axis=1)
         tl.store(out_ptr + pair * N + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -132,6 +145,7 @@ def fp8_gemv_triton(x, w, scale, slots, block, transposed) -> torch.Tensor:
         BLOCK_SK=block_sk,
         BN=BN,
         BK=BK,
+        G=BK // block_sk if BK % block_sk == 0 else (1 if block_sk % BK == 0 else 0),
         num_warps=4,
     )
     return out

@@ -28,7 +28,8 @@ def case(transposed: bool, block, C=5, N=72, K=100, S=7, seed=0):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("block", [(128, 128), (16, 32), (32, 16)])
+# a scale block dividing a step, one holding whole steps, and one neither (a scale a weight)
+@pytest.mark.parametrize("block", [(128, 128), (16, 32), (32, 16), (512, 512), (24, 24)])
 def test_kernel_matches_reference(device, transposed, block):
     x, q, s, slots = (t.to(device) for t in case(transposed, block))
     dtypes = [torch.float32] + (
