@@ -158,8 +158,8 @@ def split(
     if not (gpu.available(ids) if use_kernel is None else use_kernel):
         elsewhere, cpu_ids = split_reference(ids, expert_to_slot, cost, counters)
         return elsewhere, cpu_ids.view(top_k_index.shape)
-    elsewhere, cpu_ids, grid_args = _outputs(ids, expert_to_slot)
-    _split_kernel[(1,)](ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, *grid_args)
+    elsewhere, cpu_ids, sizes = _outputs(ids, expert_to_slot)
+    _split_kernel[(1,)](ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, *sizes)
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
