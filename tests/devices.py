@@ -1,4 +1,5 @@
-"""Where a Triton kernel can be tested against its reference, and the comparison of two caches after it ran."""
+"""Where a Triton kernel can be tested against its reference, a cache holding given experts, and the comparison of
+two caches after a kernel ran."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from asyncmoe.cache.expert_cache import ExpertCache
+from asyncmoe.cache.state import GATE, PACE_WINDOW, CacheState
 
 
 def devices() -> list:
@@ -20,6 +22,25 @@ def devices() -> list:
     return out or [
         pytest.param("cpu", marks=pytest.mark.skip(reason="neither TRITON_INTERPRET=1 nor a GPU"))
     ]
+
+
+def cache_with(
+    E: int, resident: list[int], prefetched: list[int] = (), window: int = 0, device="cpu"
+) -> CacheState:
+    """The state of a cache of E experts holding `resident`, admitted alternately by the last call's `ensure` (born
+    at the cache's clock) and by an earlier call's prefetch, and `prefetched`, admitted for the coming call by the
+    gate's prefetch (born at the clock too), the prefetch having hidden behind `window` ns of compute."""
+    experts = torch.tensor([*resident, *prefetched], dtype=torch.int64)
+    cache = ExpertCache({"w": torch.zeros(E, 1)}, max(len(experts), 1), "lru")
+    s, n = cache.state, len(resident)
+    s.expert_to_slot[experts] = torch.arange(len(experts))
+    s.slot_to_expert[: len(experts)] = experts
+    s.clock.fill_(3)
+    earlier = torch.arange(n) % 2 == 1
+    s.born[:n], s.born[n : len(experts)] = 3 - earlier.long(), 3
+    s.source[:n], s.source[n : len(experts)] = earlier * GATE, GATE
+    s.pace[PACE_WINDOW] = window
+    return cache.to(device).state
 
 
 def assert_same(kernel: ExpertCache, reference: ExpertCache) -> None:

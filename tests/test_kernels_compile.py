@@ -203,33 +203,30 @@ def _cpu_request():
 
 
 def _hybrid_split():
-    from asyncmoe.cache.state import Counter
     from asyncmoe.hybrid.split import Cost, split
 
-    table = torch.full((17,), -1, dtype=torch.int64)
-    table[[1, 5]] = torch.tensor([0, 1])
+    from devices import cache_with
+
     cost = torch.tensor([15_000, 200_000, 1_000, 300_000])[: len(Cost)]
-    counters = torch.zeros(len(Counter), dtype=torch.int64)
-    split(torch.tensor([[1, 3], [4, 5]]), table, cost, counters, use_kernel=True)
+    split(torch.tensor([[1, 3], [4, 5]]), cache_with(16, [1], [5]), cost, use_kernel=True)
 
 
 def _hybrid_split_send():
-    from asyncmoe.cache.state import Counter
     from asyncmoe.compute.cpu.worker import Channel
     from asyncmoe.hybrid import split
     from asyncmoe.hybrid.split import Cost
 
-    table = torch.full((17,), -1, dtype=torch.int64)
-    table[[1, 5]] = torch.tensor([0, 1])
+    from devices import cache_with
+
     cost = torch.tensor([15_000, 200_000, 1_000, 300_000])[: len(Cost)]
-    counters = torch.zeros(len(Counter), dtype=torch.int64)
     channel = Channel(8, 4, 32, torch.bfloat16)
     executor = types.SimpleNamespace(
         gpu=channel.fields(channel.buffer), seq=torch.zeros(1, dtype=torch.int64),
         check_request=lambda x, ids: None,
     )  # fmt: skip
     x = torch.randn(2, 32, dtype=torch.bfloat16)
-    split.split_and_send(x, torch.tensor([[1, 3], [4, 5]]), table, cost, counters, executor, 1)
+    s = cache_with(16, [1], [5])
+    split.split_and_send(x, torch.tensor([[1, 3], [4, 5]]), s, cost, executor, 1)
 
 
 SOURCES = [

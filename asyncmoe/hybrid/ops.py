@@ -47,8 +47,8 @@ def _hybrid_send(
     if ex.device.type == "cuda":
         if wait:
             torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
-        return split.split_and_send(x, top_k_index, s.expert_to_slot, cost, s.counters, ex, layer)
-    elsewhere, cpu_ids = split.split(top_k_index, s.expert_to_slot, cost, s.counters)
+        return split.split_and_send(x, top_k_index, s, cost, ex, layer)
+    elsewhere, cpu_ids = split.split(top_k_index, s, cost)
     ex.send(x, cpu_ids, layer)
     return elsewhere, cpu_ids
 

@@ -6,8 +6,12 @@ cost (fewest tokens first: its time grows with each token, a copy's does not), n
 copies the other m - n one after another. n is the one that finishes both soonest:
 
     cpu(n) = round_trip + sum over the first n of (per_expert + tokens * per_pair)   (0 when n = 0)
-    link(n) = (m - n) * copy
+    link(n) = busy + (m - n) * copy
     n = argmin max(cpu(n), link(n)), the fewest on the CPU among equals
+
+`busy` is what the link still owes this call's prefetch: the experts a predictor admitted to this
+layer for this call (slots born at its clock with a `source`), a copy each, less the compute they
+hid behind (`pace`'s window). The misses' copies queue behind them on the link.
 
 The costs are `cost` [len(Cost)] int64 ns, calibrated once (hybrid/calibrate.py). The decision adds n
 to the layer's counter CPU_MISSES and max(cpu(n), link(n)) to COST_NS, the time the model predicts
@@ -27,7 +31,7 @@ from enum import IntEnum
 import torch
 
 from .. import gpu
-from ..cache.state import Counter
+from ..cache.state import PACE_WINDOW, CacheState, Counter
 from ..compute.cpu.executor import CpuExecutor
 
 try:
@@ -46,11 +50,18 @@ class Cost(IntEnum):
     COPY = 3  # one expert copied host -> slot
 
 
+def busy_reference(s: CacheState, cost: torch.Tensor) -> torch.Tensor:
+    """[] int64 ns: what the link still owes this call's prefetch."""
+    prefetched = ((s.born == s.clock) & (s.source != 0) & (s.slot_to_expert >= 0)).sum()
+    return (prefetched * cost[Cost.COPY] - s.pace[PACE_WINDOW]).clamp(min=0)
+
+
 def split_reference(
-    ids: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor, counters: torch.Tensor
+    ids: torch.Tensor, s: CacheState, cost: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ids` [P] -> (elsewhere [E] bool: the experts the CPU computes, cpu_ids [P]: -1 for the pairs
     it does not)."""
+    expert_to_slot, counters = s.expert_to_slot, s.counters
     E = expert_to_slot.numel() - 1
     experts = torch.arange(E, device=ids.device)
     tokens = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
@@ -63,7 +74,7 @@ def split_reference(
     work = torch.where(miss, cost[Cost.PER_EXPERT] + tokens * cost[Cost.PER_PAIR], 0)[order]
     cpu = torch.cat([work.new_zeros(1), cost[Cost.ROUND_TRIP] + torch.cumsum(work, 0)])  # [E+1]
     m, n = miss.sum(), torch.arange(E + 1, device=ids.device)
-    finish = torch.maximum(cpu, (m - n).clamp(min=0) * cost[Cost.COPY])
+    finish = torch.maximum(cpu, busy_reference(s, cost) + (m - n).clamp(min=0) * cost[Cost.COPY])
     finish = finish.masked_fill(n > m, torch.iinfo(torch.int64).max)
     n_cpu = torch.argmin(finish)  # the first of equal minima: the fewest on the CPU
     elsewhere = miss & (rank < n_cpu)
@@ -77,13 +88,15 @@ if triton is not None:
     _ROUND_TRIP, _PER_EXPERT = tl.constexpr(Cost.ROUND_TRIP), tl.constexpr(Cost.PER_EXPERT)
     _PER_PAIR, _COPY = tl.constexpr(Cost.PER_PAIR), tl.constexpr(Cost.COPY)
     _CPU_MISSES, _COST_NS = tl.constexpr(Counter.CPU_MISSES), tl.constexpr(Counter.COST_NS)
+    _WINDOW = tl.constexpr(PACE_WINDOW)
 
     from ..compute.cpu.request import BLOCK, publish
 
     @triton.jit
     def _decide(
         ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-        BP: tl.constexpr, BE: tl.constexpr,
+        slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
         """The split, stored; returns the CPU's pair ids [BP] (-1: the GPU's) and their offsets."""
         p, e = tl.arange(0, BP), tl.arange(0, BE)
@@ -99,15 +112,22 @@ if triton is not None:
             tl.load(cost_ptr + _PER_EXPERT) + (keys // BE) * tl.load(cost_ptr + _PER_PAIR),
             0,
         )
-        m = tl.sum(miss.to(tl.int64))
+        m, copy = tl.sum(miss.to(tl.int64)), tl.load(cost_ptr + _COPY)
+        # the link's debt to this call's prefetch
+        c = tl.arange(0, BC)
+        prefetched = (
+            (tl.load(born_ptr + c, mask=c < C, other=-1) == tl.load(clock_ptr))
+            & (tl.load(source_ptr + c, mask=c < C, other=0) != 0)
+            & (tl.load(slot_to_expert_ptr + c, mask=c < C, other=-1) >= 0)
+        )
+        busy = tl.maximum(tl.sum(prefetched.to(tl.int64)) * copy - tl.load(pace_ptr + _WINDOW), 0)
         n = e + 1  # the CPU taking the first n misses, n >= 1
         finish = tl.maximum(
-            tl.load(cost_ptr + _ROUND_TRIP) + tl.cumsum(work, 0),
-            (m - n) * tl.load(cost_ptr + _COPY),
+            tl.load(cost_ptr + _ROUND_TRIP) + tl.cumsum(work, 0), busy + (m - n) * copy
         )
         finish = tl.where(n <= m, finish, 0x7FFFFFFFFFFFFFFF)
         best = tl.min(finish, 0)
-        none = m * tl.load(cost_ptr + _COPY)  # n = 0
+        none = busy + m * copy  # n = 0
         n_cpu = tl.where(best < none, tl.min(tl.where(finish == best, n, BE + 1), 0), 0)
         cpu_sorted = miss_sorted & (n <= n_cpu)
         on_cpu = (
@@ -124,22 +144,25 @@ if triton is not None:
     @triton.jit
     def _split_kernel(
         ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-        BP: tl.constexpr, BE: tl.constexpr,
+        slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
         _decide(
             ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-            BP, BE,
+            slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C, BP, BE, BC,
         )  # fmt: skip
 
     @triton.jit
     def _split_send_kernel(
         ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
+        slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C,
         x_ptr, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr, expert_ids_ptr,
-        chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BE: tl.constexpr, BLOCK: tl.constexpr,
+        chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
         cpu_ids, p = _decide(
             ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-            BP, BE,
+            slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C, BP, BE, BC,
         )  # fmt: skip
         publish(
             x_ptr, cpu_ids, p, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr,
@@ -148,43 +171,46 @@ if triton is not None:
 
 
 def split(
-    top_k_index: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor, counters: torch.Tensor,
-    use_kernel: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    top_k_index: torch.Tensor, s: CacheState, cost: torch.Tensor, use_kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`top_k_index` [T, k] -> (elsewhere [E] bool, cpu_ids [T, k]): the experts the CPU computes,
     which the cache counts as routed but does not copy, and each pair's expert where the CPU computes
-    it (-1 elsewhere, which the CPU worker skips)."""
+    it (-1 elsewhere, which the CPU worker skips). Adds to `s.counters`."""
     ids = top_k_index.long().reshape(-1)
     if not (gpu.available(ids) if use_kernel is None else use_kernel):
-        elsewhere, cpu_ids = split_reference(ids, expert_to_slot, cost, counters)
+        elsewhere, cpu_ids = split_reference(ids, s, cost)
         return elsewhere, cpu_ids.view(top_k_index.shape)
-    elsewhere, cpu_ids, sizes = _outputs(ids, expert_to_slot)
-    _split_kernel[(1,)](ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, *sizes)
+    elsewhere, cpu_ids, sizes, blocks = _outputs(ids, s)
+    _split_kernel[(1,)](
+        ids, s.expert_to_slot, cost, s.counters, elsewhere, cpu_ids, *sizes, *blocks
+    )
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
 def split_and_send(
-    x: torch.Tensor, top_k_index: torch.Tensor, expert_to_slot: torch.Tensor, cost: torch.Tensor,
-    counters: torch.Tensor, executor: CpuExecutor, layer: int,
+    x: torch.Tensor, top_k_index: torch.Tensor, s: CacheState, cost: torch.Tensor,
+    executor: CpuExecutor, layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`split`, and the CPU's pairs of rows `x` [T, H] sent to the worker of `executor` (on CUDA) as
     a request of `layer`, in the same kernel."""
     executor.check_request(x, top_k_index)
     ids = top_k_index.long().reshape(-1)
-    elsewhere, cpu_ids, (P, E, BP, BE) = _outputs(ids, expert_to_slot)
+    elsewhere, cpu_ids, sizes, (BP, BE, BC) = _outputs(ids, s)
     T, k = top_k_index.shape
     g = executor.gpu
     _split_send_kernel[(1,)](
-        ids, expert_to_slot, cost, counters, elsewhere, cpu_ids, P, E, x.contiguous(), executor.seq,
-        g.request, g.awake, g.layer, g.token_ids, g.expert_ids, g.x, layer, T, k, x.shape[1],
-        BP=BP, BE=BE, BLOCK=BLOCK, num_warps=8,
+        ids, s.expert_to_slot, cost, s.counters, elsewhere, cpu_ids, *sizes, x.contiguous(),
+        executor.seq, g.request, g.awake, g.layer, g.token_ids, g.expert_ids, g.x, layer, T, k,
+        x.shape[1], BP=BP, BE=BE, BC=BC, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
-def _outputs(ids: torch.Tensor, expert_to_slot: torch.Tensor):
-    """The split kernels' outputs, empty, and their sizes P, E, BP, BE."""
-    P, E = ids.numel(), expert_to_slot.numel() - 1
+def _outputs(ids: torch.Tensor, s: CacheState):
+    """The split kernels' outputs, empty; their sizes and state (P, E, the slots' tables, C) and their
+    blocks (BP, BE, BC)."""
+    P, E, C = ids.numel(), s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     elsewhere = torch.empty(E, dtype=torch.bool, device=ids.device)
-    BP, BE = triton.next_power_of_2(max(P, 2)), triton.next_power_of_2(max(E, 2))
-    return elsewhere, torch.empty_like(ids), (P, E, BP, BE)
+    sizes = (P, E, s.slot_to_expert, s.born, s.source, s.clock, s.pace, C)
+    blocks = tuple(triton.next_power_of_2(max(n, 2)) for n in (P, E, C))
+    return elsewhere, torch.empty_like(ids), sizes, blocks

@@ -13,12 +13,12 @@ import torch
 
 import asyncmoe
 from asyncmoe import gpu
-from asyncmoe.cache.state import Counter
 from asyncmoe.compute.cpu import Channel, Worker, request
 from asyncmoe.compute.experts import combine
 from asyncmoe.hybrid.split import Cost, split, split_and_send
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
+from devices import cache_with
 from models import NUM_EXPERTS, TOP_K, tiny
 
 pytestmark = pytest.mark.skipif(
@@ -111,15 +111,15 @@ def test_the_split_sends_the_cpus_pairs_from_its_own_program(link):
     """`split_and_send`: the split's decision, bit for bit the reference's, and its CPU pairs in the
     channel, served as `send` would have sent them."""
     x, ids = rows(4, seed=3)
-    table = torch.full((NUM_EXPERTS + 1,), -1, dtype=torch.int64)
-    table[ids[0]] = torch.arange(TOP_K)  # token 0's experts resident
+    # token 0's experts resident, one of them prefetched for this call
+    states = [cache_with(NUM_EXPERTS, ids[0, 1:].tolist(), ids[0, :1].tolist()) for _ in range(2)]
     cost = torch.zeros(len(Cost), dtype=torch.int64)
     cost[Cost.PER_EXPERT], cost[Cost.COPY] = 10, 10  # misses split about evenly
-    counters = [torch.zeros(len(Counter), dtype=torch.int64) for _ in range(2)]
-    want = split(ids, table, cost, counters[0], use_kernel=False)
+    want = split(ids, states[0], cost, use_kernel=False)
     ex = types.SimpleNamespace(gpu=link.fields, seq=link.seq, check_request=link.ex.check_request)
-    got = split_and_send(x, ids, table, cost, counters[1], ex, 1)
-    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(*counters)
+    got = split_and_send(x, ids, states[1], cost, ex, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(states[0].counters, states[1].counters)
     cpu_ids = got[1]
     assert (cpu_ids >= 0).any() and (cpu_ids < 0).any()
     out = receive(link, torch.empty(4 * TOP_K, 32), 1)
