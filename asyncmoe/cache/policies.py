@@ -77,7 +77,9 @@ class LFRU(Policy):
     name, id = "lfru", 3
 
     def score(self, s):
-        return (s.freq << LFRU_SHIFT) // (1 + s.clock - s.last_use)
+        # the clamp changes no slot's score (last_use <= clock). Compiled for the CPU, torch 2.11
+        # divides a short tensor's padding lanes too, and an integer divide by zero traps (SIGFPE)
+        return (s.freq << LFRU_SHIFT) // (1 + s.clock - s.last_use).clamp(min=1)
 
 
 class Markov(LFRU):
