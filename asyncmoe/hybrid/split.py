@@ -50,7 +50,7 @@ class Cost(IntEnum):
     COPY = 3  # one expert copied host -> slot
 
 
-def busy_reference(s: CacheState, cost: torch.Tensor) -> torch.Tensor:
+def _busy(s: CacheState, cost: torch.Tensor) -> torch.Tensor:
     """[] int64 ns: what the link still owes this call's prefetch."""
     prefetched = ((s.born == s.clock) & (s.source != 0) & (s.slot_to_expert >= 0)).sum()
     return (prefetched * cost[Cost.COPY] - s.pace[PACE_WINDOW]).clamp(min=0)
@@ -74,7 +74,7 @@ def split_reference(
     work = torch.where(miss, cost[Cost.PER_EXPERT] + tokens * cost[Cost.PER_PAIR], 0)[order]
     cpu = torch.cat([work.new_zeros(1), cost[Cost.ROUND_TRIP] + torch.cumsum(work, 0)])  # [E+1]
     m, n = miss.sum(), torch.arange(E + 1, device=ids.device)
-    finish = torch.maximum(cpu, busy_reference(s, cost) + (m - n).clamp(min=0) * cost[Cost.COPY])
+    finish = torch.maximum(cpu, _busy(s, cost) + (m - n).clamp(min=0) * cost[Cost.COPY])
     finish = finish.masked_fill(n > m, torch.iinfo(torch.int64).max)
     n_cpu = torch.argmin(finish)  # the first of equal minima: the fewest on the CPU
     elsewhere = miss & (rank < n_cpu)
@@ -94,8 +94,8 @@ if triton is not None:
 
     @triton.jit
     def _decide(
-        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-        slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C,
+        ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
+        cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
         BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
         """The split, stored; returns the CPU's pair ids [BP] (-1: the GPU's) and their offsets."""
@@ -143,26 +143,26 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-        slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C,
+        ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
+        cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
         BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
         _decide(
-            ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-            slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C, BP, BE, BC,
+            ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
+            cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC,
         )  # fmt: skip
 
     @triton.jit
     def _split_send_kernel(
-        ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-        slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C,
+        ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
+        cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
         x_ptr, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr, expert_ids_ptr,
         chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
         cpu_ids, p = _decide(
-            ids_ptr, expert_to_slot_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E,
-            slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, C, BP, BE, BC,
+            ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
+            cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC,
         )  # fmt: skip
         publish(
             x_ptr, cpu_ids, p, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr,
@@ -181,9 +181,7 @@ def split(
         elsewhere, cpu_ids = split_reference(ids, s, cost)
         return elsewhere, cpu_ids.view(top_k_index.shape)
     elsewhere, cpu_ids, sizes, blocks = _outputs(ids, s)
-    _split_kernel[(1,)](
-        ids, s.expert_to_slot, cost, s.counters, elsewhere, cpu_ids, *sizes, *blocks
-    )
+    _split_kernel[(1,)](ids, *_tables(s), cost, s.counters, elsewhere, cpu_ids, *sizes, *blocks)
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
@@ -199,18 +197,22 @@ def split_and_send(
     T, k = top_k_index.shape
     g = executor.gpu
     _split_send_kernel[(1,)](
-        ids, s.expert_to_slot, cost, s.counters, elsewhere, cpu_ids, *sizes, x.contiguous(),
-        executor.seq, g.request, g.awake, g.layer, g.token_ids, g.expert_ids, g.x, layer, T, k,
-        x.shape[1], BP=BP, BE=BE, BC=BC, BLOCK=BLOCK, num_warps=8,
+        ids, *_tables(s), cost, s.counters, elsewhere, cpu_ids, *sizes, x.contiguous(), executor.seq,
+        g.request, g.awake, g.layer, g.token_ids, g.expert_ids, g.x, layer, T, k, x.shape[1], BP=BP,
+        BE=BE, BC=BC, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
+def _tables(s: CacheState) -> tuple[torch.Tensor, ...]:
+    """What the split kernels read of the cache: which experts are resident, and which slots this
+    call's prefetch filled."""
+    return s.expert_to_slot, s.slot_to_expert, s.born, s.source, s.clock, s.pace
+
+
 def _outputs(ids: torch.Tensor, s: CacheState):
-    """The split kernels' outputs, empty; their sizes and state (P, E, the slots' tables, C) and their
-    blocks (BP, BE, BC)."""
-    P, E, C = ids.numel(), s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
-    elsewhere = torch.empty(E, dtype=torch.bool, device=ids.device)
-    sizes = (P, E, s.slot_to_expert, s.born, s.source, s.clock, s.pace, C)
-    blocks = tuple(triton.next_power_of_2(max(n, 2)) for n in (P, E, C))
+    """The split kernels' outputs, empty; their sizes (P, E, C) and blocks (BP, BE, BC)."""
+    sizes = ids.numel(), s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
+    elsewhere = torch.empty(sizes[1], dtype=torch.bool, device=ids.device)
+    blocks = tuple(triton.next_power_of_2(max(n, 2)) for n in sizes)
     return elsewhere, torch.empty_like(ids), sizes, blocks
