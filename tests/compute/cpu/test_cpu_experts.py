@@ -219,10 +219,11 @@ def test_mixed_formats(isa, up, down):
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4", "fp8", "bf16"])
 def test_pairs_tails(isa, fmt):
-    """Projections multiplied in bf16 pairs where the host can, with one bf16 token and several: 4-bit inputs that
-    end in a half (K % 64 == 32) both ways; fp8 in blocks of 32 and bf16, their inputs ending in a part of 32."""
+    """Projections multiplied in bf16 pairs where the host can, with one bf16 token and several: 4-bit inputs in every
+    part of their order (whole 128s, two and then one, a whole 64, a last 32) and ending in a half both ways; fp8 in
+    blocks of 32 and bf16, their inputs ending in a part of 32."""
     gen = torch.Generator().manual_seed(9)
-    E, H, I = 3, (160 if fmt in ("mxfp4", "int4") else 100), 96
+    E, H, I = 3, (480 if fmt in ("mxfp4", "int4") else 100), 96
     up, down = (stored(fmt, E, n, k, False, True, gen, (16, 32)) for n, k in ((2 * I, H), (H, I)))
     layer = CpuExperts(up, down)
     for T, k in ((1, 2), (5, 3)):
