@@ -733,7 +733,8 @@ static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B
 #else
 
 /* lane l: the scale of the group of inputs c + 8l to c + 8l + 7, c a multiple of 128 within a whole 128: mxfp4's four
- * e8m0 codes s from one load, each 2^(s - 127) as the float bits s << 23 (s = 0: 2^-127, bits 1 << 22); int4's one,
+ * e8m0 codes (groups of 32) from one load, each s as 2^(s - 127), the float bits s << 23 (s = 0: 2^-127, bits
+ * 1 << 22; s = 255: infinity, as E8M0 holds it); int4's one,
  * two or four bf16 scales, as many as groups of 2^shift fill 128 inputs */
 static inline __attribute__((always_inline)) __m512 scales128(const void *scales, int mx, int shift, int64_t c) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -745,7 +746,8 @@ static inline __attribute__((always_inline)) __m512 scales128(const void *scales
         s = _mm512_slli_epi32(_mm512_and_si512(s, _mm512_set1_epi32(0xFF)), 23);
         return _mm512_castsi512_ps(_mm512_max_epu32(s, _mm512_set1_epi32(1 << 22)));
     }
-    const __m128i bf = _mm_maskz_loadu_epi16((__mmask8)((1 << (128 >> shift)) - 1), (const uint16_t *)scales + (c >> shift));
+    const __mmask8 groups = (__mmask8)((1 << (128 >> shift)) - 1);
+    const __m128i bf = _mm_maskz_loadu_epi16(groups, (const uint16_t *)scales + (c >> shift));
     const __m512i s = _mm512_permutexvar_epi32(group, _mm512_cvtepu16_epi32(_mm256_castsi128_si256(bf)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(s, 16));
 }
