@@ -239,6 +239,12 @@ static inline float vsum(vf v) { return v; }
 #define AMC_ISA "avx2-pairs-emulated"
 #endif
 
+/* fp8 in pairs, in blocks of whole 64s, decodes 64 codes at a time by byte lookups (VPERMI2B, AVX512-VBMI; emulated
+ * with the pairs) in fp8_position's order */
+#if defined(AMC_BF16_PAIRS) && (defined(__AVX512VBMI__) || defined(AMC_PAIRS_EMULATED))
+#define AMC_FP8_RUNS 1
+#endif
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_pause();
@@ -265,6 +271,7 @@ static float E4M3[256];  /* fp8 e4m3fn code -> float */
 static float E8M0[256];  /* mxfp4 scale code s -> 2^(s - 127), as formats.dequantize_mxfp4's ldexp */
 static uint16_t CODES_BF16[2][32]; /* 4-bit code -> its unscaled value as bf16 (exact): [0] int4, [1] mxfp4; twice */
 static uint16_t SUBNORMAL_BF16[32]; /* e4m3 magnitude m < 8 (exponent 0) -> m * 2^-9 as bf16 (exact) */
+static uint8_t E4M3_BF16_BYTES[2][128]; /* e4m3 magnitude -> [0] the low, [1] the high byte of its bf16 (exact) */
 
 __attribute__((constructor)) static void build_tables(void) {
     for (int b = 0; b < 256; b++) {
@@ -274,10 +281,12 @@ __attribute__((constructor)) static void build_tables(void) {
         E4M3[b] = (b & 0x80) ? -v : v;
         E8M0[b] = ldexpf(1.0f, b - 127);
     }
-    for (int m = 0; m < 8; m++) {
+    for (int m = 0; m < 128; m++) {
         uint32_t u;
         memcpy(&u, &E4M3[m], 4);
-        SUBNORMAL_BF16[m] = (uint16_t)(u >> 16);
+        const uint16_t h = m == 0x7F ? 0x7FC0 : (uint16_t)(u >> 16);
+        if (m < 8) SUBNORMAL_BF16[m] = h;
+        E4M3_BF16_BYTES[0][m] = (uint8_t)h, E4M3_BF16_BYTES[1][m] = (uint8_t)(h >> 8);
     }
     for (int c = 0; c < 32; c++) {
         float v[2] = {(float)((c & 0xF) - 8), E2M1[c & 0xF]};
@@ -397,9 +406,12 @@ static inline int64_t pair_position(int64_t k, int64_t K) {
     return split_position(k);
 }
 
-/* where input k of K sits among a pairs path's bf16 inputs: pair_position for 4-bit weights, else k */
-static inline int64_t input_position(int32_t format, int64_t k, int64_t K) {
-    return format == AMC_MXFP4 || format == AMC_INT4 ? pair_position(k, K) : k;
+/* where input k of K sits for dot8_pairs in blocks of whole 64s: each whole 64 as two runs of 32, run h lane 8L + i
+ * holding input 16L + 8h + i (the 16-bit lanes that interleaving the low and the high bytes of 64 decoded codes
+ * makes, 128 bits at a time); a last part of 64 in its own order */
+static inline int64_t fp8_position(int64_t k, int64_t K) {
+    if ((k | 63) >= K) return k;
+    return (k & ~(int64_t)63) | (((k >> 3) & 1) << 5) | (((k >> 4) & 3) << 3) | (k & 7);
 }
 
 /* v[0:len] (len a multiple of 32) reordered as the 4-bit decoders write their weights */
@@ -416,6 +428,22 @@ static void split_even_odd(float *v, int64_t len) {
  */
 
 static inline int is_4bit(const amc_matrix *m) { return m->format == AMC_MXFP4 || m->format == AMC_INT4; }
+
+/* whether an fp8 matrix in pairs takes dot8_pairs' runs: its blocks whole 64s */
+static inline int fp8_runs(const amc_matrix *m) {
+#if defined(AMC_FP8_RUNS)
+    return m->format == AMC_FP8 && m->block_cols % 64 == 0;
+#else
+    (void)m;
+    return 0;
+#endif
+}
+
+/* where input k of m sits among its pairs path's bf16 inputs */
+static inline int64_t input_position(const amc_matrix *m, int64_t k) {
+    if (is_4bit(m)) return pair_position(k, m->k);
+    return fp8_runs(m) ? fp8_position(k, m->k) : k;
+}
 static inline int64_t stored_rows(const amc_matrix *m) { return m->transposed ? m->k : m->n; }
 static inline int64_t stored_cols(const amc_matrix *m) { return m->transposed ? m->n : m->k; }
 
@@ -704,8 +732,10 @@ static inline void dot16_pairs(const uint16_t *row, const uint16_t *x, int64_t l
     }
 }
 
-/* dot8_pairs below, lane for lane: each block's 32s summed as dot16_pairs sums them, then scaled; the last K % 32
- * inputs one by one */
+/* dot8_pairs below, lane for lane: in blocks of whole 64s, lane l of each 64 adds the pairs at positions 2l, 2l + 1
+ * of each of fp8_position's two runs into that run's sum; then each 32 (the other blocks, a last part of 64) as
+ * dot16_pairs sums them into the first; each block's two sums added, then scaled; the last K % 32 inputs one by
+ * one */
 static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B, const uint16_t *x, int64_t ldx,
                               int64_t K, int tb, float *out) {
     for (int t = 0; t < tb; t++) {
@@ -713,14 +743,22 @@ static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B
         float acc[16] = {0}, tail = 0.0f;
         for (int64_t b0 = 0; b0 < K; b0 += B) {
             const int64_t end = min64(K, b0 + B);
-            float part[16] = {0};
+            float part[2][16] = {{0}};
             int64_t k = b0;
+            for (; B % 64 == 0 && k + 64 <= end; k += 64)
+                for (int h = 0; h < 2; h++)
+                    for (int l = 0; l < 16; l++)
+                        for (int i = 1; i >= 0; i--) { /* lane p = 2l + i of run h: input 16 (p / 8) + 8h + p % 8 */
+                            const int p = 2 * l + i;
+                            const float w = E4M3[row[k + 16 * (p >> 3) + 8 * h + (p & 7)]];
+                            part[h][l] += w * bf16_to_f32(xt[k + 32 * h + p]);
+                        }
             for (; k + 32 <= end; k += 32)
                 for (int l = 0; l < 16; l++) {
-                    part[l] += E4M3[row[k + 2 * l + 1]] * bf16_to_f32(xt[k + 2 * l + 1]);
-                    part[l] += E4M3[row[k + 2 * l]] * bf16_to_f32(xt[k + 2 * l]);
+                    part[0][l] += E4M3[row[k + 2 * l + 1]] * bf16_to_f32(xt[k + 2 * l + 1]);
+                    part[0][l] += E4M3[row[k + 2 * l]] * bf16_to_f32(xt[k + 2 * l]);
                 }
-            for (int l = 0; l < 16; l++) acc[l] = fmaf(part[l], scales[b0 / B], acc[l]);
+            for (int l = 0; l < 16; l++) acc[l] = fmaf(part[0][l] + part[1][l], scales[b0 / B], acc[l]);
             float rest = 0.0f;
             for (; k < end; k++) rest += E4M3[row[k]] * bf16_to_f32(xt[k]);
             tail += scales[b0 / B] * rest;
@@ -856,27 +894,57 @@ static inline __m512i e4m3_bf16(const uint8_t *p) {
     return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
 }
 
-/* an fp8 row against bf16 inputs in their own order, its scales changing every B inputs (a multiple of 32): each 32
- * codes decoded to bf16 in registers and multiplied in pairs (VDPBF16PS), each block's sums scaled once; the last
- * K % 32 inputs one by one */
+#if defined(AMC_FP8_RUNS)
+/* 64 e4m3 codes -> bf16 exactly in fp8_position's two runs: each code's magnitude indexes the low and the high byte of
+ * its bf16 (two 128-byte tables, subnormals and NaN included), the sign is ORed into the high byte, and the bytes are
+ * interleaved into 16-bit lanes, 128 bits at a time */
+static inline __attribute__((always_inline)) void e4m3_bf16_runs(const uint8_t *p, const __m512i *tables, __m512bh *w) {
+    const __m512i codes = _mm512_loadu_si512(p);
+    const __m512i low = _mm512_permutex2var_epi8(tables[0], codes, tables[1]);
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(tables[2], codes, tables[3]), codes,
+                                                   _mm512_set1_epi8((char)0x80), 0xF8); /* high | (codes & 0x80) */
+    w[0] = (__m512bh)_mm512_unpacklo_epi8(low, high);
+    w[1] = (__m512bh)_mm512_unpackhi_epi8(low, high);
+}
+#endif
+
+/* an fp8 row against bf16 inputs (input_position's order), its scales changing every B inputs (a multiple of 32):
+ * blocks of whole 64s 64 codes at a time (e4m3_bf16_runs), each run into its own sum, others 32 at a time
+ * (e4m3_bf16), multiplied in pairs (VDPBF16PS), each block's sums scaled once; the last K % 32 inputs one by one */
 static inline __attribute__((always_inline)) void dot8_pairs(const uint8_t *row, const float *scales, int64_t B,
                                                              const uint16_t *x, int64_t ldx, int64_t K, int tb,
                                                              float *out) {
-    __m512 acc[TOKENS_PER_READ], part[TOKENS_PER_READ];
+    __m512 acc[TOKENS_PER_READ], part[2][TOKENS_PER_READ];
     float tail[TOKENS_PER_READ] = {0};
+#if defined(AMC_FP8_RUNS)
+    const int runs = B % 64 == 0;
+    const __m512i tables[4] = {
+        _mm512_loadu_si512(E4M3_BF16_BYTES[0]), _mm512_loadu_si512(E4M3_BF16_BYTES[0] + 64),
+        _mm512_loadu_si512(E4M3_BF16_BYTES[1]), _mm512_loadu_si512(E4M3_BF16_BYTES[1] + 64)};
+#endif
     for (int t = 0; t < tb; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < K; b0 += B) {
         const int64_t end = min64(K, b0 + B);
         const float scale = scales[b0 / B];
-        for (int t = 0; t < tb; t++) part[t] = _mm512_setzero_ps();
+        for (int t = 0; t < tb; t++) part[0][t] = part[1][t] = _mm512_setzero_ps();
         int64_t k = b0;
+#if defined(AMC_FP8_RUNS)
+        for (; runs && k + 64 <= end; k += 64) {
+            __m512bh w[2];
+            e4m3_bf16_runs(row + k, tables, w);
+            for (int h = 0; h < 2; h++)
+                for (int t = 0; t < tb; t++)
+                    part[h][t] =
+                        _mm512_dpbf16_ps(part[h][t], w[h], (__m512bh)_mm512_loadu_si512(x + t * ldx + k + 32 * h));
+        }
+#endif
         for (; k + 32 <= end; k += 32) {
             __m512bh w = (__m512bh)e4m3_bf16(row + k);
             for (int t = 0; t < tb; t++)
-                part[t] = _mm512_dpbf16_ps(part[t], w, (__m512bh)_mm512_loadu_si512(x + t * ldx + k));
+                part[0][t] = _mm512_dpbf16_ps(part[0][t], w, (__m512bh)_mm512_loadu_si512(x + t * ldx + k));
         }
         for (int t = 0; t < tb; t++) {
-            acc[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(scale), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(part[0][t], part[1][t]), _mm512_set1_ps(scale), acc[t]);
             float rest = 0.0f;
             for (int64_t i = k; i < end; i++) rest += E4M3[row[i]] * bf16_to_f32(x[t * ldx + i]);
             tail[t] += scale * rest;
@@ -1094,7 +1162,7 @@ static void activate(const amc_layer *L, const float *h, float *a, uint16_t *ab,
         case AMC_GATE_GPT_OSS: v = gpt_oss_gate(h[2 * j], h[2 * j + 1], L->alpha, L->limit); break;
         default: v = activation(L->act, h[j]); break;
         }
-        if (ab) ab[input_position(L->down.format, j, I)] = f32_to_bf16(v);
+        if (ab) ab[input_position(&L->down, j)] = f32_to_bf16(v);
         else a[split ? split_position(j) : j] = bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
     }
 }
@@ -1324,9 +1392,9 @@ static void up_task(void *arg, int tid, int threads) {
     const int interleaved = L->gate == AMC_GATE_GPT_OSS; /* unit j: columns 2j, 2j+1 */
     const int split = is_4bit(&L->down);                 /* activations in the 4-bit decoders' order */
     const int up_pairs = s->bf16 && takes_pairs(&L->up), down_pairs = s->bf16 && takes_pairs(&L->down);
-    /* shares of whole cache lines of activations and of 64s of the reorder, so that no two threads write one line,
-     * but for a 128 of the 4-bit pairs order split between two (its four lines shared: shares of whole 128s would
-     * leave threads idle, 23 of them over 15 threads for GPT-OSS's 2880) */
+    /* shares of whole cache lines of activations and of 32s or 64s of the reorder, so that no two threads write one
+     * line, but for a 128 of the 4-bit pairs order or a 64 of the fp8 one split between two (its lines shared: shares
+     * of whole runs would leave threads idle, 23 of them over 15 threads for GPT-OSS's 2880) */
     const int64_t block = split ? (down_pairs ? 64 : 32) : (down_pairs ? 32 : 1);
     int64_t j0, j1, align = max64(1, split_align(&L->up) / (interleaved ? 2 : 1));
     share(I, max64(align, block), tid, threads, &j0, &j1);
@@ -1421,9 +1489,9 @@ static int run_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int3
         const int64_t token = token_ids[ws->order[i]];
         if (up_pairs) {
             const uint16_t *row = (const uint16_t *)x + token * H;
-            if (!is_4bit(&L->up)) memcpy(ws->xb + i * H, row, H * sizeof(uint16_t));
+            if (!is_4bit(&L->up) && !fp8_runs(&L->up)) memcpy(ws->xb + i * H, row, H * sizeof(uint16_t));
             else
-                for (int64_t k = 0; k < H; k++) ws->xb[i * H + pair_position(k, H)] = row[k];
+                for (int64_t k = 0; k < H; k++) ws->xb[i * H + input_position(&L->up, k)] = row[k];
             continue;
         }
         convert_row(x, x_format, token, H, ws->x + i * H);

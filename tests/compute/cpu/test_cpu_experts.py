@@ -217,14 +217,16 @@ def test_mixed_formats(isa, up, down):
         check(layer, x, token_ids, expert_ids, pool(isa, 2))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "fp8-32", "fp8-64", "bf16"])
 def test_pairs_tails(isa, fmt):
     """Projections multiplied in bf16 pairs where the host can, with one bf16 token and several: 4-bit inputs in every
     part of their order (whole 128s, two and then one, a whole 64, a last 32) and ending in a half both ways; fp8 in
-    blocks of 32 and bf16, their inputs ending in a part of 32."""
+    blocks of 32 and of 64 (in runs of 64, a last part of 64 as 32s) and bf16, their inputs ending in a part of
+    32."""
     gen = torch.Generator().manual_seed(9)
+    fmt, block = fmt.split("-")[0], (16, int(fmt.split("-")[1]) if "-" in fmt else 32)
     E, H, I = 3, (480 if fmt in ("mxfp4", "int4") else 100), 96
-    up, down = (stored(fmt, E, n, k, False, True, gen, (16, 32)) for n, k in ((2 * I, H), (H, I)))
+    up, down = (stored(fmt, E, n, k, False, True, gen, block) for n, k in ((2 * I, H), (H, I)))
     layer = CpuExperts(up, down)
     for T, k in ((1, 2), (5, 3)):
         x = torch.randn(T, H, generator=gen).bfloat16()
