@@ -732,12 +732,12 @@ static inline void dot16_pairs(const uint16_t *row, const uint16_t *x, int64_t l
     }
 }
 
-/* dot8_pairs below, lane for lane: in blocks of whole 64s, lane l of each 64 adds the pairs at positions 2l, 2l + 1
- * of each of fp8_position's two runs into that run's sum; then each 32 (the other blocks, a last part of 64) as
+/* dot8_pairs below, lane for lane: with `runs` (fp8_runs), lane l of each whole 64 adds the pairs at positions 2l,
+ * 2l + 1 of each of fp8_position's two runs into that run's sum; then each 32 (the other blocks, a last part of 64) as
  * dot16_pairs sums them into the first; each block's two sums added, then scaled; the last K % 32 inputs one by
  * one */
-static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B, const uint16_t *x, int64_t ldx,
-                              int64_t K, int tb, float *out) {
+static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B, int runs, const uint16_t *x,
+                              int64_t ldx, int64_t K, int tb, float *out) {
     for (int t = 0; t < tb; t++) {
         const uint16_t *xt = x + t * ldx;
         float acc[16] = {0}, tail = 0.0f;
@@ -745,7 +745,7 @@ static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B
             const int64_t end = min64(K, b0 + B);
             float part[2][16] = {{0}};
             int64_t k = b0;
-            for (; B % 64 == 0 && k + 64 <= end; k += 64)
+            for (; runs && k + 64 <= end; k += 64)
                 for (int h = 0; h < 2; h++)
                     for (int l = 0; l < 16; l++)
                         for (int i = 1; i >= 0; i--) { /* lane p = 2l + i of run h: input 16 (p / 8) + 8h + p % 8 */
@@ -909,18 +909,20 @@ static inline __attribute__((always_inline)) void e4m3_bf16_runs(const uint8_t *
 #endif
 
 /* an fp8 row against bf16 inputs (input_position's order), its scales changing every B inputs (a multiple of 32):
- * blocks of whole 64s 64 codes at a time (e4m3_bf16_runs), each run into its own sum, others 32 at a time
- * (e4m3_bf16), multiplied in pairs (VDPBF16PS), each block's sums scaled once; the last K % 32 inputs one by one */
+ * with `runs` (fp8_runs: B a multiple of 64) 64 codes at a time (e4m3_bf16_runs), each run into its own sum, else 32
+ * at a time (e4m3_bf16), multiplied in pairs (VDPBF16PS), each block's sums scaled once; the last K % 32 inputs one
+ * by one */
 static inline __attribute__((always_inline)) void dot8_pairs(const uint8_t *row, const float *scales, int64_t B,
-                                                             const uint16_t *x, int64_t ldx, int64_t K, int tb,
-                                                             float *out) {
+                                                             int runs, const uint16_t *x, int64_t ldx, int64_t K,
+                                                             int tb, float *out) {
     __m512 acc[TOKENS_PER_READ], part[2][TOKENS_PER_READ];
     float tail[TOKENS_PER_READ] = {0};
 #if defined(AMC_FP8_RUNS)
-    const int runs = B % 64 == 0;
     const __m512i tables[4] = {
         _mm512_loadu_si512(E4M3_BF16_BYTES[0]), _mm512_loadu_si512(E4M3_BF16_BYTES[0] + 64),
         _mm512_loadu_si512(E4M3_BF16_BYTES[1]), _mm512_loadu_si512(E4M3_BF16_BYTES[1] + 64)};
+#else
+    (void)runs; /* fp8_runs is 0 without AVX512-VBMI */
 #endif
     for (int t = 0; t < tb; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < K; b0 += B) {
@@ -967,7 +969,7 @@ static void dot_row_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint1
     }
     if (m->format == AMC_FP8) {
         const float *scales = fp8_row_scales(m, e, n);
-#define PAIRS8(TB) dot8_pairs(row, scales, m->block_cols, x, ldx, K, TB, out)
+#define PAIRS8(TB) dot8_pairs(row, scales, m->block_cols, fp8_runs(m), x, ldx, K, TB, out)
         DISPATCH_TOKENS(PAIRS8)
 #undef PAIRS8
         return;
