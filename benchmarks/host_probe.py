@@ -209,33 +209,26 @@ def probe(
     formats: tuple[str, ...] = CPU_FORMATS,
     isas: tuple[str, ...] = ("native",),
 ):
-    rows = read_bandwidth(gib, threads, repeats)
+    """The rows, each as soon as it is measured (so that a run cut short still shows its first)."""
+    yield from read_bandwidth(gib, threads, repeats)
     for shape in shapes:
         for fmt in ["bf16", "int4"] if INT4 else ["bf16"]:
             if fmt in formats:
-                rows += expert_mlp(shape, fmt, threads, tokens, experts, repeats)
+                yield from expert_mlp(shape, fmt, threads, tokens, experts, repeats)
         for fmt in formats:
             for isa in isas:
-                rows += asyncmoe_mlp(shape, fmt, threads, tokens, experts, repeats, isa)
+                yield from asyncmoe_mlp(shape, fmt, threads, tokens, experts, repeats, isa)
     if torch.cuda.is_available():
-        rows.append(dict(probe="copy engine: pinned host -> GPU", GB_per_s=h2d_bandwidth()))
-    return rows
+        yield dict(probe="copy engine: pinned host -> GPU", GB_per_s=h2d_bandwidth())
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| probe | shape | threads | tokens | ms | GB/s |", "|---|---|--:|--:|--:|--:|"]
-    for r in rows:
-        ms = f"{r['ms']:.3f}" if "ms" in r else ""
-        cells = [
-            r["probe"],
-            r.get("shape", ""),
-            r.get("threads", ""),
-            r.get("tokens", ""),
-            ms,
-            f"{r['GB_per_s']:.1f}",
-        ]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+HEADER = "| probe | shape | threads | tokens | ms | GB/s |\n|---|---|--:|--:|--:|--:|"
+
+
+def table_row(r: dict) -> str:
+    ms = f"{r['ms']:.3f}" if "ms" in r else ""
+    cells = [r["probe"], r.get("shape", ""), r.get("threads", ""), r.get("tokens", ""), ms]
+    return "| " + " | ".join(map(str, [*cells, f"{r['GB_per_s']:.1f}"])) + " |"
 
 
 def cpu_name() -> str:
@@ -280,7 +273,10 @@ def main():
     )
     if not INT4:
         print(f"int4: skipped, torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu")
-    rows = probe(
+    host = {"cpu": cpu_name(), "cores": cores, "torch": torch.__version__}
+    print(f"{host['cpu']}, {cores} cores, torch {torch.__version__}\n\n{HEADER}", flush=True)
+    rows = []
+    for r in probe(
         args.shapes,
         threads,
         args.tokens,
@@ -289,9 +285,9 @@ def main():
         args.repeats,
         args.formats,
         args.isas,
-    )
-    host = {"cpu": cpu_name(), "cores": cores, "torch": torch.__version__}
-    print(f"{host['cpu']}, {cores} cores, torch {torch.__version__}\n\n{table(rows)}")
+    ):
+        rows.append(r)
+        print(table_row(r), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**host, "rows": rows}, f, indent=1)
