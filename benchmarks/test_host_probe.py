@@ -8,24 +8,14 @@ from host_probe import CPU_FORMATS, HEADER, INT4, probe, table_row
 
 def test_every_probe_gives_a_positive_finite_time_and_bandwidth():
     before = torch.get_num_threads()
-    rows = list(
-        probe(shapes=["tiny"], threads=[1, 2], tokens=[1, 4], experts=2, gib=1 / 64, repeats=2)
-    )
+    small = dict(shapes=["tiny"], experts=2, gib=1 / 64)
+    rows = list(probe(**small, threads=[1, 2], tokens=[1, 4], repeats=2))
     assert torch.get_num_threads() == before
     probes = {"read", "bf16 expert MLP"} | ({"int4 expert MLP"} if INT4 else set())
     probes |= {f"asyncmoe {fmt} expert MLP" for fmt in CPU_FORMATS}
     assert probes <= {r["probe"] for r in rows}
     scalar = list(
-        probe(
-            ["tiny"],
-            [1],
-            [1],
-            experts=2,
-            gib=1 / 64,
-            repeats=1,
-            formats=("mxfp4",),
-            isas=("scalar",),
-        )
+        probe(**small, threads=[1], tokens=[1], repeats=1, formats=("mxfp4",), isas=("scalar",))
     )
     assert {r["probe"] for r in scalar} == {"read", "asyncmoe mxfp4 expert MLP (scalar)"}
     assert len([r for r in rows if r["probe"] == "bf16 expert MLP"]) == 2 * 2  # threads x tokens

@@ -114,8 +114,8 @@ def test_calls_in_waves_stay_on_the_gpu():
 
 
 def test_calibration_measures_this_host():
-    """Experts of 1.5 MiB (~0.1 ms a core), so that their work stands above the round trip's
-    noise: the tiny model's take about a microsecond, which a fit of medians can lose."""
+    """Experts of 1.5 MiB, whose work stands above the round trip's noise: the tiny model's
+    microsecond experts can fit to zero."""
     model = tiny("olmoe", hidden_size=256, intermediate_size=512)
     ours = asyncmoe.compile(model, cache=4, hybrid=True, cpu_threads=1)
     cost = providers(ours)[0].hybrid.cost.tolist()
