@@ -40,7 +40,7 @@ def cache_with(
     s.born[:n], s.born[n : len(experts)] = 3 - earlier.long(), 3
     s.source[:n], s.source[n : len(experts)] = earlier * GATE, GATE
     s.pace[PACE_WINDOW] = window
-    return cache.to(device).state
+    return CacheState(*(t.to(device) for t in s))  # the module refuses to move; its tensors may
 
 
 def assert_same(kernel: ExpertCache, reference: ExpertCache) -> None:

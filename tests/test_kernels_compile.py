@@ -37,6 +37,7 @@ LAUNCH_OPTIONS = (
     "num_stages",
     "num_ctas",
     "maxnreg",
+    "enable_fp_fusion",
 )  # a launch's keywords that are not arguments
 
 

@@ -188,6 +188,7 @@ def test_hybrid_on_the_gpu_in_bf16_and_compiled():
 
 
 @pytest.mark.cuda
+@pytest.mark.timing
 @torch.no_grad()
 def test_the_default_calibrates_on_this_host(capsys):
     """hybrid=None on CUDA: on where the calibrated CPU takes some of a decode call's misses. The

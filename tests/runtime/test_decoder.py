@@ -397,11 +397,17 @@ def test_capturable_masks_change_no_output_and_are_undone():
 CASES = [(1, TOP_K), (1, NUM_EXPERTS // 4), (4, 4 * TOP_K), (4, TOP_K), (4, NUM_EXPERTS // 4)]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("batch, cache", CASES)
-@pytest.mark.parametrize("kind", ["random", "repeated"])
+# every family in every case, the prompt's kind taking turns (each kind in every case and family);
 # GPT-OSS: eager attention with sliding windows, captured through `capturable_masks`
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+REPLAY_CASES = [
+    (family, ("random", "repeated")[(i + j) % 2], batch, cache)
+    for i, family in enumerate(["olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+    for j, (batch, cache) in enumerate(CASES)
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family, kind, batch, cache", REPLAY_CASES)
 @torch.no_grad()
 def test_graph_replay_equals_eager_fp32(family, kind, batch, cache):
     ref = tiny(family, device="cuda")

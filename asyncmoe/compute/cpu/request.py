@@ -308,5 +308,5 @@ def receive(
     _receive_kernel[(programs,)](
         seq, gpu.done, gpu.error, gpu.out, out, ids, gpu_out, weights, fault, waited, layer, n,
         out.shape[1], timeout_ns, K=k, BLOCK=block, COMBINE=combine is not None, ROUND=rounded,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=False,  # a product and its sum rounded apart, as torch's
     )  # fmt: skip

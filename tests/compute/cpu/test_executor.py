@@ -211,6 +211,7 @@ def test_host_syncs_streaming_and_the_profiler_do_not_stall_it():
 
 
 @pytest.mark.cuda
+@pytest.mark.timing
 def test_a_round_trip_is_cheap(capsys):
     """One layer's request of one pair of the tiny model (an expert of 32 x 64: next to no work),
     sent and received inside a CUDA graph: the GPU writes the request, the worker answers, the GPU

@@ -1,0 +1,97 @@
+"""The CUDA-marked tests on one GPU: several pytest processes side by side, one per test file (a long
+file in shards), each one's result printed as it finishes; the tests marked `timing` run after them,
+alone, since other processes' threads would be timed too. Exits 1 if any test failed.
+
+A process per file also keeps a trapped CUDA context (the CPU executor's loud timeout) from failing
+the files after it.
+
+usage: python scripts/cuda_tests.py [--jobs N] [--shard N] [--logs DIR] [pytest args...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+
+
+def collect(marks: str) -> list[str]:
+    """The node ids of the tests that `marks` selects."""
+    run = subprocess.run(
+        [*PYTEST, "--collect-only", "-q", "-m", marks, "tests"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    if run.returncode not in (0, 5):  # 5: nothing selected
+        sys.exit(f"collecting the CUDA tests failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+    return [line for line in run.stdout.splitlines() if "::" in line]
+
+
+def shards(ids: list[str], size: int) -> list[tuple[str, list[str]]]:
+    """(name, node ids): each file's tests, in runs of at most `size`, the largest first."""
+    files = defaultdict(list)
+    for i in ids:
+        files[i.split("::")[0]].append(i)
+    out = []
+    for f, tests in files.items():
+        n = -(-len(tests) // size)
+        for s in range(n):
+            out.append((f if n == 1 else f"{f} [{s + 1}/{n}]", tests[s::n]))
+    return sorted(out, key=lambda job: -len(job[1]))
+
+
+def run(name: str, ids: list[str], args: list[str], logs: Path) -> tuple[str, int, str, float]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [*PYTEST, "-q", "-rfE", *args, *ids], cwd=ROOT, capture_output=True, text=True
+    )
+    log = done.stdout + done.stderr
+    (
+        logs / (name.replace("/", "_").replace(" ", "").replace("[", "-").strip("]") + ".txt")
+    ).write_text(log)
+    return name, done.returncode, log, time.perf_counter() - start
+
+
+def report(name: str, rc: int, log: str, seconds: float) -> bool:
+    lines = [line for line in log.splitlines() if line.strip()]
+    print(f"{name}: {lines[-1] if lines else 'no output'} ({seconds:.0f} s wall)", flush=True)
+    if rc not in (0, 5):
+        print("\n".join(lines[-60:]), flush=True)
+    return rc in (0, 5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=6, help="pytest processes side by side")
+    parser.add_argument("--shard", type=int, default=12, help="at most this many tests a process")
+    parser.add_argument(
+        "--logs", type=Path, default=Path("/tmp/cuda-tests"), help="each process's log"
+    )
+    opts, pytest_args = parser.parse_known_args()
+    opts.logs.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        side_by_side, alone = pool.map(collect, ["cuda and not timing", "cuda and timing"])
+    jobs = shards(side_by_side, opts.shard)
+    print(
+        f"{len(side_by_side)} tests in {len(jobs)} processes, {opts.jobs} at a time; {len(alone)} timed alone"
+    )
+    ok = True
+    with ThreadPoolExecutor(opts.jobs) as pool:
+        futures = [pool.submit(run, name, ids, pytest_args, opts.logs) for name, ids in jobs]
+        for f in as_completed(futures):
+            ok &= report(*f.result())
+    if alone:
+        ok &= report(*run("timing", alone, pytest_args, opts.logs))
+    print(f"{'passed' if ok else 'FAILED'}: {time.perf_counter() - start:.0f} s wall in all")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
