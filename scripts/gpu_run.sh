@@ -28,7 +28,9 @@ for f in $FILES; do
 done
 wait
 grep -a "exit:\| passed\| failed" "$OUT/pytest.txt"
+# BENCH: scripts under benchmarks/, without .py: decode_step, diagnostics/step_kernels, ...
 for script in ${BENCH:-}; do
+  name=$(basename "$script")
   echo "== $script"
-  python3 benchmarks/$script.py --out "$OUT/$script.json" 2>&1 | tee "$OUT/$script.txt" | tail -30
+  python3 benchmarks/$script.py --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.txt" | tail -30
 done
