@@ -1,17 +1,5 @@
-"""The `asyncmoe` command's entry point: it says what a long command is about to do before the imports that
-take seconds (torch, transformers), then runs it (cli.py)."""
+"""The `asyncmoe` command's entry point (pyproject's [project.scripts]); the command is asyncmoe/cli/."""
 
-import sys
+from .cli import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["simulate"] and not {"-h", "--help"} & set(argv):
-        print(
-            "asyncmoe simulate: loading torch, then checking the options",
-            file=sys.stderr,
-            flush=True,
-        )
-    from .cli import main as run
-
-    return run(argv)
+__all__ = ["main"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -141,122 +142,153 @@ class Stats:
         if not self.layers:
             return f"all {self.resident_layers} MoE layers resident (cache >= num_experts): nothing to count"
         t = self.totals
-        timed = t["stall_ns"] is not None
-        # the prefetch columns only where a prefetch copied something
-        prefetched = t["prefetched"] > 0
-        widths = {"layer": 5, "slots": 7, "calls": 7, "hits": 8, "misses": 8, "hit%": 6, "evict": 7}
-        hybrid = t["cpu_misses"] > 0
-        widths |= {"cpu miss": 8, "model us": 8} if hybrid else {}
-        widths |= {"prefetch": 8, "pf-recall%": 10, "wasted": 7} if prefetched else {}
-        widths |= {"MB h2d": 9}
-        widths |= {"wait us": 8, "ensure us": 9} if timed else {}
-        cpu = t["cpu_experts"] > 0
-        widths |= {"cpu exp": 8, "cpu MB": 9, "cpu us": 8} if cpu else {}
-        widths |= {"gpu wait us": 11} if cpu and t["cpu_wait_ns"] is not None else {}
+        columns = [c for c in COLUMNS if c.shown(t)]
 
-        def line(cells: dict) -> str:
-            return " ".join(f"{cells[name]:>{w}}" for name, w in widths.items())
+        def line(cells) -> str:
+            return " ".join(f"{cell:>{c.width}}" for c, cell in zip(columns, cells))
 
-        def row(label, slots, r: dict) -> str:
-            calls = max(r["calls"], 1)
-            return line(
-                {
-                    "layer": label,
-                    "slots": slots,
-                    "calls": r["calls"],
-                    "hits": r["hits"],
-                    "misses": r["misses"],
-                    "cpu miss": r["cpu_misses"],
-                    "model us": f"{r['cost_ns'] / 1e3 / calls:.1f}",
-                    "hit%": _percent(r["hit_rate"]),
-                    "evict": r["evictions"],
-                    "prefetch": r["prefetched"],
-                    "pf-recall%": _percent(r["prefetch_recall"]),
-                    "wasted": r["wasted"],
-                    "MB h2d": f"{r['bytes_h2d'] / 1e6:.1f}",
-                    "wait us": f"{r['wait_ns'] / 1e3 / calls:.1f}" if timed else "",
-                    "ensure us": f"{r['ensure_ns'] / 1e3 / calls:.1f}" if timed else "",
-                    "cpu exp": r["cpu_experts"],
-                    "cpu MB": f"{r['cpu_bytes'] / 1e6:.1f}",
-                    "cpu us": f"{r['cpu_ns'] / 1e3 / calls:.1f}",
-                    "gpu wait us": "-"
-                    if r["cpu_wait_ns"] is None
-                    else f"{r['cpu_wait_ns'] / 1e3 / calls:.1f}",
-                }
-            )
+        def row(r: dict) -> str:
+            return line(c.cell(r) for c in columns)
 
-        head = line({name: name for name in widths})
-        rows = [head, "-" * len(head)]
-        for r in self.layers:
-            rows.append(
-                row(
-                    r.layer,
-                    f"{r.slots}/{r.experts}",
-                    {**vars(r), "hit_rate": r.hit_rate, "prefetch_recall": r.prefetch_recall},
-                )
-            )
-        rows += ["-" * len(head), row("all", "", t)]
-        if not t["hits"] + t["misses"]:
-            rows.append("no expert looked up yet: no rates")
-        if prefetched:
-            rows.append(
+        head = line(c.name for c in columns)
+        layers = [
+            {**vars(r), "hit_rate": r.hit_rate, "prefetch_recall": r.prefetch_recall}
+            | {"label": r.layer, "slots": f"{r.slots}/{r.experts}"}
+            for r in self.layers
+        ]
+        rule = "-" * len(head)
+        table = [head, rule, *map(row, layers), rule, row(t | {"label": "all", "slots": ""})]
+        return "\n".join(table + self._notes(columns))
+
+    def _notes(self, columns: list[Column]) -> list[str]:
+        """The lines below the table: what its optional columns and counters mean, where they show."""
+        t = self.totals
+        shown = {c.name for c in columns}
+        notes = ["no expert looked up yet: no rates"] if not t["hits"] + t["misses"] else []
+        if "prefetch" in shown:
+            notes.append(
                 "pf-recall%: routed experts found resident because a prefetch put them "
                 "there (part of hit%)"
             )
         else:
-            rows.append(
+            notes.append(
                 "nothing prefetched (prefetch off, or it found nothing worth a copy): no "
                 "prefetch columns"
             )
         if t["prefetch_hits"]:
-            rows.append(
+            notes.append(
                 "prefetch hits by predictor (an expert can have several): "
                 + ", ".join(f"{s} {t['hits_' + s]}" for s in ("gate", "temporal", "transition"))
                 + f"; {t['prefetch_timely']} of {t['prefetch_hits']} in the call they were fetched "
                 "for"
             )
         if t["explored"]:
-            rows.append(
+            notes.append(
                 f"closed prefetch gates explored {t['explored']} times with no copy: "
                 f"{t['explored_paid']} would have "
                 "saved a miss"
             )
         if t["runners_up"]:
-            rows.append(
+            notes.append(
                 f"prefetch nominations past each call's likeliest: {t['runners_up']}, of which the "
                 "call routed to "
                 f"{t['runners_up_paid']} (copied only while enough of them are)"
             )
-        rows.append(
+        notes.append(
             f"device slots+tables {t['gpu_bytes'] / 2**20:.1f} MiB, host store "
             f"{t['host_bytes'] / 2**20:.1f} MiB"
         )
         if self.copy_ns and self.window_ns:
-            rows.append(
+            notes.append(
                 f"prefetch gate: an expert's copy {self.copy_ns / 1e3:.1f} us, the compute a "
                 "prefetch hid behind "
                 f"{self.window_ns / 1e3:.1f} us: open while {100 * self.min_precision:.0f}% of "
                 "prefetches save a miss"
             )
-        if timed:
-            rows.append(
+        if "wait us" in shown:
+            notes.append(
                 "wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; "
                 "deciding and copying misses"
             )
-        if cpu:
-            waits = "; gpu wait us: the GPU's wait for it" if "gpu wait us" in widths else ""
-            rows.append(
+        if "cpu exp" in shown:
+            waits = "; gpu wait us: the GPU's wait for it" if "gpu wait us" in shown else ""
+            notes.append(
                 "cpu exp, cpu MB, cpu us: experts the host's CPU computed, the weights it read, its "
                 f"time a call{waits}"
             )
-        if hybrid:
-            rows.append(
+        if "cpu miss" in shown:
+            notes.append(
                 "misses: copied into slots; cpu miss: computed by the CPU instead (hybrid); model "
                 "us: the cost model's time for a call's misses"
             )
         if self.resident_layers:
-            rows.append(f"{self.resident_layers} more MoE layers fully resident")
-        return "\n".join(rows)
+            notes.append(f"{self.resident_layers} more MoE layers fully resident")
+        return notes
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of `Stats`' table: its header, its width, its cell from a row (a layer's fields, or
+    the totals, with `label` and `slots` as the row shows them), and whether a table shows it, from
+    the totals: an optional column shows only where its counters counted something."""
+
+    name: str
+    width: int
+    cell: Callable[[dict], object]
+    shown: Callable[[dict], bool] = lambda t: True
+
+
+def _per_call_us(key: str) -> Callable[[dict], str]:
+    """A row's ns counter `key` as µs per call ("-" where it is None)."""
+    return lambda r: "-" if r[key] is None else f"{r[key] / 1e3 / max(r['calls'], 1):.1f}"
+
+
+def _mb(key: str) -> Callable[[dict], str]:
+    return lambda r: f"{r[key] / 1e6:.1f}"
+
+
+def _hybrid(t: dict) -> bool:
+    return t["cpu_misses"] > 0
+
+
+def _prefetched(t: dict) -> bool:
+    return t["prefetched"] > 0
+
+
+def _timed(t: dict) -> bool:
+    return t["stall_ns"] is not None
+
+
+def _cpu(t: dict) -> bool:
+    return t["cpu_experts"] > 0
+
+
+COLUMNS = [
+    Column("layer", 5, lambda r: r["label"]),
+    Column("slots", 7, lambda r: r["slots"]),
+    Column("calls", 7, lambda r: r["calls"]),
+    Column("hits", 8, lambda r: r["hits"]),
+    Column("misses", 8, lambda r: r["misses"]),
+    Column("hit%", 6, lambda r: _percent(r["hit_rate"])),
+    Column("evict", 7, lambda r: r["evictions"]),
+    Column("cpu miss", 8, lambda r: r["cpu_misses"], _hybrid),
+    Column("model us", 8, _per_call_us("cost_ns"), _hybrid),
+    Column("prefetch", 8, lambda r: r["prefetched"], _prefetched),
+    Column("pf-recall%", 10, lambda r: _percent(r["prefetch_recall"]), _prefetched),
+    Column("wasted", 7, lambda r: r["wasted"], _prefetched),
+    Column("MB h2d", 9, _mb("bytes_h2d")),
+    Column("wait us", 8, _per_call_us("wait_ns"), _timed),
+    Column("ensure us", 9, _per_call_us("ensure_ns"), _timed),
+    Column("cpu exp", 8, lambda r: r["cpu_experts"], _cpu),
+    Column("cpu MB", 9, _mb("cpu_bytes"), _cpu),
+    Column("cpu us", 8, _per_call_us("cpu_ns"), _cpu),
+    Column(
+        "gpu wait us",
+        11,
+        _per_call_us("cpu_wait_ns"),
+        lambda t: _cpu(t) and t["cpu_wait_ns"] is not None,
+    ),
+]
 
 
 def _percent(share: float) -> str:

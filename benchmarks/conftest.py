@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))  # `baselines`, `harness`, `shapes`
+# `baselines`, `harness`, `shapes`: for the suite's tests and those in diagnostics/
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
 def pytest_addoption(parser):

@@ -9,7 +9,7 @@ import pytest
 
 import asyncmoe
 from asyncmoe import cli
-from asyncmoe.cli import main
+from asyncmoe.cli import generate, main, model
 
 ROOT = pathlib.Path(__file__).parent.parent
 BARS = (
@@ -138,6 +138,34 @@ def test_python_m_asyncmoe_prints_the_version():
         timeout=120,
     )
     assert (run.returncode, run.stdout) == (0, f"asyncmoe {asyncmoe.__version__}\n")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--version"], ["--help"], ["demo", "--help"], ["generate", "--help"], ["simulate", "--help"]],
+)
+def test_version_and_help_answer_without_importing_torch(argv):
+    """torch takes seconds to import: the command parses with none of it, each command imports what it runs."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "asyncmoe", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if "|" in line}
+    assert run.returncode == 0 and "asyncmoe.cli" in imported, run.stderr[-2000:]
+    assert not {"torch", "transformers", "numpy"} & imported
+
+
+def test_the_commands_choices_are_the_librarys():
+    """`choices.py` holds what --help shows without importing the modules that implement it."""
+    from asyncmoe import choices
+    from asyncmoe.cache.policies import POLICIES
+    from asyncmoe.cache.state import SOURCES
+
+    assert choices.POLICIES == tuple(POLICIES) and choices.PREDICTORS == SOURCES
+    assert asyncmoe.Prefetch().budget == choices.PREFETCH_BUDGET
 
 
 def help_blocks(text: str) -> dict[str, str]:
@@ -343,8 +371,8 @@ def test_user_errors_are_one_line_with_status_2(argv, says, tmp_path, capsys, mo
         "simulate",
         "{tmp}/garbage.npz",
     ]:  # Trace.load finds a garbage trace out; the rest fail at parse time
-        for command in ("demo", "generate", "simulate"):
-            monkeypatch.setattr(cli, command, lambda args: pytest.fail("ran past a user error"))
+        for command in cli.COMMANDS.values():
+            monkeypatch.setattr(command, "run", lambda args: pytest.fail("ran past a user error"))
     argv = [a.format(tmp=tmp_path) for a in argv]
     assert says.format(tmp=tmp_path) in user_error(argv, capsys)
 
@@ -404,7 +432,7 @@ def test_a_bad_budget_is_one_line(capsys):
 
 
 def parsed(argv: list[str]):
-    return cli._parser().parse_args(argv)
+    return cli.parser().parse_args(argv)
 
 
 @pytest.mark.parametrize("command", ["demo", "generate", "simulate"])
@@ -454,7 +482,7 @@ GENERATE = ["generate", "--model", str(asyncmoe.demo_model_path()), "--prompt", 
 def test_a_sampling_option_samples(options, keywords, words, capsys):
     """`--top-k 5 --seed 3` once decoded greedily without a word: any sampling option now samples, at transformers'
     temperature 1 where --temperature is left out, and --help says so."""
-    assert cli._sampling(parsed([*GENERATE, *options])) == (keywords, words)
+    assert generate.sampling(parsed([*GENERATE, *options])) == (keywords, words)
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "sampling:\n  any of these samples, at temperature 1" in capsys.readouterr().out
@@ -504,7 +532,7 @@ def test_a_length_past_the_models_positions_warns_before_it_loads(command, capsy
 def test_the_decoders_own_warning_on_positions_is_not_said_twice():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        with cli._said_once():
+        with model.said_once():
             warnings.warn(
                 "max_length=2001 is past the model's max_position_embeddings=1024: ...",
                 stacklevel=1,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import asyncmoe
+from asyncmoe.layer_stats import LayerStats, Stats
 
 from models import tiny
 
@@ -86,3 +87,105 @@ def test_table_without_prefetch_or_lookups_has_no_empty_columns():
         and "nothing prefetched" in table
     )
     assert "no expert looked up" not in table and float(columns(table, "all")["hit%"]) >= 0
+
+
+def layer_stats(i: int, **fields) -> LayerStats:
+    """A layer's counters as `read_stats` returns them: 4 of 16 slots, 10 calls, 1 MB experts."""
+    counted = dict(calls=10, hits=30 + i, misses=10 - i, evictions=6, bytes_h2d=12_000_000)
+    prefetch = (
+        dict.fromkeys(
+            (
+                "prefetched",
+                "wasted",
+                "prefetch_hits",
+                "hits_gate",
+                "hits_temporal",
+                "hits_transition",
+            ),
+            0,
+        )
+        | dict.fromkeys(
+            ("prefetch_timely", "prefetch_victims", "explored", "explored_paid", "runners_up"), 0
+        )
+        | dict(runners_up_paid=0)
+    )
+    sizes = dict(expert_bytes=1_000_000, gpu_bytes=5 * 2**20, host_bytes=16 * 2**20)
+    return LayerStats(
+        layer=i,
+        name=f"model.layers.{i}.mlp.experts",
+        slots=4,
+        experts=16,
+        **(counted | prefetch | sizes | fields),
+    )
+
+
+PLAIN = """\
+layer   slots   calls     hits   misses   hit%   evict    MB h2d
+----------------------------------------------------------------
+    0    4/16      10       30       10   75.0       6      12.0
+    1    4/16      10       31        9   77.5       6      12.0
+----------------------------------------------------------------
+  all              20       61       19   76.2      12      24.0
+nothing prefetched (prefetch off, or it found nothing worth a copy): no prefetch columns
+device slots+tables 10.0 MiB, host store 32.0 MiB"""
+
+IDLE = """\
+layer   slots   calls     hits   misses   hit%   evict    MB h2d
+----------------------------------------------------------------
+    0    4/16       0        0        0      -       0       0.0
+----------------------------------------------------------------
+  all               0        0        0      -       0       0.0
+no expert looked up yet: no rates
+nothing prefetched (prefetch off, or it found nothing worth a copy): no prefetch columns
+device slots+tables 5.0 MiB, host store 16.0 MiB"""
+
+# lines split where they pass the linter's width
+EVERY_COLUMN = "\n".join(
+    [
+        "layer   slots   calls     hits   misses   hit%   evict cpu miss model us prefetch pf-recall% "
+        " wasted    MB h2d  wait us ensure us  cpu exp    cpu MB   cpu us gpu wait us",
+        "-" * 169,
+        "    0    4/16      10       30       10   71.4       6        2      5.5        5        9.5   "
+        "    1      12.0      0.1       2.3        7       7.0     41.0         9.0",
+        "    1    4/16      10       31        9   73.8       6        2      5.5        5        9.5   "
+        "    1      12.0      0.3       2.3        7       7.0     41.0           -",
+        "-" * 169,
+        "  all              20       61       19   72.6      12        4      5.5       10        9.5   "
+        "    2      24.0      0.2       2.3       14      14.0     41.0         4.5",
+        "pf-recall%: routed experts found resident because a prefetch put them there (part of hit%)",
+        "prefetch hits by predictor (an expert can have several): gate 6, temporal 2, transition 0; 4 of"
+        " 8 in the call they were fetched for",
+        "closed prefetch gates explored 6 times with no copy: 2 would have saved a miss",
+        "prefetch nominations past each call's likeliest: 8, of which the call routed to 4 (copied only"
+        " while enough of them are)",
+        "device slots+tables 10.0 MiB, host store 32.0 MiB",
+        "prefetch gate: an expert's copy 254.0 us, the compute a prefetch hid behind 210.0 us: open"
+        " while 50% of prefetches save a miss",
+        "wait us, ensure us: per call, on the GPU clock: waiting for the prefetch; deciding and copying"
+        " misses",
+        "cpu exp, cpu MB, cpu us: experts the host's CPU computed, the weights it read, its time a call;"
+        " gpu wait us: the GPU's wait for it",
+        "misses: copied into slots; cpu miss: computed by the CPU instead (hybrid); model us: the cost"
+        " model's time for a call's misses",
+        "1 more MoE layers fully resident",
+    ]
+)
+
+
+def test_the_table_is_pinned_column_by_column():
+    """The whole table, character for character: the base columns alone; a cache that looked nothing up; and every
+    optional column (hybrid, prefetch, stall timing, the CPU and its GPU wait, "-" for a layer without one) with
+    every note below the table."""
+    every = dict(prefetched=5, wasted=1, prefetch_hits=4, hits_gate=3, hits_temporal=1)
+    every |= dict(prefetch_timely=2, explored=3, explored_paid=1, runners_up=4, runners_up_paid=2)
+    every |= dict(ensure_ns=23_000, cpu_experts=7, cpu_bytes=7_000_000, cpu_ns=410_000)
+    every |= dict(cpu_misses=2, cost_ns=55_000)
+    layers = [
+        layer_stats(i, **every, wait_ns=1500 * (i + 1), cpu_wait_ns=None if i else 90_000)
+        for i in range(2)
+    ]
+    full = Stats(layers, 1, copy_ns=254_000, window_ns=210_000, min_precision=0.5)
+    assert str(Stats([layer_stats(0), layer_stats(1)])) == PLAIN
+    idle = layer_stats(0, calls=0, hits=0, misses=0, evictions=0, bytes_h2d=0)
+    assert str(Stats([idle])) == IDLE
+    assert str(full) == EVERY_COLUMN

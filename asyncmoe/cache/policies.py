@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..choices import DEFAULT_POLICY as DEFAULT_POLICY  # the default, named with the policies
 from .state import CacheState
 
 FREQ_UNIT = 256  # one use
@@ -111,8 +112,6 @@ class Markov(LFRU):
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (LRU(), FIFO(), LFU(), LFRU(), Markov())}
-# the fewest copies on every trace measured (docs/decisions.md#default-policy)
-DEFAULT_POLICY = "markov"
 
 
 def get_policy(name: str) -> Policy:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import gpu
 from ..cache.state import GATE, SOURCES
+from ..choices import PREFETCH_BUDGET
 from . import scores as score_kernels
 
 # the mean temporal/transition score an expert needs to be prefetched (see `combine`)
@@ -51,7 +52,7 @@ class Prefetch:
     sources: tuple[str, ...] = ("gate",)
     depth: int = 1
     per_token: int | None = None
-    budget: int = 2
+    budget: int = PREFETCH_BUDGET
     copy_programs: int | None = 32
 
     def __post_init__(self):

@@ -3,9 +3,9 @@ weights.
 
 Each token is one call per layer, in layer order, as in decoding: `ensure` of layer l (the same
 function the `asyncmoe::ensure` op runs), then, with prefetch, the transition update and the
-prediction and `prefetch` for layer l+1. The per-token step over all layers is compiled once with
-torch.compile, so a trace runs at ~2 M expert lookups per minute on one core (~1.2 M with the
-temporal and transition predictors).
+prediction and `prefetch` for layer l+1. On a long trace the per-token step over all layers is
+compiled once with torch.compile: its tokens run 4-8x faster, after a wait of seconds a layer that a
+short trace would not win back (`compiles`).
 
 The Belady bound: per layer, the fewest misses any cache of the same size can have on the trace:
 on a miss, evict the resident expert (not needed by this token) whose next use is furthest away.
@@ -26,14 +26,19 @@ from ..cache.expert_cache import ExpertCache
 from ..cache.host import human_bytes
 from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
+from ..choices import PREDICTORS
 from ..prefetch import predictors
 from ..prefetch.prefetch import Request, predict_and_prefetch
 from ..prefetch.state import PrefetchBuffers
 from ..settings import budget_text, parse_budget
 from .format import Trace
 
-SIMULABLE = ("gate", "temporal", "transition")  # gate: from a trace that recorded its nominations
+SIMULABLE = PREDICTORS  # gate: from a trace that recorded its nominations
 RECOMPILES = 256  # configurations one process may simulate compiled (`simulate`)
+# torch.compile of the step pays from about this many tokens on, and takes about these seconds a layer
+# on one core, without prefetch and with it (docs/decisions.md#simulator-compile)
+COMPILE_FROM_TOKENS = 30_000
+COMPILE_S_PER_LAYER = {False: 10, True: 24}
 
 
 @dataclass
@@ -179,7 +184,7 @@ def simulate(
     prefetch: tuple[str, ...] = (),
     budget: int = predictors.Prefetch.budget,
     expert_bytes: int | None = None,
-    compiled: bool = True,
+    compiled: bool | None = None,
     pace_us: tuple[float, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Simulation:
@@ -189,8 +194,8 @@ def simulate(
     copy, the compute a prefetch hides behind) in µs as a GPU measured them (`asyncmoe.stats` prints
     both), so the prefetch gate decides as it does there; None: unmeasured, as on the CPU. `cache`:
     slots per MoE layer, or a GPU-memory budget for every layer's slots ("6GiB", `budget_slots`).
-    `progress(done, total)`: called after each token (the first one, compiled, waits for
-    torch.compile)."""
+    `compiled`: the step through torch.compile (None: where it pays, `compiles`). `progress(done,
+    total)`: called after each token (the first one, compiled, waits for torch.compile)."""
     if expert_bytes is None:
         expert_bytes = trace.expert_bytes or 0
     if isinstance(cache, str):
@@ -206,6 +211,7 @@ def simulate(
         ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace) for _ in range(L)
     ]
     targets = [PrefetchBuffers(E, torch.device("cpu"), E) for _ in range(L)]
+    compiled = compiles(trace) if compiled is None else compiled
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
     gate = gate_scores(trace) if "gate" in prefetch else None
@@ -233,6 +239,17 @@ def simulate(
             )
         )
     return Simulation(cache, policy, tuple(prefetch), trace.tokens, expert_bytes, layers)
+
+
+def compiles(trace: Trace) -> bool:
+    """Whether compiling the step wins its wait back on this trace: both the wait and the time a
+    token saves grow with the layers, so the number of tokens decides."""
+    return trace.tokens >= COMPILE_FROM_TOKENS
+
+
+def compile_seconds(trace: Trace, prefetch: tuple[str, ...]) -> float:
+    """About how long torch.compile takes on the step, on one core."""
+    return COMPILE_S_PER_LAYER[bool(prefetch)] * trace.layers
 
 
 def budget_slots(trace: Trace, cache: str, expert_bytes: int) -> tuple[int, str]:

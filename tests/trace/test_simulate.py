@@ -248,7 +248,7 @@ def compiled_paced():
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        sim = simulate(random_trace(0), **PACED)
+        sim = simulate(random_trace(0), **PACED, compiled=True)
     return sim, counters["stats"]["unique_graphs"]
 
 
@@ -267,7 +267,7 @@ def test_compiled_simulator_sweeps_more_configurations_than_dynamos_recompile_li
     with torch._dynamo.config.patch(recompile_limit=1):  # as if 8 configurations had run before
         # the second compiles a second graph of `_step`, without prefetch
         for config in (PACED, dict(cache=6)):
-            sim = simulate(trace, **config)
+            sim = simulate(trace, **config, compiled=True)
             assert sim.totals["belady_hit_rate"] >= sim.totals["hit_rate"] > 0
             eager = simulate(trace, **config, compiled=False)
             assert sim.layers == eager.layers and sim.totals == eager.totals
@@ -290,7 +290,8 @@ def test_cli_simulate_json(tmp_path, capsys, compiled_paced):
                 "--expert-bytes",
                 "1000",
                 "--json",
-                "--no-compile",
+                "--compile",
+                "off",
             ]
         )
         == 0
@@ -308,7 +309,7 @@ def test_cli_simulate_json(tmp_path, capsys, compiled_paced):
         "--budget",
         "2",
     ]
-    assert main([*argv, "--pace", "254", "210", "--json", "--no-compile"]) == 0
+    assert main([*argv, "--pace", "254", "210", "--json", "--compile", "off"]) == 0
     paced, _ = compiled_paced  # PACED, compiled, on the trace the file holds
     assert json.loads(capsys.readouterr().out) == json.loads(paced.to_json())
 
@@ -369,17 +370,49 @@ def test_cli_simulate_says_what_it_does_before_the_work_and_shows_progress(
         return real(trace, cache, policy, prefetch, budget, expert_bytes, False, pace_us, progress)
 
     monkeypatch.setattr(simulator, "simulate", slow_to_compile)
-    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", {True: 0.05, False: 0.05})
-    assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "4"]) == 0
+    monkeypatch.setattr(cli.simulate, "PROGRESS_EVERY_S", {True: 0.05, False: 0.05})
+    assert main(["simulate", str(tmp_path / "t.npz"), "--cache", "4", "--compile", "on"]) == 0
     out, err = capsys.readouterr()
     (before,) = said
     assert before.startswith(
         f"asyncmoe simulate: {tmp_path / 't.npz'}: 120 tokens x 3 MoE layers, top-2 of 12 experts; cache 4 slots per "
-        "layer, policy markov, prefetch off\ncompiling the simulator's step with torch.compile"
+        "layer, policy markov, prefetch off\ncompiling the simulator step (about 30 s); --compile off"
     )
     assert re.match(r"(compiling \(\d+ s\)\n)+simulated 1/120 tokens", err)
     assert re.search(r"\nsimulated 120/120 tokens \(100%, \d+ s\)\n$", err)
     assert out.startswith("cache 4 slots, policy markov, prefetch off, 120 tokens")
+
+
+def test_the_step_compiles_only_where_the_trace_wins_its_wait_back(tmp_path, capsys, monkeypatch):
+    """Compiling the step costs seconds a layer, won back over tens of thousands of tokens
+    (docs/decisions.md#simulator-compile): `--compile auto` runs a short trace eagerly and says nothing of
+    compiling; a long one compiles, and says about how long that takes."""
+
+    def tokens(n: int) -> Trace:  # one layer, each token routed to experts 0 and 1
+        return Trace(np.tile(np.array([0, 1]), (n, 1, 1)), 12)
+
+    long = tokens(simulator.COMPILE_FROM_TOKENS)
+    assert simulator.compiles(long) and not simulator.compiles(random_trace(0))
+    assert simulator.compile_seconds(long, ()) < simulator.compile_seconds(long, ("temporal",))
+    monkeypatch.setattr(
+        simulator, "COMPILE_FROM_TOKENS", 200
+    )  # the command on a short "long" trace
+    long, compiled = tokens(200), []
+
+    def spy(trace, cache, policy, prefetch, budget, expert_bytes, step_compiled, pace_us, progress):
+        compiled.append(step_compiled)
+        return simulate(
+            trace, cache, policy, prefetch, budget, expert_bytes, False, pace_us, progress
+        )
+
+    monkeypatch.setattr(simulator, "simulate", spy)
+    for trace, name in ((random_trace(0), "short.npz"), (long, "long.npz")):
+        trace.save(tmp_path / name)
+        assert main(["simulate", str(tmp_path / name), "--cache", "2", "--json"]) == 0
+    short_err, long_err = capsys.readouterr().err.split("asyncmoe simulate: ")[-2:]
+    assert compiled == [False, True] and "\ncompiling" not in short_err
+    about = simulator.compile_seconds(long, ())
+    assert f"\ncompiling the simulator step (about {about:.0f} s); --compile off skips" in long_err
 
 
 def test_cli_simulate_takes_a_budget(tmp_path, capsys):
@@ -395,7 +428,8 @@ def test_cli_simulate_takes_a_budget(tmp_path, capsys):
                     "--cache",
                     "20KB",
                     "--json",
-                    "--no-compile",
+                    "--compile",
+                    "off",
                     *extra,
                 ]
             )
@@ -421,7 +455,8 @@ def test_the_command_speaks_within_a_second_of_starting(tmp_path):
         str(tmp_path / "t.npz"),
         "--cache",
         "4",
-        "--no-compile",
+        "--compile",
+        "off",
     ]
     start = time.perf_counter()
     with subprocess.Popen(

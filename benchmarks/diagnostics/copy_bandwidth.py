@@ -1,7 +1,7 @@
 """Host -> GPU expert copies, alone and beside compute: the gather-copy kernel (SMs reading pinned memory through
 UVA, the path asyncmoe's cache takes) against the copy engine (`copy_` per expert, host-known addresses).
 
-    python benchmarks/copy_bandwidth.py --out bw.json
+    python benchmarks/diagnostics/copy_bandwidth.py --out bw.json
 
 OLMoE-size experts (gate_up 2048x2048 + down 2048x1024, bf16: 12.6 MB), 64 in pinned host memory. Median of `--reps`
 timed copies with CUDA events; the source experts rotate so every copy reads host memory, not a cache. "beside

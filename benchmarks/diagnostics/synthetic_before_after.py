@@ -1,6 +1,6 @@
 """The suite's synthetic traces with and without the cross-layer lift, on the CPU.
 
-    cd benchmarks && PYTHONPATH=. python ../docs/results/synthetic_before_after.py
+    python benchmarks/diagnostics/synthetic_before_after.py
 
 Per shape (trace_for: 6 layers, 4096 tokens, seed 0) and cache: the statistics `synthetic.stats` states, the hit
 rates of asyncmoe's cache (lfru, the default) and of the seed's (lru), what the transition predictor alone
@@ -8,8 +8,12 @@ prefetches, and the Belady floor in misses per layer and decode step at batches 
 `belady_misses_per_step`); then the Belady floor at batch 1 over seeds 0-2, the seed-to-seed spread.
 """
 
+import pathlib
+import sys
+
 from asyncmoe.trace.simulate import simulate
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import belady_misses_per_step as belady_per_step
 from synthetic import stats, synthetic
 

@@ -6,11 +6,13 @@ greedily with the unmodified bf16 model, feeds those tokens to it, to asyncmoe (
 weights in float32, all routed by the replayed trace (as the suite's trace cases), and prints per step each bf16
 model's largest logit error against float32, float32's top-2 gap, and which models' greedy token is float32's.
 
-    cd benchmarks && python logit_error.py [--shape olmoe-1b-7b] [--cache 16] [--steps 32]
+    python benchmarks/diagnostics/logit_error.py [--shape olmoe-1b-7b] [--cache 16] [--steps 32]
 """
 
 import argparse
 import copy
+import pathlib
+import sys
 
 import torch
 from transformers import DynamicCache
@@ -19,6 +21,7 @@ import asyncmoe
 from asyncmoe.integrations.replay import replay_routing, rewind_replay
 from asyncmoe.runtime.decoder import kv_keyword
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import PROMPT, prompt, trace_for
 from shapes import random_model
 

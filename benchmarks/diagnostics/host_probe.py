@@ -3,8 +3,8 @@ expert's MLP costs on them at decode sizes, in bf16 and int4 through torch, and 
 every format the host store holds; what computing a cold expert on the CPU, instead of
 copying it to the GPU, would cost here. No GPU needed; on a CUDA host the copy engine's bandwidth comes last.
 
-    python benchmarks/host_probe.py --out host.json
-    python benchmarks/host_probe.py --gib 0.25 --experts 8 --threads 1 all --repeats 3      # a quick look
+    python benchmarks/diagnostics/host_probe.py --out host.json
+    python benchmarks/diagnostics/host_probe.py --gib 0.25 --experts 8 --threads 1 all --repeats 3      # a quick look
 
 read: `sum()` over a `--gib` GiB float32 buffer (STREAM-like), at each of `--threads` (`all`: every core this
 process may use). bf16: x [T, D] through gate_up [2I, D], silu(gate) * up [T, I], down [D, I] for T in `--tokens`,
@@ -21,8 +21,10 @@ import argparse
 import contextlib
 import json
 import os
+import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +35,7 @@ from asyncmoe.compute.cpu.build import ISA_FLAGS
 from asyncmoe.compute.cpu.kernels import library
 from asyncmoe.formats import FP8, Fp8, Int4, Mxfp4
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import h2d_bandwidth
 from shapes import expert_dims
 

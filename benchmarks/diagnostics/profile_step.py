@@ -2,8 +2,8 @@
 each launch of the cache and the prefetch costs beside the model's own kernels (a CUDA graph replays
 the same kernels; the profiler times them in eager steps, where it can name them).
 
-    python benchmarks/profile_step.py --shape olmoe-1b-7b --cache 32 --steps 16
-    python benchmarks/profile_step.py --shape qwen3-30b-a3b --cache 32 --prompt 2048 --no-prefetch
+    python benchmarks/diagnostics/profile_step.py --shape olmoe-1b-7b --cache 32 --steps 16
+    python benchmarks/diagnostics/profile_step.py --shape qwen3-30b-a3b --cache 32 --prompt 2048 --no-prefetch
 
 Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the
 last. With `--prompt N` the unit is one prompt, and a line before the table gives its wall time
@@ -16,12 +16,15 @@ the waves add around both. The model routes by its own router, widened, as the l
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import PROMPT, cuda_ms, prompt
 from shapes import SHAPES, random_model
 

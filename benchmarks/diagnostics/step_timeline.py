@@ -1,8 +1,8 @@
 """Where a graph decode step's time goes: the profiler's kernel timeline of the Decoder's CUDA graph, split into
 time the link is copying, time only compute runs, and time the GPU idles.
 
-    python benchmarks/step_timeline.py --shape olmoe-1b-7b --cache 16 --routings trace oracle --budgets 1 8
-    python benchmarks/step_timeline.py --routings oracle --budgets 1 --quantize fp8    # fp8 experts
+    python benchmarks/diagnostics/step_timeline.py --shape olmoe-1b-7b --cache 16 --routings trace oracle --budgets 1 8
+    python benchmarks/diagnostics/step_timeline.py --routings oracle --budgets 1 --quantize fp8    # fp8 experts
 
 Per case, per token: ms (CUDA events around the profiled steps); "copying": the union of the gather-copy
 kernels' spans (the link is busy); "compute only": kernels running while no copy runs; "idle": neither. The
@@ -19,12 +19,15 @@ import argparse
 import collections
 import copy
 import json
+import pathlib
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import gpu_events, h2d_bandwidth, prompt, trace_for
 from shapes import random_model
 

@@ -1,8 +1,8 @@
 """A quantized layer's expert matmul three ways, to place each path's range (`experts.GEMV_PAIRS_PER_SLOT`,
 `experts.FUSED_PAIRS_PER_SLOT`): the decode GEMV (each pair reads its expert), the fused grouped dequantizing
-kernel (`kernels/dequant_mm.py`, 4-bit), and every slot dequantized to bf16 then the dense grouped GEMM.
+kernel (`asyncmoe/compute/dequant_mm.py`, 4-bit), and every slot dequantized to bf16 then the dense grouped GEMM.
 
-    python benchmarks/prompt_matmul.py --out prompt_matmul.json     # GPU
+    python benchmarks/diagnostics/prompt_matmul.py --out prompt_matmul.json     # GPU
 
 One wave of a layer: `--slots` slots (16; GPT-OSS-20B 8) of real expert shapes (`shapes.py`), each routed by
 `rows` (token, expert) pairs, for both projections; median of `--reps` CUDA-event timings after a warm-up.
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 
 import torch
 
@@ -20,6 +22,7 @@ from asyncmoe.compute import experts, ops
 from asyncmoe.formats import parse_quantize
 from asyncmoe.integrations.transformers import find_experts
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import cuda_ms
 from shapes import SHAPES, config
 

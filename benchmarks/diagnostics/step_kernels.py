@@ -1,7 +1,7 @@
 """What the cache itself costs a graph decode step where nearly every expert is resident: the resident model against
 the cached one without and with prefetch, kernel by kernel, and one layer's kernels side by side.
 
-    python benchmarks/step_kernels.py --shape olmoe-1b-7b --cache 60 --out kernels.json
+    python benchmarks/diagnostics/step_kernels.py --shape olmoe-1b-7b --cache 60 --out kernels.json
 
 Each case is its own copy of one random-weight bf16 model, routed by the latency suite's trace, in the Decoder's
 CUDA graph. ms/token: CUDA events around `--steps` steps, median of 4 rounds. Then one profiled round: GPU time per
@@ -18,13 +18,16 @@ import collections
 import copy
 import difflib
 import json
+import pathlib
 import statistics
+import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import asyncmoe
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import gpu_events, prompt, trace_for
 from shapes import random_model, routing_shape
 
