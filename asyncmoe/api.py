@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .cache.policies import DEFAULT_POLICY
@@ -125,6 +126,14 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     such as `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must
     call."""
     check_model(model)
+    if not isinstance(reset, bool):
+        raise TypeError(f"reset must be True or False, got {reset!r}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed process group, such as "
+            "torch.distributed.group.WORLD once init_process_group has run, or None (this rank's "
+            f"counters); got {type(group).__name__} {group!r}"
+        )
     providers = [
         (name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)
     ]
@@ -135,6 +144,11 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
     resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
     cpu = [(name, p) for name, p in providers if isinstance(p, CpuProvider)]
+    if cpu and group is not None:
+        raise ValueError(
+            "group sums the counters of expert-parallel ranks, and cache=0 (every routed expert on "
+            "the CPU) runs no expert parallelism: leave group out"
+        )
     if cpu:  # cache=0: every MoE layer on the CPU
         return Stats(cpu_layer_stats(cpu, reset), resident)
     hybrids = [p.hybrid for _, p in providers if isinstance(p, CachedProvider)]
