@@ -61,7 +61,9 @@ def compile(
     choose). The default, None, turns it on where the model runs on a CUDA device and off elsewhere:
     on the CPU nothing runs beside the copies, so prefetch can only cost. `replay`: a routing trace
     (or its .npz path) to route by instead of the routers, whose work still runs: realistic routing
-    for random-weight models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock,
+    for random-weight models of real shapes, whatever the cache (cache=0 and resident layers too);
+    MoE layer i replays trace layer i % its layers, and past its last token the trace wraps to its
+    first, with a warning (docs/traces.md). `time_stalls`: time, on the GPU clock,
     how long each layer waits for its prefetch and for its own decision and copies (`stats` reports
     them); three one-thread kernels per layer call, so off by default
     (docs/decisions.md#stall-timing-off).
