@@ -89,7 +89,7 @@ def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
 def from_pretrained(
     path,
     cache: int | str | AutoCache = 16,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str | None = None,
     policy: str = DEFAULT_POLICY,
     prefetch: bool | Prefetch | None = None,
@@ -104,7 +104,9 @@ def from_pretrained(
     Non-expert weights go to `device` (default: cuda when available), every expert to pinned host
     memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
     (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
-    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`. A checkpoint
+    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`. `dtype`, as
+    transformers takes it: torch.float32, torch.bfloat16 or torch.float16, their names
+    ("bfloat16"), or "auto" (the checkpoint's own). A checkpoint
     with fine-grained fp8 experts (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1
     and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its
     other weights are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's
