@@ -49,6 +49,9 @@ def compile(
     host store, while the GPU copies and computes the rest), by a cost model timed on this host at
     compile; the default, None, turns it on where the model runs on CUDA and the CPU would take any
     of a decode call's misses; calls of more distinct experts than slots (waves) stay on the GPU.
+    On a CPU model `hybrid=True` splits them too (both sides then on the host); there, and where
+    every expert is resident, `cpu_threads` without hybrid or cache=0 is refused: nothing would
+    use it.
     `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout,
     128x128 blocks), quantized layer by layer on the way to host memory: a miss copies about half of
     bf16's bytes and the same GPU memory holds twice the experts. None keeps the model's dtype (or
