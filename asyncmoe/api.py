@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .cache.policies import DEFAULT_POLICY
@@ -48,6 +49,9 @@ def compile(
     host store, while the GPU copies and computes the rest), by a cost model timed on this host at
     compile; the default, None, turns it on where the model runs on CUDA and the CPU would take any
     of a decode call's misses; calls of more distinct experts than slots (waves) stay on the GPU.
+    On a CPU model `hybrid=True` splits them too (both sides then on the host); there, and where
+    every expert is resident, `cpu_threads` without hybrid or cache=0 is refused: nothing would
+    use it.
     `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout,
     128x128 blocks), quantized layer by layer on the way to host memory: a miss copies about half of
     bf16's bytes and the same GPU memory holds twice the experts. None keeps the model's dtype (or
@@ -60,7 +64,9 @@ def compile(
     choose). The default, None, turns it on where the model runs on a CUDA device and off elsewhere:
     on the CPU nothing runs beside the copies, so prefetch can only cost. `replay`: a routing trace
     (or its .npz path) to route by instead of the routers, whose work still runs: realistic routing
-    for random-weight models of real shapes (docs/traces.md). `time_stalls`: time, on the GPU clock,
+    for random-weight models of real shapes, whatever the cache (cache=0 and resident layers too);
+    MoE layer i replays trace layer i % its layers, and past its last token the trace wraps to its
+    first, with a warning (docs/traces.md). `time_stalls`: time, on the GPU clock,
     how long each layer waits for its prefetch and for its own decision and copies (`stats` reports
     them); three one-thread kernels per layer call, so off by default
     (docs/decisions.md#stall-timing-off).
@@ -86,7 +92,7 @@ def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
 def from_pretrained(
     path,
     cache: int | str | AutoCache = 16,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str | None = None,
     policy: str = DEFAULT_POLICY,
     prefetch: bool | Prefetch | None = None,
@@ -101,7 +107,9 @@ def from_pretrained(
     Non-expert weights go to `device` (default: cuda when available), every expert to pinned host
     memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
     (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
-    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`. A checkpoint
+    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`. `dtype`, as
+    transformers takes it: torch.float32, torch.bfloat16 or torch.float16, their names
+    ("bfloat16"), or "auto" (the checkpoint's own). A checkpoint
     with fine-grained fp8 experts (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1
     and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its
     other weights are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's
@@ -125,6 +133,14 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     such as `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must
     call."""
     check_model(model)
+    if not isinstance(reset, bool):
+        raise TypeError(f"reset must be True or False, got {reset!r}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed process group, such as "
+            "torch.distributed.group.WORLD once init_process_group has run, or None (this rank's "
+            f"counters); got {type(group).__name__} {group!r}"
+        )
     providers = [
         (name, getattr(m, PROVIDER)) for name, m in find_experts(model) if hasattr(m, PROVIDER)
     ]
@@ -135,6 +151,11 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     caches = [(name, p.cache) for name, p in providers if isinstance(p, CachedProvider)]
     resident = sum(isinstance(p, ResidentProvider) for _, p in providers)
     cpu = [(name, p) for name, p in providers if isinstance(p, CpuProvider)]
+    if cpu and group is not None:
+        raise ValueError(
+            "group sums the counters of expert-parallel ranks, and cache=0 (every routed expert on "
+            "the CPU) runs no expert parallelism: leave group out"
+        )
     if cpu:  # cache=0: every MoE layer on the CPU
         return Stats(cpu_layer_stats(cpu, reset), resident)
     hybrids = [p.hybrid for _, p in providers if isinstance(p, CachedProvider)]

@@ -210,6 +210,31 @@ def test_stats_reset_zeroes_the_counters():
     assert asyncmoe.stats(model).totals["misses"] == 0
 
 
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (dict(reset="yes"), TypeError, "reset must be True or False, got 'yes'"),
+        (dict(reset=1), TypeError, "reset must be True or False, got 1"),
+        (
+            dict(group="x"),
+            TypeError,
+            "group must be a torch.distributed process group.*got str 'x'",
+        ),
+    ],
+)
+def test_stats_refuses_bad_arguments(bad, error, match):
+    with pytest.raises(error, match=match):
+        asyncmoe.stats(asyncmoe.compile(tiny("olmoe"), cache=4), **bad)
+
+
+def test_stats_of_a_cpu_model_takes_no_group():
+    """cache=0 runs no expert parallelism, whose ranks' counters a group sums."""
+    model = asyncmoe.compile(tiny("olmoe"), cache=0, cpu_threads=1)
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
+    with pytest.raises(ValueError, match="cache=0 .* runs no expert parallelism: leave group out"):
+        asyncmoe.stats(model, group=group)
+
+
 @torch.no_grad()
 def test_the_default_prefetch_is_off_on_the_cpu_and_true_turns_it_on():
     """On the CPU nothing runs beside a copy, so the default (prefetch=None) is off there; True turns it on."""

@@ -5,6 +5,7 @@ provider."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -336,6 +337,7 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
             "streams)."
         )
     num_slots = _slots(settings, model, experts, fmt, device)
+    _check_threads(settings, num_slots, experts, device)
     if device.type == "cuda":
         total = sum(
             block_bytes([(p.shape, p.dtype) for p in expert_params(m).values()]) for _, m in experts
@@ -392,6 +394,26 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
     return _switch(model, experts, settings, device)
 
 
+def _check_threads(settings: Settings, num_slots: int, experts, device: torch.device) -> None:
+    """Refuse `cpu_threads` where no CPU executor will run: every expert resident, or a cached
+    model on the CPU without hybrid=True."""
+    threads = settings.cpu_threads
+    if threads is None or num_slots == 0:
+        return
+    if all(num_slots >= num_experts(m) for _, m in experts):
+        raise ValueError(
+            f"cpu_threads={threads} sets the threads of the CPU executor, and every MoE layer here "
+            "keeps all its experts resident (cache >= num_experts): nothing runs on the CPU; "
+            "leave cpu_threads out"
+        )
+    if settings.hybrid is None and device.type != "cuda":
+        raise ValueError(
+            f"cpu_threads={threads} sets the threads of the CPU executor, which a cached model on "
+            "the CPU runs only with hybrid=True (hybrid's default turns it on for a model on "
+            "CUDA): pass hybrid=True or cache=0, or leave cpu_threads out"
+        )
+
+
 def _install_hybrid(
     model: nn.Module, cached: list[tuple[nn.Module, CachedProvider]], spec: CacheSpec, top_k: int,
     settings: Settings,
@@ -405,6 +427,7 @@ def _install_hybrid(
             "hybrid=True splits the misses of cached layers, and every MoE layer here keeps all "
             "its experts resident (cache >= num_experts): there are no misses; leave hybrid out"
         )
+    threads = settings.cpu_threads
     if asked is False or not cached or (asked is None and spec.device.type != "cuda"):
         return
     try:
@@ -416,13 +439,25 @@ def _install_hybrid(
             raise ValueError(
                 f"hybrid=True computes misses on the CPU, which cannot here: {e}"
             ) from None
+        _threads_unused(threads, f"the CPU cannot compute these experts ({e})")
         return
     costs = calibrate(executor, cached[0][1].cache)
     if asked is None and not pays(costs, top_k):
+        _threads_unused(threads, "the CPU, timed here, would take none of a decode call's misses")
         return
     cost = torch.tensor(costs, dtype=torch.int64, device=spec.device)
     for i, (_, provider) in enumerate(cached):
         provider.hybrid = Hybrid(executor, i, cost)
+
+
+def _threads_unused(threads: int | None, why: str) -> None:
+    """Warn where `cpu_threads` was given and hybrid's default leaves the CPU executor off."""
+    if threads is not None:
+        warnings.warn(
+            f"hybrid stays off: {why}, so cpu_threads={threads} is unused; hybrid=True turns it "
+            "on anyway",
+            stacklevel=4,
+        )
 
 
 def _dtype(model: nn.Module) -> torch.dtype:

@@ -82,15 +82,58 @@ def looks_local(path) -> bool:
     )
 
 
-def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
+SAFETENSORS_FLOATS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+}
+DTYPES = "float32, bfloat16 or float16 (a torch.dtype or its name), or 'auto'"
+
+
+def checkpoint_dtype(path: pathlib.Path) -> torch.dtype:
+    """The dtype transformers' `dtype="auto"` loads a local checkpoint in: its config's, else its
+    first floating-point tensor's."""
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name is not None:
+        return getattr(torch, name)
+    for f in checkpoint_files(path):
+        with safe_open(f, "pt") as st:
+            for key in st.keys():
+                dtype = SAFETENSORS_FLOATS.get(st.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return torch.get_default_dtype()
+
+
+def parse_dtype(dtype, local: pathlib.Path | None) -> torch.dtype | str:
+    """`dtype` as transformers' `from_pretrained` takes it: a torch.dtype, its name ("bfloat16"), or
+    "auto", the checkpoint's own, found here for a local checkpoint (`checkpoint_dtype`) and left
+    to transformers for a hub id (`install` checks the experts it loads)."""
+    given = dtype
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype={given!r} is not a torch dtype: give {DTYPES}")
+    elif dtype == "auto":
+        if local is None:
+            return "auto"
+        dtype = checkpoint_dtype(local)
+    if dtype not in SUPPORTED_DTYPES:
+        found = f" (the checkpoint's {dtype})" if given == "auto" else ""
+        raise TypeError(
+            f"dtype={given!r}{found}: asyncmoe runs experts in "
+            f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}; give {DTYPES}"
+        )
+    return dtype
+
+
+def load(path, settings: Settings, dtype: torch.dtype | str, **kwargs) -> nn.Module:
     """Load a checkpoint onto the CPU, then install asyncmoe on `device`: with transformers (its own
     weight conversions), or for fine-grained fp8 experts with asyncmoe's own reader
     (`fp8_checkpoint`), which keeps them fp8. The experts go from the loaded CPU tensors to pinned
     host memory layer by layer and never to the GPU."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"dtype={dtype}: asyncmoe runs experts in {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
-        )
     quantize = settings.quantize
     if quantize not in (None, "dequantize", *QUANTIZE_METHODS):
         raise ValueError(
@@ -100,6 +143,7 @@ def load(path, settings: Settings, dtype: torch.dtype, **kwargs) -> nn.Module:
     local = pathlib.Path(path).expanduser()
     if looks_local(path) and not local.exists():
         raise FileNotFoundError(f"no checkpoint directory at {str(path)!r}: check the path")
+    dtype = parse_dtype(dtype, local if (local / "config.json").is_file() else None)
     stored = checkpoint_format(local) if (local / "config.json").is_file() else None
     if quantize == "dequantize" and stored is None:
         raise ValueError(

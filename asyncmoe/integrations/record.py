@@ -36,6 +36,8 @@ class TraceRecorder:
     """
 
     def __init__(self, model: nn.Module, gate: bool = False):
+        if not isinstance(gate, bool):
+            raise TypeError(f"gate must be True or False, got {gate!r}")
         named = find_experts(model)
         if not named:
             raise ValueError(

@@ -7,6 +7,8 @@ predictor's nominations also feeds them to the provider of the layer (`feed_repl
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -21,7 +23,8 @@ class Replay(nn.Module):
 
     A device-side cursor walks the trace's tokens (wrapping at its end), so a captured graph replays
     it too. With the trace's gate arrays (`gate_ids`, `gate_probs` [N, g]) it also says what the
-    gate predictor predicted for this layer when the trace was recorded (`predict`).
+    gate predictor predicted for this layer when the trace was recorded (`predict`). The host counts
+    the tokens routed (`count`, no sync) and warns once the trace wraps.
     """
 
     def __init__(
@@ -42,6 +45,19 @@ class Replay(nn.Module):
         )
         self.register_buffer("gate_ids", gate_ids, persistent=False)
         self.register_buffer("gate_probs", gate_probs, persistent=False)
+        self.routed = 0  # tokens routed since the last rewind, counted on the host
+
+    def count(self, tokens: int) -> None:
+        """Count `tokens` more routed tokens; warn where they wrap the trace."""
+        N = self.ids.shape[0]
+        if self.routed <= N < self.routed + tokens:
+            warnings.warn(
+                f"replay: the trace's {N} tokens are used up, and the replay wraps to its first "
+                "token: routing repeats from there (docs/traces.md#replay); record a longer trace "
+                "for runs this long",
+                stacklevel=2,
+            )
+        self.routed += tokens
 
     def rows(self, tokens: int) -> torch.Tensor:
         return (self.cursor + torch.arange(tokens, device=self.ids.device)) % self.ids.shape[0]
@@ -59,7 +75,13 @@ class Replay(nn.Module):
 
 def _replay_hook(module, args, kwargs):
     """A forward pre-hook, so that hooks registered later (a trace recorder) see the ids actually
-    used."""
+    used. It counts the tokens where it runs eagerly; the Decoder counts its graph and compiled
+    steps, which do not run it."""
+    ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    if not (
+        torch.compiler.is_compiling() or ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    ):
+        module.asyncmoe_replay.count(ids.shape[0])
     if len(args) > 1:
         return (args[0], module.asyncmoe_replay(args[1]), *args[2:]), kwargs
     return args, {**kwargs, "top_k_index": module.asyncmoe_replay(kwargs["top_k_index"])}
@@ -111,9 +133,14 @@ def replay_routing(model: nn.Module, trace: Trace, device: torch.device | str) -
     install_replay(find_experts(model), trace, torch.device(device))
 
 
+def replays(model: nn.Module) -> list[Replay]:
+    """The `Replay` of every replayed MoE layer of `model`."""
+    return [m.asyncmoe_replay for _, m in find_experts(model) if hasattr(m, "asyncmoe_replay")]
+
+
 def rewind_replay(model: nn.Module) -> None:
     """Start every replayed layer at the trace's first token again (eager; a captured graph keeps
     the cursors)."""
-    for _, m in find_experts(model):
-        if hasattr(m, "asyncmoe_replay"):
-            m.asyncmoe_replay.cursor.zero_()
+    for replay in replays(model):
+        replay.cursor.zero_()
+        replay.routed = 0

@@ -20,6 +20,7 @@ transition and `combine` read only persistent buffers and run inside the prefetc
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -56,26 +57,33 @@ class Prefetch:
     copy_programs: int | None = 32
 
     def __post_init__(self):
+        if isinstance(self.sources, str) or not isinstance(self.sources, (tuple, list)):
+            raise TypeError(
+                f"prefetch sources must be a tuple of predictor names from {SOURCES}, got "
+                f"{self.sources!r}; for one predictor write e.g. sources=('gate',)"
+            )
+        object.__setattr__(self, "sources", tuple(self.sources))  # a list, kept hashable
         unknown = set(self.sources) - set(SOURCES)
         if unknown or not self.sources:
             raise ValueError(
                 f"prefetch sources must be a non-empty subset of {SOURCES}, got {self.sources}"
             )
-        if self.depth < 1:
-            raise ValueError(f"prefetch depth must be >= 1, got {self.depth}")
+        for name, what in (
+            ("depth", "layers ahead"),
+            ("budget", "experts per layer per call"),
+            ("per_token", "experts each token nominates; None: the model's top-k"),
+            ("copy_programs", "Triton programs of the side-stream copy; None: one per block"),
+        ):
+            value = getattr(self, name)
+            if value is None and name in ("per_token", "copy_programs"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"prefetch {name} must be an int >= 1 ({what}), got {value!r}")
         if self.depth > 1 and set(self.sources) == {"gate"}:
             raise ValueError(
                 f"prefetch depth {self.depth} needs temporal or transition in sources: the gate "
                 "predicts only "
                 f"the next layer (its router on this layer's input)"
-            )
-        if self.budget < 1:
-            raise ValueError(
-                f"prefetch budget must be >= 1 (experts per layer per call), got {self.budget}"
-            )
-        if self.copy_programs is not None and self.copy_programs < 1:
-            raise ValueError(
-                f"prefetch copy_programs must be >= 1 or None, got {self.copy_programs}"
             )
 
 

@@ -25,8 +25,17 @@ from torch import nn
 from transformers import masking_utils
 from transformers.cache_utils import StaticLayer
 
+from ..cache.host import available_host_bytes, human_bytes
 from ..compute.cpu.executor import explains_cpu_faults
-from ..integrations.transformers import PROVIDER, check_model, find_experts, top_k_of
+from ..integrations.install import kv_cache_bytes
+from ..integrations.replay import replays
+from ..integrations.transformers import (
+    PROVIDER,
+    check_model,
+    families_hint,
+    find_experts,
+    top_k_of,
+)
 from ..prefetch.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
 from ..settings import is_int
@@ -130,6 +139,23 @@ def warn_past_positions(model: nn.Module, length: int, what: str) -> None:
             "that position "
             "are likely to be gibberish (the model was not trained on them)",
             stacklevel=3,
+        )
+
+
+def check_memory(model: nn.Module, batch_size: int, max_length: int, device: torch.device) -> None:
+    """Refuse a KV cache and token history that cannot fit in the device's free memory, before any
+    of it is allocated."""
+    itemsize = model.dtype.itemsize
+    need = (
+        kv_cache_bytes(model.config, max_length, batch_size, itemsize) + 8 * batch_size * max_length
+    )
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_bytes()
+    if need > free:
+        raise MemoryError(
+            f"Decoder(batch_size={batch_size}, max_length={max_length}) needs "
+            f"{human_bytes(need)} on {device} for its KV cache and token history, but "
+            f"{human_bytes(free)} is free: give the max_length a run needs, prompt + new tokens "
+            "(the default is the model's max_position_embeddings, at most 4096)"
         )
 
 
@@ -242,9 +268,10 @@ class Decoder:
 
     `batch_size` sequences of equal prompt length; `max_length` bounds prompt + new tokens (default:
     the model's max_position_embeddings, at most 4096; past them it warns, as transformers' generate
-    does). The first `generate` with a given sampling mode captures its graph; later calls replay
-    it. A sequence that has produced an EOS is fed `pad_token_id` from then on, on the device, as
-    transformers does.
+    does; a KV cache that cannot fit in the free memory is refused). The model is a transformers MoE
+    model, asyncmoe-compiled or unmodified. The first `generate` with a given sampling mode captures
+    its graph; later calls replay it. A sequence that has produced an EOS is fed `pad_token_id` from
+    then on, on the device, as transformers does.
 
     A captured step refuses a cache smaller than one step's possible experts (`check_capturable`)
     unless `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed,
@@ -270,8 +297,20 @@ class Decoder:
         compile: bool = False,
     ):
         check_model(model)
+        if not find_experts(model):
+            raise ValueError(
+                f"{type(model).__name__} has no MoE layer: the Decoder runs transformers MoE "
+                f"models, asyncmoe-compiled or unmodified (to compare with); {families_hint()}"
+            )
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
+        if graph is not None and not isinstance(graph, bool):
+            raise TypeError(
+                f"graph must be True, False or None (graphs on CUDA, eager steps elsewhere), got "
+                f"{graph!r}"
+            )
+        if not isinstance(waves, bool):
+            raise TypeError(f"waves must be True or False, got {waves!r}")
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(
                 "batch_size must be an int >= 1, the number of prompts per call; got "
@@ -297,6 +336,7 @@ class Decoder:
                 "graph=False (or leave graph=None: graphs on CUDA, eager steps elsewhere)"
             )
         warn_past_positions(model, max_length, "max_length")
+        check_memory(model, batch_size, max_length, self.device)
         if self.graphed and not waves:
             check_capturable(model, batch_size)
         self.kv = static_cache(model, max_length)
@@ -317,6 +357,8 @@ class Decoder:
         self._graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}
         self.cached = cached_providers(model)
         self.gates = Gates(self.cached)
+        # replayed layers' host counts, which graph and compiled steps do not run the hook of
+        self.replays = replays(model) if self.graphed or compile else []
         # one a graph step the GPU may not have run yet
         self._queued: deque[torch.cuda.Event] = deque()
         self._sampling = None  # (do_sample, top_k) of the last prefill: the graph's key
@@ -416,9 +458,18 @@ class Decoder:
                 f"prompt length {L} leaves no room in max_length={self.max_length}; "
                 f"use Decoder(..., max_length={L + 1}) or more"
             )
-        if do_sample:
-            check_sampling(temperature, top_k, top_p)
+        check_sampling(do_sample, temperature, top_k, top_p)
+        if seed is not None and not is_int(seed):
+            raise TypeError(f"seed must be an int (torch.manual_seed's) or None, got {seed!r}")
         eos, pad = stop_tokens(self.model, eos_token_id, pad_token_id)
+        outside = [t for t in eos if t >= self.vocab] if eos_token_id is not None else []
+        if outside:
+            raise ValueError(
+                f"eos_token_id={eos_token_id!r} holds ids outside the model's vocabulary of "
+                f"{self.vocab} ({', '.join(map(str, outside))}): the model never produces them, "
+                f"so they would end nothing; pass ids below {self.vocab}, or eos_token_id=[] to "
+                "stop only at max_new_tokens"
+            )
         self._sampling = (True, int(top_k)) if do_sample else (False, 0)
         if self.graphed:
             self._capture(self._sampling)
@@ -444,12 +495,16 @@ class Decoder:
         """`steps` more tokens after `prefill`: graph replays on the GPU, eager steps elsewhere. A
         sequence past its EOS gets `pad_token_id`; the steps run all the same (`generate` stops when
         every sequence is done)."""
+        if not is_int(steps) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if self._sampling is None:
             raise ValueError("decode continues a prefill: call prefill(input_ids) first")
         if self.length + steps > self.max_length:
             raise ValueError(f"{steps} more steps would pass max_length={self.max_length}")
         self.length += steps
         for _ in range(steps):
+            for replay in self.replays:
+                replay.count(self.batch_size)
             prefetch = not self.gates or self.gates.prefetch()
             if not self.graphed:
                 with self._paused(prefetch):

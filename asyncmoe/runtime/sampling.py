@@ -5,33 +5,35 @@ Dims: B batch, V vocabulary.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
+# each sampling knob: its type, what it must be, and the values sampling accepts
+KNOBS = {
+    "temperature": (numbers.Real, "a number > 0 and finite", lambda t: 0 < t < math.inf),
+    "top_k": (numbers.Integral, "an int >= 0 (0: every token)", lambda k: k >= 0),
+    "top_p": (numbers.Real, "a number in (0, 1] (1.0: every token)", lambda p: 0 < p <= 1),
+}
 
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    """The ranges transformers' sampling warpers accept, with top_p 0 left out (it would keep no
-    token)."""
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, numbers.Real)
-        or not temperature > 0
-    ):
-        raise ValueError(
-            f"temperature must be a number > 0 when do_sample=True, got {temperature!r}; "
-            "for greedy decoding use do_sample=False"
-        )
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(
-            f"top_k must be an int >= 0 when do_sample=True (0: every token), got {top_k!r}"
-        )
-    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
-        raise ValueError(
-            "top_p must be a number in (0, 1] when do_sample=True (1.0: every token), got "
-            f"{top_p!r}; "
-            "for the single most likely token use do_sample=False"
-        )
+
+def check_sampling(do_sample: bool, temperature: float, top_k: int, top_p: float) -> None:
+    """`do_sample` a bool and the knobs numbers whatever the mode; when sampling, in the ranges
+    transformers' sampling warpers accept, less top_p 0 (it would keep no token) and an infinite
+    temperature (every token alike: the model unread). Greedy decoding ignores their values, as
+    transformers' generate does."""
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        kind, what, accepted = KNOBS[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+        if do_sample and not accepted(value):
+            raise ValueError(
+                f"{name} must be {what} when do_sample=True, got {value!r}; for greedy decoding "
+                "use do_sample=False"
+            )
 
 
 def sample(

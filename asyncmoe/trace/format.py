@@ -75,6 +75,8 @@ class Trace:
             raise ValueError(
                 f"trace weights {np.shape(self.weights)} must have the ids' shape {ids.shape}"
             )
+        if self.weights is not None:
+            _check_floats(np.asarray(self.weights), "weights")
         if self.starts is not None:
             starts = np.asarray(self.starts)
             if starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer):
@@ -110,6 +112,7 @@ class Trace:
                     f"{self.gate_ids.dtype}"
                 )
             _check_rows(self.gate_ids, E, "gate_ids", low=-1)
+            _check_floats(self.gate_probs, "gate_probs")
         if self.expert_bytes is not None and not (
             isinstance(self.expert_bytes, (int, np.integer)) and self.expert_bytes >= 0
         ):
@@ -231,4 +234,18 @@ def _check_rows(ids: np.ndarray, num_experts: int, name: str, low: int) -> None:
         raise ValueError(
             f"token {t} names expert {e} {times} in its layer-{l} row of {name}; a token's {what} "
             "must be distinct"
+        )
+
+
+def _check_floats(values: np.ndarray, name: str) -> None:
+    """Router weights or the gate's probabilities: finite and >= 0 (some routers scale their weights
+    past 1); a NaN would be replayed into the simulator's and the gate's scores."""
+    if not np.issubdtype(values.dtype, np.floating):
+        raise ValueError(f"trace {name} must be floats, got {values.dtype}")
+    bad = ~(np.isfinite(values) & (values >= 0))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"trace {name} must be finite numbers >= 0: {int(bad.sum())} are not, the first "
+            f"{values[where]} at [token, layer, rank] {where}; record the trace again"
         )

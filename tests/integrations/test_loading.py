@@ -133,12 +133,43 @@ def test_checkpoint_bytes_from_the_headers(checkpoints):
     assert checkpoint_bytes(files, torch.float32) == 4 * params
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, "float64"])
 def test_dtype_we_cannot_run(checkpoints, dtype):
     with pytest.raises(
-        TypeError, match=rf"dtype={dtype}: asyncmoe runs experts in torch.float32, torch.bfloat16"
+        TypeError,
+        match=rf"dtype={dtype!r}: asyncmoe runs experts in torch.float32, torch.bfloat16.*give "
+        "float32, bfloat16 or float16",
     ):
         asyncmoe.from_pretrained(checkpoints["olmoe"][1], cache=4, dtype=dtype, device="cpu")
+
+
+def test_a_dtype_that_is_no_torch_dtype(checkpoints):
+    with pytest.raises(ValueError, match=r"dtype='f32' is not a torch dtype: give float32, "):
+        asyncmoe.from_pretrained(checkpoints["olmoe"][1], cache=4, dtype="f32", device="cpu")
+
+
+@pytest.mark.parametrize(
+    "dtype, want",
+    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("auto", torch.float32)],
+)
+def test_dtype_as_transformers_takes_it(checkpoints, dtype, want):
+    """A dtype's name, or "auto": the checkpoint's own (the tiny checkpoints are saved in
+    float32)."""
+    model = asyncmoe.from_pretrained(checkpoints["olmoe"][1], cache=4, dtype=dtype, device="cpu")
+    assert model.dtype == want
+
+
+def test_auto_without_a_config_dtype_takes_the_weights(checkpoints, tmp_path):
+    _, path = checkpoints["olmoe"]
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert loading.checkpoint_dtype(tmp_path) == torch.float32
+    config["dtype"] = "float64"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TypeError, match=r"dtype='auto' \(the checkpoint's torch.float64\)"):
+        asyncmoe.from_pretrained(tmp_path, cache=4, dtype="auto", device="cpu")
 
 
 def test_not_enough_host_memory(checkpoints, monkeypatch):

@@ -74,6 +74,12 @@ def test_nothing_recorded():
         _ = rec.trace
 
 
+@pytest.mark.parametrize("bad", ["x", 1, None])
+def test_record_gate_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=f"gate must be True or False, got {bad!r}"):
+        asyncmoe.record(tiny("olmoe"), gate=bad)
+
+
 def test_a_model_without_moe_layers_cannot_be_recorded():
     config = transformers.LlamaConfig(
         vocab_size=64,

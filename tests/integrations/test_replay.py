@@ -1,6 +1,8 @@
 """Routing replayed from a trace (integrations/replay.py): every layer routes exactly by it, shapes must match,
 the recorded gate feeds the gate predictor, and an uncompiled model replays and rewinds too."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -26,11 +28,42 @@ def test_replay_routes_exactly_by_the_trace():
     trace = random_trace(1, N=40, L=1, E=16, k=2)  # one trace layer: every model layer replays it
     model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace, prefetch=True)
     tokens = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(1)).tolist()
-    with asyncmoe.record(model) as rec:
+    with asyncmoe.record(model) as rec, pytest.warns(UserWarning, match="40 tokens are used up"):
         decode_like(model, tokens)
     got = rec.trace.ids  # [50, 2, 2]: wraps after 40 tokens
     want = np.concatenate([trace.ids, trace.ids[:10]])[:, 0]
     assert np.array_equal(got[:, 0], want) and np.array_equal(got[:, 1], want)
+
+
+@pytest.mark.parametrize("cache", [0, 16], ids=["cpu", "resident"])
+def test_replay_routes_every_cache_by_the_trace(cache):
+    """cache=0 (every expert on the CPU) and a resident cache route by the trace too; a trace of
+    more layers than the model's gives MoE layer i its layer i."""
+    trace = random_trace(3, N=20, L=3, E=16, k=2)
+    model = asyncmoe.compile(tiny("olmoe"), cache=cache, replay=trace)
+    with asyncmoe.record(model) as rec:
+        decode_like(model, range(6))
+    assert np.array_equal(rec.trace.ids, trace.ids[:6, :2])
+
+
+def test_a_trace_shorter_than_the_run_warns_once_where_it_wraps():
+    trace = random_trace(4, N=8, L=2, E=16, k=2)
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, replay=trace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decode_like(model, range(8))  # the whole trace: no wrap yet
+        assert caught == []
+        decode_like(model, range(12))
+    wrapped = [str(w.message) for w in caught]
+    assert len(wrapped) == 2  # once for each layer, at its ninth token
+    assert (
+        "replay: the trace's 8 tokens are used up, and the replay wraps to its first" in wrapped[0]
+    )
+    rewind_replay(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decode_like(model, range(8))
+    assert caught == []
 
 
 def test_replay_needs_matching_shape():

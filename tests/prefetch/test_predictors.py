@@ -121,6 +121,31 @@ def test_bad_prefetch_settings(bad):
         asyncmoe.Prefetch(**bad)
 
 
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        ("budget", 1.5),
+        ("budget", True),
+        ("depth", "2"),
+        ("per_token", 0),
+        ("per_token", 2.0),
+        ("copy_programs", 1.5),
+    ],
+)
+def test_prefetch_counts_must_be_ints(name, bad):
+    """Checked where the settings are built, not by the custom op's schema on the first forward."""
+    with pytest.raises(ValueError, match=f"prefetch {name} must be an int >= 1 .*got {bad!r}"):
+        asyncmoe.Prefetch(**{name: bad})
+
+
+def test_prefetch_sources_are_a_sequence_of_names():
+    with pytest.raises(
+        TypeError, match=r"sources must be a tuple .* got 'gate'.*sources=\('gate',\)"
+    ):
+        asyncmoe.Prefetch(sources="gate")
+    assert asyncmoe.Prefetch(sources=["gate", "temporal"]).sources == ("gate", "temporal")
+
+
 def test_default_prefetch_settings():
     p = asyncmoe.Prefetch()
     assert (p.sources, p.depth, p.budget, p.per_token) == (("gate",), 1, 2, None)

@@ -4,13 +4,16 @@ whole."""
 
 import copy
 import time
+import warnings
 
 import pytest
 import torch
+import transformers
 from torch._dynamo.utils import counters
 from transformers import masking_utils
 
 import asyncmoe
+from asyncmoe.integrations.replay import rewind_replay
 from asyncmoe.integrations.transformers import find_experts
 from asyncmoe.prefetch.prefetch_gate import EXPLORE_EVERY
 from asyncmoe.runtime.decoder import (
@@ -23,6 +26,7 @@ from asyncmoe.runtime.decoder import (
 )
 
 from models import NUM_EXPERTS, TOP_K, tiny
+from traces import random_trace
 
 STEPS = 200
 
@@ -209,6 +213,32 @@ def test_generate_refuses_what_transformers_refuses(bad):
             ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
 
 
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (dict(do_sample="yes"), TypeError, "do_sample must be True or False, got 'yes'"),
+        (dict(do_sample=1), TypeError, "do_sample must be True or False, got 1"),
+        (dict(temperature="hot"), ValueError, "temperature must be a number > 0 .*got 'hot'"),
+        (dict(top_p=True), ValueError, r"top_p must be a number in \(0, 1\].*got True"),
+        (dict(top_k=2.0), ValueError, "top_k must be an int >= 0.*got 2.0"),
+        (
+            dict(do_sample=True, temperature=float("inf")),
+            ValueError,
+            "temperature must be a number > 0 and finite when do_sample=True, got inf",
+        ),
+        (dict(do_sample=True, temperature=float("nan")), ValueError, "got nan"),
+        (dict(do_sample=True, seed="abc"), TypeError, "seed must be an int .* got 'abc'"),
+    ],
+)
+def test_sampling_arguments_are_checked_in_either_mode(bad, error, match):
+    """Types whatever the mode (greedy ignores the knobs' values, as transformers does, not their
+    types); an infinite temperature, which would sample every token alike, is refused."""
+    dec = asyncmoe.Decoder(asyncmoe.compile(tiny("olmoe"), cache=4), max_length=16)
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(error, match=match):
+        dec.generate(ids, 4, **bad)
+
+
 @torch.no_grad()
 def test_greedy_ignores_the_sampling_knobs():
     """transformers' generate only warns about them without do_sample; so the Decoder uses none of them."""
@@ -231,6 +261,12 @@ def test_bad_stop_tokens_are_refused():
         ValueError, match="pad_token_id=500 is outside the model's vocabulary of 128"
     ):
         dec.generate(ids, 4, eos_token_id=2, pad_token_id=500)
+    with pytest.raises(
+        ValueError,
+        match=r"eos_token_id=\[3, 500\] holds ids outside the model's vocabulary of 128 \(500\): "
+        r"the model never produces them.*eos_token_id=\[\]",
+    ):
+        dec.generate(ids, 4, eos_token_id=[3, 500])
 
 
 def test_bad_input_names_the_argument():
@@ -261,6 +297,11 @@ def test_bad_input_names_the_argument():
         dec.generate(outside, 4)
     with pytest.raises(ValueError, match="decode continues a prefill: call prefill"):
         dec.decode(1)
+    dec.prefill(ids)
+    for bad in (-5, 1.0, None):
+        with pytest.raises(ValueError, match=f"steps must be an int >= 0, got {bad}"):
+            dec.decode(bad)
+    assert dec.length == 6  # the prompt and its first new token: nothing rewound
     for bad in (-5, 0, 1, 2.0):
         with pytest.raises(
             ValueError, match=f"max_length must be an int >= 2, room for prompt .* got {bad}"
@@ -707,12 +748,66 @@ def test_generate_looks_for_eos_every_few_steps_not_every_token():
     assert dec.history[0, : dec.length].tolist() == free
 
 
+@pytest.mark.cuda
+@torch.no_grad()
+def test_graph_steps_count_the_replayed_tokens():
+    """A graph replay runs no Python hook: the Decoder counts its steps' tokens, so a trace shorter
+    than the run warns where it wraps, once the prompt and the steps pass its 24 tokens."""
+    model = asyncmoe.compile(
+        tiny("olmoe", device="cuda"), cache=4, replay=random_trace(5, N=24, L=2, E=16, k=2)
+    )
+    dec = asyncmoe.Decoder(model, 1, 40, graph=True)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0)).cuda()
+    dec.generate(ids, 2, eos_token_id=[])  # captures; 6 + warm-ups + 1 step
+    rewind_replay(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dec.generate(ids, 18, eos_token_id=[])  # 6 + 17 = 23 tokens
+        assert caught == []
+        with pytest.warns(UserWarning, match="the trace's 24 tokens are used up"):
+            dec.decode(2)
+
+
 def test_graph_on_a_cpu_model_refused_at_construction():
     model = asyncmoe.compile(tiny("mixtral"), cache=4)
     with pytest.raises(
         ValueError, match=r"graph=True captures each step in a CUDA graph.*on cpu.*graph=False"
     ):
         asyncmoe.Decoder(model, max_length=16, graph=True)
+
+
+def test_a_model_without_moe_layers_is_refused_at_construction():
+    """The Decoder runs MoE models, compiled or unmodified; a dense one (GPT-2) is refused."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no MoE layer: the Decoder runs"):
+        asyncmoe.Decoder(transformers.GPT2LMHeadModel(config), max_length=16)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(graph="yes"), "graph must be True, False or None .*got 'yes'"),
+        (dict(waves=1), "waves must be True or False, got 1"),
+    ],
+)
+def test_bool_options_take_bools(bad, match):
+    with pytest.raises(TypeError, match=match):
+        asyncmoe.Decoder(tiny("olmoe"), max_length=16, **bad)
+
+
+def test_a_kv_cache_past_the_free_memory_is_refused_before_it_is_allocated():
+    """A length past the positions warns as transformers does; one whose KV cache cannot fit in
+    memory (here 256 TB: 2 layers, 2 KV heads of 8, keys and values in fp32) is refused."""
+    model = asyncmoe.compile(tiny("mixtral"), cache=4)
+    with (
+        pytest.warns(UserWarning, match="past the model's max_position_embeddings"),
+        pytest.raises(
+            MemoryError,
+            match=r"Decoder\(batch_size=1, max_length=1000000000000\) needs [\d.]+ GiB on cpu for "
+            r"its KV cache and token history, but .* is free: give the max_length a run needs",
+        ),
+    ):
+        asyncmoe.Decoder(model, max_length=10**12)
 
 
 def test_max_length_past_the_positions_warns():

@@ -151,6 +151,15 @@ GATE = np.zeros((4, 2, 2), dtype=np.int64)
             r"weights \(4, 2, 1\) must have the ids' shape \(4, 2, 2\)",
         ),
         (
+            dict(weights=np.where(np.arange(4)[:, None, None] == 2, np.nan, np.ones((4, 2, 2)))),
+            r"weights must be finite numbers >= 0: 4 are not, the first nan at \[token, layer, "
+            r"rank\] \(2, 0, 0\)",
+        ),
+        (
+            dict(gate_ids=np.broadcast_to([0, 1], (4, 2, 2)), gate_probs=np.full((4, 2, 2), -0.5)),
+            r"gate_probs must be finite numbers >= 0: 16 are not",
+        ),
+        (
             dict(starts=np.array([2, 0])),
             r"starts must be ascending token offsets in \[0, tokens=4\], got \[2, 0\]",
         ),

@@ -121,6 +121,12 @@ def test_settings_refuse_what_cache_0_cannot_do():
         asyncmoe.compile(model, cache=-1)
     with pytest.raises(ValueError, match="hybrid=False turns off"):
         asyncmoe.compile(model, cache=4, cpu_threads=2, hybrid=False)
+    with pytest.raises(
+        ValueError, match=r"runs only with hybrid=True .*pass hybrid=True or cache=0"
+    ):
+        asyncmoe.compile(model, cache=4, cpu_threads=2)
+    with pytest.raises(ValueError, match=r"keeps all its experts resident .*leave cpu_threads out"):
+        asyncmoe.compile(model, cache=16, cpu_threads=2)
     with pytest.raises(ValueError, match="an int >= 1"):
         asyncmoe.compile(model, cache=0, cpu_threads=0)
     with pytest.raises(ValueError, match="cache=0 has none"):
