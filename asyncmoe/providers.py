@@ -95,11 +95,13 @@ class CpuProvider(ExpertWeightProvider):
 
 @dataclass
 class Links:
-    """A cached layer's neighbours for prefetch: the previous cached layer and the layers it
-    prefetches for. A plain object, so that the providers it holds are not registered as submodules
-    of each other."""
+    """A cached layer's neighbours for prefetch: the previous cached layer's cache and the layers it
+    prefetches for. A plain object, so that what it holds is not registered as submodules of each
+    other. Links point forward only (a cache holds no provider), so consecutive layers form no
+    reference cycle: a model freed by its last reference frees its slots at once, not at the next
+    garbage collection."""
 
-    previous: CachedProvider | None = None
+    previous: ExpertCache | None = None
     targets: tuple[CachedProvider, ...] = ()
 
 
@@ -228,7 +230,7 @@ class CachedProvider(ExpertWeightProvider):
         sources = self.plan.sources
         previous = self.links.previous
         if "transition" in sources and previous is not None:
-            prefetch_ops.observe(previous.cache, self.cache, self.prefetch)
+            prefetch_ops.observe(previous, self.cache, self.prefetch)
         gated = []
         for depth, target in enumerate(self.links.targets, start=1):
             gate = "gate" in sources and depth == 1 and target.router is not None
@@ -243,7 +245,7 @@ class CachedProvider(ExpertWeightProvider):
                 )
                 gated.append(target)
             before = target.links.previous
-            before = before.cache.routed if "transition" in sources and before is not None else None
+            before = before.routed if "transition" in sources and before is not None else None
             bits = (GATE if gate else 0) | (TEMPORAL if "temporal" in sources else 0)
             bits |= TRANSITION if before is not None else 0
             if bits:
@@ -300,7 +302,7 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
         providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         targets = tuple(providers[i + 1 : i + 1 + plan.depth]) if plan is not None else ()
-        p.links = Links(providers[i - 1] if i > 0 else None, targets)
+        p.links = Links(providers[i - 1].cache if i > 0 else None, targets)
         p.plan = plan
         if plan is not None and i > 0:  # a target of the layers before it
             before = providers[i - 1].cache.num_experts if "transition" in plan.sources else 0

@@ -257,7 +257,7 @@ def test_links_name_the_previous_layer_and_the_targets(depth):
     p = [m.asyncmoe for _, m in find_experts(model)]
     for i, provider in enumerate(p):
         assert isinstance(provider.links, Links) and provider.plan is plan
-        assert provider.links.previous is (p[i - 1] if i else None)
+        assert provider.links.previous is (p[i - 1].cache if i else None)
         assert provider.links.targets == tuple(p[i + 1 : i + 1 + depth])
         assert provider.wait == (i > 0) and provider.per_token == TOP_K
     assert not any(
