@@ -326,7 +326,7 @@ def test_settings_take_keywords_only():
     with pytest.raises(TypeError, match="positional"):
         asyncmoe.Settings(16)
     with pytest.raises(
-        TypeError, match=r"takes an asyncmoe.Settings after the model, got 16.*cache=16"
+        TypeError, match=r"takes an asyncmoe.Settings as its second argument, got 16.*cache=16"
     ):
         asyncmoe.compile(tiny("olmoe"), 16)
 
