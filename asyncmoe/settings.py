@@ -281,8 +281,8 @@ def settings_from(settings: Settings | None, options: dict, what: str) -> Settin
     fields (`dataclasses.replace`, checked again), or over the defaults."""
     if settings is not None and not isinstance(settings, Settings):
         raise TypeError(
-            f"{what}() takes an asyncmoe.Settings as its second argument, got {settings!r}; options go "
-            f"by keyword: {what}(..., cache=16)"
+            f"{what}() takes an asyncmoe.Settings as its second argument, got {settings!r}; "
+            f"options go by keyword: {what}(..., cache=16)"
         )
     unknown = [name for name in options if name not in OPTIONS]
     if unknown:
