@@ -12,6 +12,7 @@ import importlib
 __version__ = "0.1.0"
 _WHERE = {
     "AutoCache": ".settings",
+    "Settings": ".settings",
     "compile": ".api",
     "demo_model_path": ".api",
     "expert_parallel": ".integrations.parallel",

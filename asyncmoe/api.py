@@ -2,83 +2,33 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import pathlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .cache.policies import DEFAULT_POLICY
 from .integrations.install import install
 from .integrations.loading import load
 from .integrations.record import TraceRecorder
 from .integrations.transformers import PROVIDER, check_model, find_experts
 from .layer_stats import Stats, cpu_layer_stats, read_stats
-from .prefetch import Prefetch
 from .providers import CachedProvider, CpuProvider, ResidentProvider
-from .settings import AutoCache, Settings
-from .trace import Trace
+from .settings import OPTIONS, Settings, settings_from, takes_settings
 
 
-def compile(
-    model: nn.Module,
-    cache: int | str | AutoCache = 16,
-    policy: str = DEFAULT_POLICY,
-    device: torch.device | str | None = None,
-    prefetch: bool | Prefetch | None = None,
-    replay: Trace | str | os.PathLike | None = None,
-    time_stalls: bool = False,
-    quantize: str | None = None,
-    cpu_threads: int | None = None,
-    hybrid: bool | None = None,
-) -> nn.Module:
-    """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots
-    per MoE layer.
+@takes_settings
+def compile(model: nn.Module, settings: Settings | None = None, **options) -> nn.Module:
+    """Prepare a transformers MoE model in place: every expert to (pinned) host memory, `cache` GPU
+    slots per MoE layer, whose cache decisions run on the device. Returns the same model.
 
-    `cache` is slots per MoE layer, or a GPU-memory budget for all layers' slots together ("6GiB",
-    "6GB", "512MiB"), which gives every layer the slots that fit for the experts' format, or "auto":
-    the slots that fit in the GPU memory free now, leaving a share for the KV cache and activations
-    (`asyncmoe.AutoCache(max_length=, batch_size=)` leaves what a Decoder of that size needs
-    instead). `cache >= num_experts` keeps every expert resident and runs the model's own
-    implementation. `cache=0` computes every routed expert on the host's CPU from the host store,
-    with `cpu_threads` threads (default: all but one core, two for a model on CUDA); the rest of the
-    model runs on `device` (on a CUDA device, inside the same graphs: the GPU sends each layer's
-    pairs to a CPU worker through pinned memory and waits for its outputs). `hybrid`: a cached
-    layer's misses split between the link (copied into slots) and the host's CPU (computed from the
-    host store, while the GPU copies and computes the rest), by a cost model timed on this host at
-    compile; the default, None, turns it on where the model runs on CUDA and the CPU would take any
-    of a decode call's misses; calls of more distinct experts than slots (waves) stay on the GPU.
-    On a CPU model `hybrid=True` splits them too (both sides then on the host); there, and where
-    every expert is resident, `cpu_threads` without hybrid or cache=0 is refused: nothing would
-    use it.
-    `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout,
-    128x128 blocks), quantized layer by layer on the way to host memory: a miss copies about half of
-    bf16's bytes and the same GPU memory holds twice the experts. None keeps the model's dtype (or
-    its fp8 experts). `device` is where the model runs (default: where its experts are now); a model
-    loaded on the CPU can be compiled straight onto the GPU without its experts ever going there.
-    `policy`: eviction policy, one of "markov" (the default: LFRU behind a prediction of the next
-    call from the experts that followed the current ones; an [E, E] table a layer), "lfru", "lru",
-    "lfu", "fifo". `prefetch`: predict the next layers' experts and copy them on a side stream while
-    a layer computes (True: `Prefetch()`, the gate predictor for the next layer; a `Prefetch` to
-    choose). The default, None, turns it on where the model runs on a CUDA device and off elsewhere:
-    on the CPU nothing runs beside the copies, so prefetch can only cost. `replay`: a routing trace
-    (or its .npz path) to route by instead of the routers, whose work still runs: realistic routing
-    for random-weight models of real shapes, whatever the cache (cache=0 and resident layers too);
-    MoE layer i replays trace layer i % its layers, and past its last token the trace wraps to its
-    first, with a warning (docs/traces.md). `time_stalls`: time, on the GPU clock,
-    how long each layer waits for its prefetch and for its own decision and copies (`stats` reports
-    them); three one-thread kernels per layer call, so off by default
-    (docs/decisions.md#stall-timing-off).
-    Returns the same model.
+    `settings`: an `asyncmoe.Settings`. The keyword options are its fields, a short form:
+    `compile(model, cache=16)` is `compile(model, Settings(cache=16))`; given beside `settings`,
+    they replace its fields (`dataclasses.replace`: `compile(model, settings, cache=8)`).
     """
     check_model(model)
-    if isinstance(replay, (str, os.PathLike)):
-        replay = Trace.load(replay, what="replay=")
-    settings = Settings(
-        cache, policy, device, prefetch, replay, time_stalls, quantize, cpu_threads, hybrid
-    )
-    return install(model, settings)
+    return install(model, settings_from(settings, options, "compile"))
 
 
 def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
@@ -89,42 +39,33 @@ def record(model: nn.Module, gate: bool = False) -> TraceRecorder:
     return TraceRecorder(model, gate)
 
 
+@takes_settings
 def from_pretrained(
-    path,
-    cache: int | str | AutoCache = 16,
-    dtype: torch.dtype | str = torch.bfloat16,
-    device: torch.device | str | None = None,
-    policy: str = DEFAULT_POLICY,
-    prefetch: bool | Prefetch | None = None,
-    time_stalls: bool = False,
-    quantize: str | None = None,
-    cpu_threads: int | None = None,
-    hybrid: bool | None = None,
-    **kwargs,
+    path, settings: Settings | None = None, *, dtype: torch.dtype | str = torch.bfloat16, **kwargs
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
 
     Non-expert weights go to `device` (default: cuda when available), every expert to pinned host
-    memory; the full set of experts is never on the GPU. Checkpoint layouts are transformers' own
-    (per-expert tensors fused on load by its conversion rules, or already fused, sharded or not);
-    `kwargs` go to `AutoModelForCausalLM.from_pretrained`; the rest is as in `compile`. `dtype`, as
-    transformers takes it: torch.float32, torch.bfloat16 or torch.float16, their names
-    ("bfloat16"), or "auto" (the checkpoint's own). A checkpoint
-    with fine-grained fp8 experts (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1
-    and the Qwen3 FP8 releases ship) keeps them fp8 from the safetensors files to the slots; its
-    other weights are dequantized to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's
-    experts on the way in; `quantize="dequantize"` loads an fp8 checkpoint's experts in `dtype`
-    instead. Under `torchrun`, `distributed_config=asyncmoe.expert_parallel()` has transformers
-    split every MoE layer's experts over the ranks: each rank loads only its own experts, and caches
-    them (`cache` slots of its own).
+    memory; the full set of experts is never on the GPU. `settings` and the keywords that name its
+    fields are as in `compile`; the other `kwargs` go to `AutoModelForCausalLM.from_pretrained`.
+    Checkpoint layouts are transformers' own (per-expert tensors fused on load by its conversion
+    rules, or already fused, sharded or not). `dtype`, as transformers takes it: torch.float32,
+    torch.bfloat16 or torch.float16, their names ("bfloat16"), or "auto" (the checkpoint's own). A
+    checkpoint with fine-grained fp8 experts
+    (`quantization_config.quant_method == "fp8"`, as DeepSeek-V3/R1 and the Qwen3 FP8 releases
+    ship) keeps them fp8 from the safetensors files to the slots; its other weights are dequantized
+    to `dtype`. `quantize="fp8"` quantizes a bf16/fp16 checkpoint's experts on the way in;
+    `quantize="dequantize"` loads an fp8 checkpoint's experts in `dtype` instead. Under `torchrun`,
+    `distributed_config=asyncmoe.expert_parallel()` has transformers split every MoE layer's experts
+    over the ranks: each rank loads only its own experts, and caches them (`cache` slots of its
+    own).
     """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load(
-        path,
-        Settings(cache, policy, device, prefetch, None, time_stalls, quantize, cpu_threads, hybrid),
-        dtype,
-        **kwargs,
-    )
+    options = {name: kwargs.pop(name) for name in OPTIONS if name in kwargs}
+    settings = settings_from(settings, options, "from_pretrained")
+    if settings.device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        settings = dataclasses.replace(settings, device=device)
+    return load(path, settings, dtype, **kwargs)
 
 
 def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:

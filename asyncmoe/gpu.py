@@ -22,3 +22,11 @@ def interpreted() -> bool:
     """Whether Triton interprets the kernels on the host (TRITON_INTERPRET=1, as the CPU tests run
     them): the few jit functions written in PTX have host twins then."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pointers(state, names: tuple[str, ...], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors `names` of `state` (a NamedTuple of tensors: a cache's or a prefetch's state, a
+    CPU channel's fields) as a Triton kernel's keyword arguments `{prefix}{name}_ptr`: the kernel
+    binds each by its parameter's name, so no order of fields is kept by hand, and a name the kernel
+    lacks fails at launch (tests/test_kernel_arguments.py checks every launcher's)."""
+    return {f"{prefix}{name}_ptr": getattr(state, name) for name in names}

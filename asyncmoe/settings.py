@@ -7,10 +7,15 @@ GPU memory) run where the model is installed (`integrations/install.py`).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import math
 import numbers
+import os
 import re
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,24 +109,79 @@ def parse_cache(cache) -> int | AutoCache:
     )
 
 
-@dataclass(frozen=True)
-class Settings:
-    """`compile`'s keywords, checked. `cache` as given (for messages); `slots`, `budget` or `auto`:
-    what it asks."""
+def _option(default, doc: str):
+    """A `Settings` field: its default and the phrase that `help(asyncmoe.compile)` shows for it."""
+    return field(default=default, metadata={"doc": doc})
 
-    cache: int | str | AutoCache = 16
-    policy: str = DEFAULT_POLICY
-    device: torch.device | None = None  # None: where the experts are now
-    prefetch: bool | Prefetch | None = None  # None: on where the model runs on CUDA
-    replay: Trace | None = None
-    time_stalls: bool = False
-    quantize: str | Format | None = None
-    # the CPU executor's threads (None: all but one core, two on CUDA)
-    cpu_threads: int | None = None
-    # split a cached layer's misses between the link and the CPU (None: where it pays, on CUDA)
-    hybrid: bool | None = None
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What `compile` and `from_pretrained` are asked for, checked when built:
+    `asyncmoe.compile(model, asyncmoe.Settings(cache=16))`, or its short form
+    `asyncmoe.compile(model, cache=16)`. `cache` stays as given (for messages); `slots`, `budget` or
+    `auto` say what it asks. With `cache=0` the rest of the model runs on `device` (on CUDA inside
+    the same graphs: the GPU sends each layer's pairs to a CPU worker through pinned memory and
+    waits for its outputs)."""
+
+    cache: int | str | AutoCache = _option(
+        16,
+        "GPU slots per MoE layer; or a GPU-memory budget for all layers' slots ('6GiB', '512MiB'), "
+        "the slots that fit for the experts' format; or 'auto' (asyncmoe.AutoCache(max_length=, "
+        "batch_size=) to leave a Decoder's room): what fits in the GPU memory free now. "
+        ">= num_experts: every expert resident (the model's own implementation); 0: every routed "
+        "expert computed on the host's CPU from host memory",
+    )
+    policy: str = _option(
+        DEFAULT_POLICY,
+        "eviction policy: 'markov' (LFRU behind a prediction of the next call from the experts "
+        "that followed the current ones; an [E, E] table a layer), 'lfru', 'lru', 'lfu', 'fifo'",
+    )
+    device: torch.device | str | None = _option(
+        None,
+        "where the model runs (None: where its experts are now; from_pretrained: cuda when "
+        "available); a model on the CPU compiles onto the GPU without its experts going there",
+    )
+    prefetch: bool | Prefetch | None = _option(
+        None,
+        "predict the next layers' experts and copy them on a side stream while a layer computes: "
+        "True (asyncmoe.Prefetch(), the gate predictor), False or an asyncmoe.Prefetch; None: on "
+        "where the model runs on CUDA (on the CPU nothing runs beside the copies)",
+    )
+    replay: Trace | str | os.PathLike | None = _option(
+        None,
+        "a routing trace, or its .npz path, to route by instead of the routers, whose work still "
+        "runs: realistic routing for random-weight models of real shapes, whatever the cache; MoE "
+        "layer i replays trace layer i % its layers, and past its last token the trace wraps to "
+        "its first, with a warning (docs/traces.md)",
+    )
+    time_stalls: bool = _option(
+        False,
+        "time each layer's waits for its prefetch and for its own decision and copies on the GPU "
+        "clock, in `stats` (three one-thread kernels a call: docs/decisions.md#stall-timing-off)",
+    )
+    quantize: str | Format | None = _option(
+        None,
+        "store the experts as 'fp8' (block-wise 128x128, transformers' layout: half of bf16's "
+        "bytes a miss), 'mxfp4' or 'int4', quantized on the way to host memory; None: the "
+        "model's dtype, or a checkpoint's fp8 / mxfp4 experts as stored; from_pretrained's "
+        "'dequantize': those in `dtype`",
+    )
+    cpu_threads: int | None = _option(
+        None,
+        "the CPU executor's threads (None: all but one core, two for a model on CUDA); refused "
+        "where nothing computes on the CPU (no cache=0, no hybrid)",
+    )
+    hybrid: bool | None = _option(
+        None,
+        "split a cached layer's misses between the link and the host's CPU by a cost model timed "
+        "at compile (None: on where the model runs on CUDA and the CPU would take any of a decode "
+        "call's misses; True on a CPU model splits them too, both sides on the host); calls of "
+        "more experts than slots stay on the GPU",
+    )
 
     def __post_init__(self):
+        if isinstance(self.replay, (str, os.PathLike)):
+            object.__setattr__(self, "replay", Trace.load(self.replay, what="replay="))
         asked = parse_cache(self.cache)
         if isinstance(self.cache, str) and not isinstance(asked, AutoCache) and asked <= 0:
             raise ValueError(f"cache={self.cache!r}: a budget must be more than 0 bytes")
@@ -194,3 +254,49 @@ class Settings:
     def auto(self) -> AutoCache | None:
         asked = parse_cache(self.cache)
         return asked if isinstance(asked, AutoCache) else None
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(Settings))
+
+
+def options_doc() -> str:
+    """Settings' fields as a docstring's list, one `name=default: what it asks` each."""
+    lines = ["Options (the fields of asyncmoe.Settings):"]
+    for f in dataclasses.fields(Settings):
+        text = f"{f.name}={f.default!r}: {f.metadata['doc']}"
+        lines.append(
+            textwrap.fill(
+                text, 100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False
+            )
+        )
+    return "\n".join(lines)
+
+
+Settings.__doc__ = f"{inspect.cleandoc(Settings.__doc__)}\n\n{options_doc()}"
+
+
+def takes_settings(fn):
+    """Append Settings' options to `fn`'s docstring: `help(fn)` lists the keywords it takes."""
+    fn.__doc__ = f"{inspect.cleandoc(fn.__doc__)}\n\n{options_doc()}"
+    return fn
+
+
+def settings_from(settings: Settings | None, options: dict, what: str) -> Settings:
+    """`what(..., settings, **options)` -> one Settings: the keyword options over `settings`'
+    fields (`dataclasses.replace`, checked again), or over the defaults."""
+    if settings is not None and not isinstance(settings, Settings):
+        raise TypeError(
+            f"{what}() takes an asyncmoe.Settings as its second argument, got {settings!r}; "
+            f"options go by keyword: {what}(..., cache=16)"
+        )
+    unknown = [name for name in options if name not in OPTIONS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTIONS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise TypeError(
+            f"{what}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes "
+            f"{', '.join(OPTIONS)} (the fields of asyncmoe.Settings)"
+        )
+    if settings is None:
+        return Settings(**options)
+    return dataclasses.replace(settings, **options)

@@ -2,6 +2,7 @@
 for the families users run most, on the CPU and the GPU; under torch.compile; compile's arguments; stats."""
 
 import copy
+import dataclasses
 import functools
 import pathlib
 import zlib
@@ -13,7 +14,7 @@ from torch._inductor.compile_fx import compile_fx
 
 import asyncmoe
 from asyncmoe.cache.policies import POLICIES
-from asyncmoe.integrations.transformers import find_experts
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.trace import Trace
 
 from models import FAMILIES, NUM_EXPERTS, TOP_K, tiny
@@ -323,3 +324,52 @@ def test_a_path_where_a_model_is_expected_names_from_pretrained():
         TypeError, match=r"got str; to load a checkpoint from a path use asyncmoe.from_pretrained"
     ):
         asyncmoe.compile("some/checkpoint", cache=16)
+
+
+def _caches(model):
+    """(slots, policy) of each cached layer."""
+    caches = [getattr(m, PROVIDER).cache for _, m in find_experts(model)]
+    return [(c.num_slots, c.policy) for c in caches]
+
+
+def test_compile_takes_settings_and_its_keywords_are_the_short_form():
+    settings = asyncmoe.Settings(cache=4, policy="lru", prefetch=False)
+    ours = asyncmoe.compile(tiny("olmoe"), settings)
+    short = asyncmoe.compile(tiny("olmoe"), cache=4, policy="lru", prefetch=False)
+    assert _caches(ours) == _caches(short) == [(4, "lru")] * len(find_experts(ours))
+
+
+def test_keywords_beside_settings_replace_its_fields():
+    settings = asyncmoe.Settings(cache=4, policy="lru", prefetch=False)
+    model = asyncmoe.compile(tiny("olmoe"), settings, cache=5)
+    assert set(_caches(model)) == {(5, "lru")}
+    with pytest.raises(ValueError, match="cache=-1: give slots per MoE layer"):  # checked again
+        asyncmoe.compile(tiny("olmoe"), settings, cache=-1)
+
+
+def test_settings_take_keywords_only():
+    with pytest.raises(TypeError, match="positional"):
+        asyncmoe.Settings(16)
+    with pytest.raises(
+        TypeError, match=r"takes an asyncmoe.Settings as its second argument, got 16.*cache=16"
+    ):
+        asyncmoe.compile(tiny("olmoe"), 16)
+
+
+def test_a_misspelt_option_names_the_valid_ones():
+    with pytest.raises(
+        TypeError, match=r"'cach' \(did you mean cache\?\); it takes cache, policy"
+    ) as info:
+        asyncmoe.compile(tiny("olmoe"), cach=16)
+    assert "hybrid" in str(info.value)
+
+
+@pytest.mark.parametrize("call", [asyncmoe.compile, asyncmoe.from_pretrained, asyncmoe.Settings])
+def test_help_lists_every_option_with_its_default(call):
+    for f in dataclasses.fields(asyncmoe.Settings):
+        assert f"  {f.name}={f.default!r}: {f.metadata['doc'][:30]}" in call.__doc__
+
+
+def test_settings_load_a_replay_path(tmp_path):
+    small_trace().save(tmp_path / "t.npz")
+    assert isinstance(asyncmoe.Settings(replay=tmp_path / "t.npz").replay, Trace)

@@ -405,6 +405,9 @@ def compiled(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("compile")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp / "cache")  # compile afresh, not from an earlier run's cache
+    # the package this process imports (a checkout's), not whichever one the environment installed
+    root = str(Path(importlib.import_module("asyncmoe").__file__).parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     out = tmp / "results.json"
     child = subprocess.run(
         [sys.executable, __file__, str(out)], env=env, capture_output=True, text=True, timeout=1800

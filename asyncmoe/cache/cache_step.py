@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..gpu import pointers
 from .policies import (
     FOLLOW_SHIFT,
     FOLLOW_UNIT,
@@ -39,6 +40,11 @@ except ImportError:  # non-Linux
     triton = None
 
 SLOT_BITS = 12  # slots per layer < 4096
+# what `_cache_step` reads and writes of a `CacheState`: its parameters `<field>_ptr`, bound by name
+CACHE_STATE = (
+    "expert_to_slot", "slot_to_expert", "last_use", "born", "freq", "used", "clock", "source", "routed",
+    "evicted_at", "wave_of", "explored", "runners_up", "counters", "scratch", "follows",
+)  # fmt: skip
 
 if triton is not None:
     _SLOT_BITS = tl.constexpr(SLOT_BITS)
@@ -351,10 +357,11 @@ if triton is not None:
         ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
         elsewhere_ptr,  # ensure: [E] bool, experts computed elsewhere (ELSEWHERE)
         pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
-        e2s_ptr, s2e_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr, routed_ptr,
-        evicted_at_ptr, wave_of_ptr, explored_ptr, runners_up_ptr, counters_ptr, scratch_ptr, follows_ptr,
         src_ptr, dst_ptr, count_ptr,  # the planned copies
         wave, E, C, M, expert_bytes,
+        # the cache's state (CACHE_STATE, by name)
+        expert_to_slot_ptr, slot_to_expert_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr,
+        routed_ptr, evicted_at_ptr, wave_of_ptr, explored_ptr, runners_up_ptr, counters_ptr, scratch_ptr, follows_ptr,
         POLICY: tl.constexpr, PREFETCH: tl.constexpr, ELSEWHERE: tl.constexpr,
         BE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     ):  # fmt: skip
@@ -367,7 +374,7 @@ if triton is not None:
             clock += 1
             tl.store(clock_ptr, clock)
         # which experts this call wants: `now` (2 in scratch), and `later` waves (1)
-        e2s = tl.load(e2s_ptr + e, mask=emask, other=-1)
+        e2s = tl.load(expert_to_slot_ptr + e, mask=emask, other=-1)
         if PREFETCH:
             now, later = _prefetch_wants(pred_ptr, e2s, e, emask, M, BE)
         else:
@@ -394,7 +401,7 @@ if triton is not None:
         count = _plan_misses(src_ptr, now, e2s, e, emask, M)
 
         # victims, booked for the planned experts
-        s2e = tl.load(s2e_ptr + c, mask=cmask, other=-1)
+        s2e = tl.load(slot_to_expert_ptr + c, mask=cmask, other=-1)
         last_use = tl.load(last_use_ptr + c, mask=cmask, other=0)
         likely = tl.zeros([BC], dtype=tl.int64)
         if POLICY == _MARKOV:
@@ -403,15 +410,15 @@ if triton is not None:
         freq = tl.load(freq_ptr + c, mask=cmask, other=0)
         score = _policy_score(last_use, born, freq, clock, likely, POLICY)
         victim, valid, old, old_used = _evict(
-            s2e_ptr, used_ptr, scratch_ptr, c, cmask, score, count, BC
+            slot_to_expert_ptr, used_ptr, scratch_ptr, c, cmask, score, count, BC
         )
         i = tl.arange(0, BC)
         new = tl.load(src_ptr + i, mask=valid, other=0)
         evicted = valid & (old >= 0)
         wasted = evicted & (old_used == 0)
         _book(
-            e2s_ptr,
-            s2e_ptr,
+            expert_to_slot_ptr,
+            slot_to_expert_ptr,
             born_ptr,
             last_use_ptr,
             freq_ptr,
@@ -445,14 +452,14 @@ if triton is not None:
         else:
             # fmt: off
             first_use, timely, source = _record_uses(
-                s2e_ptr, scratch_ptr, used_ptr, source_ptr, born_ptr, last_use_ptr, freq_ptr, c, cmask, clock
+                slot_to_expert_ptr, scratch_ptr, used_ptr, source_ptr, born_ptr, last_use_ptr, freq_ptr, c, cmask, clock
             )
             add += _count_ensure(
                 k, now, count, n_wasted, first_use, timely, source, victims, explored, explored_paid,
                 n_runners_up, runners_up_paid, wave,
             )
             # fmt: on
-            _pair_slots(ids_ptr, n_pairs, scratch_ptr, e2s_ptr, out_ptr, E, BP)
+            _pair_slots(ids_ptr, n_pairs, scratch_ptr, expert_to_slot_ptr, out_ptr, E, BP)
         counters = tl.load(counters_ptr + k, mask=k < _N_COUNTERS, other=0)
         tl.store(counters_ptr + k, counters + add, mask=k < _N_COUNTERS)
 
@@ -496,11 +503,8 @@ def _launch(
     away = s.routed if elsewhere is None else elsewhere
     n_pairs = ids.numel()
     _cache_step[(1,)](
-        ids, n_pairs, out, away, *scores,
-        s.expert_to_slot, s.slot_to_expert, s.last_use, s.born, s.freq, s.used, s.clock, s.source, s.routed,
-        s.evicted_at, s.wave_of, s.explored, s.runners_up, s.counters, s.scratch, s.follows,
-        src, dst, count,
-        wave, E, C, max_new, expert_bytes,
+        ids, n_pairs, out, away, *scores, src, dst, count, wave, E, C, max_new, expert_bytes,
+        **pointers(s, CACHE_STATE),
         POLICY=policy_id, PREFETCH=prefetch, ELSEWHERE=elsewhere is not None,
         BE=triton.next_power_of_2(E), BC=triton.next_power_of_2(C),
         BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024), BK=triton.next_power_of_2(len(Counter)), BR=16,

@@ -33,12 +33,18 @@ import torch
 from .. import gpu
 from ..cache.state import PACE_WINDOW, CacheState, Counter
 from ..compute.cpu.executor import CpuExecutor
+from ..gpu import pointers
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # non-Linux
     triton = None
+
+
+# what the split kernels take of a `CacheState`: which experts are resident, which slots this call's
+# prefetch filled, and the counters; their parameters `<field>_ptr`, bound by name
+CACHE_STATE = ("expert_to_slot", "slot_to_expert", "born", "source", "clock", "pace", "counters")
 
 
 class Cost(IntEnum):
@@ -90,7 +96,7 @@ if triton is not None:
     _CPU_MISSES, _COST_NS = tl.constexpr(Counter.CPU_MISSES), tl.constexpr(Counter.COST_NS)
     _WINDOW = tl.constexpr(PACE_WINDOW)
 
-    from ..compute.cpu.request import BLOCK, publish
+    from ..compute.cpu.request import BLOCK, SENT, publish
 
     @triton.jit
     def _decide(
@@ -143,8 +149,9 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
-        cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
+        ids_ptr, cost_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
+        # the cache's state (CACHE_STATE, by name)
+        expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, counters_ptr,
         BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
         _decide(
@@ -154,19 +161,20 @@ if triton is not None:
 
     @triton.jit
     def _split_send_kernel(
-        ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
-        cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
-        x_ptr, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr, expert_ids_ptr,
-        chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
-        BLOCK: tl.constexpr,
+        ids_ptr, cost_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, x_ptr, seq_ptr, layer, T, k, H,
+        # the cache's state (CACHE_STATE, by name)
+        expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, counters_ptr,
+        # the channel's (request.SENT, by name)
+        chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr, chan_expert_ids_ptr, chan_x_ptr,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         cpu_ids, p = _decide(
             ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
             cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC,
         )  # fmt: skip
         publish(
-            x_ptr, cpu_ids, p, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr,
-            expert_ids_ptr, chan_x_ptr, layer, T, k, H, BLOCK,
+            x_ptr, cpu_ids, p, seq_ptr, chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr,
+            chan_expert_ids_ptr, chan_x_ptr, layer, T, k, H, BLOCK,
         )  # fmt: skip
 
 
@@ -180,8 +188,10 @@ def split(
     if not (gpu.available(ids) if use_kernel is None else use_kernel):
         elsewhere, cpu_ids = split_reference(ids, s, cost)
         return elsewhere, cpu_ids.view(top_k_index.shape)
-    elsewhere, cpu_ids, sizes, blocks = _outputs(ids, s)
-    _split_kernel[(1,)](ids, *_tables(s), cost, s.counters, elsewhere, cpu_ids, *sizes, *blocks)
+    elsewhere, cpu_ids, sizes, (BP, BE, BC) = _outputs(ids, s)
+    _split_kernel[(1,)](
+        ids, cost, elsewhere, cpu_ids, *sizes, **pointers(s, CACHE_STATE), BP=BP, BE=BE, BC=BC
+    )
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
@@ -195,19 +205,12 @@ def split_and_send(
     ids = top_k_index.long().reshape(-1)
     elsewhere, cpu_ids, sizes, (BP, BE, BC) = _outputs(ids, s)
     T, k = top_k_index.shape
-    g = executor.gpu
     _split_send_kernel[(1,)](
-        ids, *_tables(s), cost, s.counters, elsewhere, cpu_ids, *sizes, x.contiguous(), executor.seq,
-        g.request, g.awake, g.layer, g.token_ids, g.expert_ids, g.x, layer, T, k, x.shape[1], BP=BP,
-        BE=BE, BC=BC, BLOCK=BLOCK, num_warps=8,
+        ids, cost, elsewhere, cpu_ids, *sizes, x.contiguous(), executor.seq, layer, T, k, x.shape[1],
+        **pointers(s, CACHE_STATE), **pointers(executor.gpu, SENT, "chan_"),
+        BP=BP, BE=BE, BC=BC, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
-
-
-def _tables(s: CacheState) -> tuple[torch.Tensor, ...]:
-    """What the split kernels read of the cache: which experts are resident, and which slots this
-    call's prefetch filled."""
-    return s.expert_to_slot, s.slot_to_expert, s.born, s.source, s.clock, s.pace
 
 
 def _outputs(ids: torch.Tensor, s: CacheState):

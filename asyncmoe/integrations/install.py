@@ -307,6 +307,25 @@ def _own_config(model: nn.Module) -> None:
             module.config = memo[id(shared)]
 
 
+def _check_pinning(experts, device: torch.device) -> None:
+    """Whether the host has the memory that pinning the experts of a model on CUDA takes."""
+    if device.type == "cuda":
+        total = sum(
+            block_bytes([(p.shape, p.dtype) for p in expert_params(m).values()]) for _, m in experts
+        )
+        on_gpu = sum(
+            p.numel() * p.element_size()
+            for _, m in experts
+            for p in expert_params(m).values()
+            if p.is_cuda
+        )
+        # Experts already on the GPU are copied out before their memory is freed: all of it is new
+        # host memory.
+        check_host_memory(
+            on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})"
+        )
+
+
 def install(model: nn.Module, settings: Settings) -> nn.Module:
     """Give every experts module of `model` a provider and switch it to the `"asyncmoe"`
     implementation."""
@@ -338,21 +357,7 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
         )
     num_slots = _slots(settings, model, experts, fmt, device)
     _check_threads(settings, num_slots, experts, device)
-    if device.type == "cuda":
-        total = sum(
-            block_bytes([(p.shape, p.dtype) for p in expert_params(m).values()]) for _, m in experts
-        )
-        on_gpu = sum(
-            p.numel() * p.element_size()
-            for _, m in experts
-            for p in expert_params(m).values()
-            if p.is_cuda
-        )
-        # Experts already on the GPU are copied out before their memory is freed: all of it is new
-        # host memory.
-        check_host_memory(
-            on_gpu, f"pinning the experts of {len(experts)} MoE layers ({human_bytes(total)})"
-        )
+    _check_pinning(experts, device)
     _own_config(model)
 
     spec = CacheSpec(num_slots, settings.policy, device, settings.time_stalls, fmt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.state import GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION, CacheState, Counter
+from ..gpu import pointers
 from .predictors import MIN_SUPPORT
 from .prefetch_gate import EXPLORE_EVERY, LOG2_DECAY, MIN_PRECISION
 from .state import N_OUTCOMES, PAID, SEEN_PAID, SEEN_WASTED, WASTED, PrefetchState
@@ -22,6 +23,10 @@ try:
     import triton.language as tl
 except ImportError:  # non-Linux
     triton = None
+
+# what `_prefetch_scores` reads and writes of the target's `CacheState` (and all of its
+# `PrefetchState`): its parameters `<field>_ptr`, bound by name
+CACHE_STATE = ("routed", "expert_to_slot", "counters", "explored", "runners_up", "pace")
 
 # `_opens` reads each pair as one [2] vector
 assert (PAID == WASTED + 1) and (SEEN_PAID == SEEN_WASTED + 1)
@@ -156,10 +161,11 @@ if triton is not None:
 
     @triton.jit
     def _prefetch_scores(
-        gate_ptr, pred_ptr, nominated_ptr, outcomes_ptr, visited_ptr, gate_open_ptr, transitions_ptr,  # prefetch
-        # the caches'
-        routed_ptr, before_ptr, e2s_ptr, counters_ptr, explored_ptr, runners_up_ptr, pace_ptr,
-        E, E_before, keep,
+        before_ptr, E, E_before, keep,
+        # the prefetch's state (PrefetchState, by name)
+        gate_ptr, predicted_ptr, nominated_ptr, outcomes_ptr, visited_ptr, gate_open_ptr, transitions_ptr,
+        # the target cache's (CACHE_STATE, by name)
+        routed_ptr, expert_to_slot_ptr, counters_ptr, explored_ptr, runners_up_ptr, pace_ptr,
         USE_GATE: tl.constexpr, USE_TEMPORAL: tl.constexpr, USE_TRANSITION: tl.constexpr,
         BE: tl.constexpr, BR: tl.constexpr,
     ):  # fmt: skip
@@ -180,7 +186,7 @@ if triton is not None:
             measured, tl.maximum(copy / (copy + window), _MIN_PRECISION), _MIN_PRECISION
         )
         on, runners_on = _gate(counters_ptr, outcomes_ptr, visited, calls, precision)
-        resident = tl.load(e2s_ptr + e, mask=emask, other=0) >= 0
+        resident = tl.load(expert_to_slot_ptr + e, mask=emask, other=0) >= 0
         fresh = tl.where(resident, 0.0, score)
         fresh = tl.where(emask, fresh, -1.0)
         # first of the maxima
@@ -208,7 +214,7 @@ if triton is not None:
         # runners-up while they pay
         admit = (resident | likeliest).to(tl.int32) + runners_up.to(tl.int32) * runners_on
         score = tl.where((admit * on) > 0, score, 0.0)
-        tl.store(pred_ptr + e, score, mask=emask)
+        tl.store(predicted_ptr + e, score, mask=emask)
         tl.store(nominated_ptr + e, sources.to(tl.int8), mask=emask)
         tl.store(visited_ptr, calls)
         tl.store(gate_open_ptr, on)
@@ -224,10 +230,8 @@ def prefetch_scores_triton(
     E = p.predicted.shape[0]
     transition = bool(sources & TRANSITION)
     _prefetch_scores[(1,)](
-        p.gate, p.predicted, p.nominated, p.outcomes, p.visited, p.gate_open, p.transitions,
-        s.routed, routed_before if transition else s.routed, s.expert_to_slot, s.counters, s.explored,
-        s.runners_up, s.pace,
-        E, routed_before.shape[0] if transition else 0, keep,
+        routed_before if transition else s.routed, E, routed_before.shape[0] if transition else 0, keep,
+        **pointers(p, PrefetchState._fields), **pointers(s, CACHE_STATE),
         USE_GATE=bool(sources & GATE), USE_TEMPORAL=bool(sources & TEMPORAL), USE_TRANSITION=transition,
         BE=triton.next_power_of_2(E), BR=16, num_warps=4,
     )  # fmt: skip

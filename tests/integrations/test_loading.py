@@ -17,6 +17,7 @@ import asyncmoe
 import asyncmoe.cache.host
 from asyncmoe.integrations import loading
 from asyncmoe.integrations.loading import checkpoint_bytes, checkpoint_files, looks_local
+from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
 from models import tiny
 
@@ -49,6 +50,20 @@ def test_loaded_model_equals_the_saved_one(checkpoints, family, capsys):
         ids = torch.randint(3, 128, shape, generator=g)
         assert (model(ids).logits - original(ids).logits).abs().max().item() <= 1e-5
     assert asyncmoe.stats(model).totals["misses"] > 0
+
+
+def test_from_pretrained_takes_settings_and_passes_the_rest_to_transformers(checkpoints):
+    """Settings' fields by keyword replace those of the Settings given; other keywords go to transformers."""
+    _, path = checkpoints["olmoe"]
+    settings = asyncmoe.Settings(cache=8, policy="lru", device="cpu")
+    model = asyncmoe.from_pretrained(
+        path, settings, cache=4, dtype=torch.float32, output_attentions=True
+    )
+    caches = [getattr(m, PROVIDER).cache for _, m in find_experts(model)]
+    assert [(c.num_slots, c.policy) for c in caches] == [(4, "lru")] * 2
+    assert model.config.output_attentions  # transformers' keyword
+    with pytest.raises(TypeError, match="cach"):  # neither asyncmoe's nor transformers'
+        asyncmoe.from_pretrained(path, settings, cach=4)
 
 
 def test_missing_shard(checkpoints, tmp_path):

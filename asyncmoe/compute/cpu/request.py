@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ... import gpu
+from ...gpu import pointers
 
 try:
     import triton
@@ -51,6 +52,10 @@ WAITS, WAITED_NS = 0, 1
 BLOCK = 1024
 COMBINE_BLOCK = 256  # a token's [H] row over several programs: the CPU's rows read by many at once
 RECEIVE_PROGRAMS = 32  # enough loads in flight to read the outputs over the link in a few us
+# what the kernels take of a channel's fields (worker.Fields): their parameters `chan_<field>_ptr`,
+# bound by name; the send's (and the hybrid's split kernel's), then the receive's
+SENT = ("request", "awake", "layer", "token_ids", "expert_ids", "x")
+RECEIVED = ("done", "error", "out")
 
 if triton is not None and gpu.interpreted():
     # Triton interprets the kernels on the host (the CPU tests): one program at a time, its stores in
@@ -183,22 +188,21 @@ if triton is not None:
 
     @triton.jit
     def _send_kernel(
-        x_ptr, ids_ptr, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr, expert_ids_ptr,
-        chan_x_ptr, layer, T, k, H, BP: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, ids_ptr, seq_ptr, layer, T, k, H,
+        # the channel's (SENT, by name)
+        chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr, chan_expert_ids_ptr, chan_x_ptr,
+        BP: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         p = tl.arange(0, BP)
         ids = tl.load(ids_ptr + p, mask=p < T * k, other=-1)
         publish(
-            x_ptr, ids, p, seq_ptr, request_ptr, awake_ptr, header_ptr, token_ids_ptr,
-            expert_ids_ptr, chan_x_ptr, layer, T, k, H, BLOCK,
+            x_ptr, ids, p, seq_ptr, chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr,
+            chan_expert_ids_ptr, chan_x_ptr, layer, T, k, H, BLOCK,
         )  # fmt: skip
 
     @triton.jit
     def _receive_kernel(
         seq_ptr,
-        done_ptr,
-        error_ptr,
-        chan_out_ptr,  # float32 [P, H] in the channel
         out_ptr,  # float32 [P, H] on the GPU; COMBINE: [T, H] in the model's dtype
         ids_ptr,  # COMBINE: [P] the CPU's expert ids (-1: the GPU's pair)
         gpu_out_ptr,  # COMBINE: [P, H] the GPU's outputs
@@ -209,6 +213,10 @@ if triton is not None:
         n,  # elements of out
         H,
         timeout_ns,
+        # the channel's (RECEIVED, by name)
+        chan_done_ptr,
+        chan_error_ptr,
+        chan_out_ptr,  # float32 [P, H]
         K: tl.constexpr,  # COMBINE: experts a token
         BLOCK: tl.constexpr,
         COMBINE: tl.constexpr,
@@ -220,15 +228,19 @@ if triton is not None:
         if asked:
             seq = tl.load(seq_ptr)
             start = _now()
-            done = _load_acquire(done_ptr)
+            done = _load_acquire(chan_done_ptr)
             while done < seq:
                 if _now() - start > timeout_ns:
                     _fault(fault_ptr, seq, layer, done, _TIMED_OUT)
-                done = _load_acquire(done_ptr)
+                done = _load_acquire(chan_done_ptr)
             # DONE_REFUSED set: only then is `error` read, one more trip over the link
             if done != seq:
                 _fault(
-                    fault_ptr, seq, layer, tl.load(error_ptr, volatile=True).to(tl.int64), _REFUSED
+                    fault_ptr,
+                    seq,
+                    layer,
+                    tl.load(chan_error_ptr, volatile=True).to(tl.int64),
+                    _REFUSED,
                 )
             if pid == 0:
                 count = waited_ptr + layer * 2
@@ -268,8 +280,8 @@ def send(x: torch.Tensor, ids: torch.Tensor, seq: torch.Tensor, gpu, layer: int)
     channel whose device-side fields are `gpu` (worker.Fields), and publish it."""
     T, k = ids.shape
     _send_kernel[(1,)](
-        x, ids, seq, gpu.request, gpu.awake, gpu.layer, gpu.token_ids, gpu.expert_ids, gpu.x,
-        layer, T, k, x.shape[1], BP=triton.next_power_of_2(max(T * k, 2)), BLOCK=BLOCK, num_warps=8,
+        x, ids, seq, layer, T, k, x.shape[1], **pointers(gpu, SENT, "chan_"),
+        BP=triton.next_power_of_2(max(T * k, 2)), BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
 
 
@@ -306,7 +318,7 @@ def receive(
         rounded = torch.promote_types(gpu_out.dtype, weights.dtype) != torch.float32
     programs = max(1, min(RECEIVE_PROGRAMS, triton.cdiv(n, block)))
     _receive_kernel[(programs,)](
-        seq, gpu.done, gpu.error, gpu.out, out, ids, gpu_out, weights, fault, waited, layer, n,
-        out.shape[1], timeout_ns, K=k, BLOCK=block, COMBINE=combine is not None, ROUND=rounded,
+        seq, out, ids, gpu_out, weights, fault, waited, layer, n, out.shape[1], timeout_ns,
+        **pointers(gpu, RECEIVED, "chan_"), K=k, BLOCK=block, COMBINE=combine is not None, ROUND=rounded,
         num_warps=4, enable_fp_fusion=False,  # a product and its sum rounded apart, as torch's
     )  # fmt: skip
