@@ -24,32 +24,21 @@ static inline int64_t fp8_position(int64_t k, int64_t K) {
 }
 
 #if VL > 1
-/* an fp8 row of K bytes whose scales change every B inputs */
+static inline vf load_fp8(const void *row, int64_t k) { return vfp8((const uint8_t *)row + k); }
+
+/* an fp8 row of K bytes whose scales change every B inputs: each block by dot_chains, its sums scaled once */
 static inline __attribute__((always_inline)) void dot8_fixed(const uint8_t *row, const float *scales, int64_t B,
                                                              const float *x, int64_t ldx, int64_t K, int tb,
                                                              float *out) {
-    const int u = tb == 1 ? 4 : tb == 2 ? 2 : 1;
-    vf acc[TOKENS_PER_READ], part[4][TOKENS_PER_READ];
+    vf acc[TOKENS_PER_READ], part[TOKENS_PER_READ];
     float tail[TOKENS_PER_READ] = {0};
     for (int t = 0; t < tb; t++) acc[t] = vzero();
     for (int64_t b0 = 0; b0 < K; b0 += B) {
         const int64_t end = min64(K, b0 + B);
         const float scale = scales[b0 / B];
-        for (int j = 0; j < u; j++)
-            for (int t = 0; t < tb; t++) part[j][t] = vzero();
-        int64_t k = b0;
-        for (; k + u * VL <= end; k += u * VL)
-            for (int j = 0; j < u; j++) {
-                vf w = vfp8(row + k + j * VL);
-                for (int t = 0; t < tb; t++) part[j][t] = vfma(w, vload(x + t * ldx + k + j * VL), part[j][t]);
-            }
-        for (; k + VL <= end; k += VL) {
-            vf w = vfp8(row + k);
-            for (int t = 0; t < tb; t++) part[0][t] = vfma(w, vload(x + t * ldx + k), part[0][t]);
-        }
+        const int64_t k = dot_chains(load_fp8, row, x, ldx, b0, end, tb, part);
         for (int t = 0; t < tb; t++) {
-            for (int j = 1; j < u; j++) part[0][t] = vadd(part[0][t], part[j][t]);
-            acc[t] = vfma(vset1(scale), part[0][t], acc[t]);
+            acc[t] = vfma(vset1(scale), part[t], acc[t]);
             float rest = 0.0f;
             for (int64_t i = k; i < end; i++) rest += E4M3[row[i]] * x[t * ldx + i];
             tail[t] += scale * rest;
@@ -60,10 +49,11 @@ static inline __attribute__((always_inline)) void dot8_fixed(const uint8_t *row,
 #endif
 
 #if defined(AMC_PAIRS_EMULATED)
+static inline float weight_fp8(const void *row, int64_t k) { return E4M3[((const uint8_t *)row)[k]]; }
+
 /* dot8_pairs below, lane for lane: with `runs` (fp8_runs), lane l of each whole 64 adds the pairs at positions 2l,
- * 2l + 1 of each of fp8_position's two runs into that run's sum; then each 32 (the other blocks, a last part of 64) as
- * dot16_pairs sums them into the first; each block's two sums added, then scaled; the last K % 32 inputs one by
- * one */
+ * 2l + 1 of each of fp8_position's two runs into that run's sum; then each 32 (the other blocks, a last part of 64) by
+ * pairs_lanes into the first; each block's two sums added, then scaled; the last K % 32 inputs one by one */
 static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B, int runs, const uint16_t *x,
                               int64_t ldx, int64_t K, int tb, float *out) {
     for (int t = 0; t < tb; t++) {
@@ -81,11 +71,7 @@ static inline void dot8_pairs(const uint8_t *row, const float *scales, int64_t B
                             const float w = E4M3[row[k + 16 * (p >> 3) + 8 * h + (p & 7)]];
                             part[h][l] += w * bf16_to_f32(xt[k + 32 * h + p]);
                         }
-            for (; k + 32 <= end; k += 32)
-                for (int l = 0; l < 16; l++) {
-                    part[0][l] += E4M3[row[k + 2 * l + 1]] * bf16_to_f32(xt[k + 2 * l + 1]);
-                    part[0][l] += E4M3[row[k + 2 * l]] * bf16_to_f32(xt[k + 2 * l]);
-                }
+            k = pairs_lanes(weight_fp8, row, xt, k, end, part[0]);
             for (int l = 0; l < 16; l++) acc[l] = fmaf(part[0][l] + part[1][l], scales[b0 / B], acc[l]);
             float rest = 0.0f;
             for (; k < end; k++) rest += E4M3[row[k]] * bf16_to_f32(xt[k]);
