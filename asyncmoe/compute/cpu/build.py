@@ -1,9 +1,9 @@
-"""Build experts.c with the system C compiler at first use, and load it with ctypes.
+"""Build experts.c (with the headers it includes) with the system C compiler at first use, and load it with ctypes.
 
 Why not a torch C++ extension: the kernels and the worker never touch torch or Python objects (the worker must
 run without the GIL), so a plain shared library built in a couple of seconds by `cc` is all they need, and it
-loads without a C++ toolchain matching torch's. The library is cached per user under a name hashed from the
-source, the flags, the compiler and the CPU (`-march=native`), and renamed into place atomically, so concurrent
+loads without a C++ toolchain matching torch's. The library is cached per user under a name hashed from every
+source file, the flags, the compiler and the CPU (`-march=native`), and renamed into place atomically, so concurrent
 first uses neither race nor see a half-written file.
 """
 
@@ -19,6 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+# the one translation unit: it includes the headers beside it
 SOURCE = Path(__file__).with_name("experts.c")
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 # instruction sets the kernels are built for: "native" takes the best the host has (AVX-512 with BF16, AVX-512, AVX2,
@@ -71,11 +72,18 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def sources() -> list[Path]:
+    """Every file the build reads: experts.c and the headers it includes."""
+    return sorted(SOURCE.parent.glob("*.[ch]"))
+
+
 def _key(compiler: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
+    for path in sources():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+        h.update(b"\0")
     for part in (
-        SOURCE.read_bytes(),
         " ".join(flags).encode(),
         compiler.encode(),
         version.encode(),

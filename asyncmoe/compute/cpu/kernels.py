@@ -47,7 +47,7 @@ ERRORS = {
 }
 
 
-# a layer's counters, as the worker keeps them (experts.c's AMC_STAT_*): requests served, (token, expert) pairs,
+# a layer's counters, as the worker keeps them (worker.h's AMC_STAT_*): requests served, (token, expert) pairs,
 # distinct experts computed (each read once per request), bytes of weights read, ns computing
 STATS = ("requests", "pairs", "experts", "bytes", "ns")
 
@@ -80,7 +80,7 @@ class _Layer(ctypes.Structure):
 
 
 class ChannelLayout(ctypes.Structure):
-    """Byte offsets of the request channel's fields (experts.c says what each holds)."""
+    """Byte offsets of the request channel's fields (worker.h says what each holds)."""
 
     _fields_ = [
         ("max_pairs", ctypes.c_int64),

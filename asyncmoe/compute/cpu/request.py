@@ -45,7 +45,7 @@ if triton is not None:
 # fault [4]: the request number, its layer, what was seen (`done`, or the worker's error code), why
 FAULT_SEQ, FAULT_LAYER, FAULT_SEEN, FAULT_KIND = range(4)
 TIMED_OUT, REFUSED = 1, 2
-# set in `done` beside the request number where the worker refused the request (experts.c's AMC_REFUSED)
+# set in `done` beside the request number where the worker refused the request (worker.h's AMC_REFUSED)
 DONE_REFUSED = 1 << 62
 # waited [layers, 2]: requests received, ns the GPU waited for them
 WAITS, WAITED_NS = 0, 1

@@ -3,7 +3,7 @@
 The producer writes a request's payload (layer, pairs, tokens, the pairs' token and expert ids, the hidden rows)
 into a `Channel`, then bumps its `request` number; the worker, which polls that number without the GIL and never
 calls the CUDA driver, computes the pairs' expert outputs into the channel and then stores the same number as
-`done` (with an error code, AMC_OK when it computed). The channel's layout is experts.c's; `Channel.submit` and
+`done` (with an error code, AMC_OK when it computed). The channel's layout is worker.h's; `Channel.submit` and
 `Channel.wait` play the producer from Python (tests, and a CPU-only caller).
 
 Dims: P pairs, T tokens, H hidden.
@@ -41,7 +41,7 @@ def channel_layout(
 
 
 class Fields(NamedTuple):
-    """A channel's fields as tensors (experts.c says what each holds)."""
+    """A channel's fields as tensors (worker.h says what each holds)."""
 
     request: torch.Tensor  # int64 [1]
     awake: torch.Tensor  # int64 [1]
