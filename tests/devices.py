@@ -11,6 +11,9 @@ import torch
 from asyncmoe.cache.expert_cache import ExpertCache
 from asyncmoe.cache.state import GATE, PACE_WINDOW, CacheState
 
+# a Triton launch's keywords that are compile options, not the kernel's arguments
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
+
 
 def devices() -> list:
     """The CPU where TRITON_INTERPRET=1 (set by conftest.py without a GPU), and cuda (marked) where there is one."""

@@ -23,10 +23,11 @@ from asyncmoe.hybrid import split
 from asyncmoe.prefetch import prefetch_scores
 from asyncmoe.prefetch.state import PrefetchBuffers, PrefetchState
 
+from devices import LAUNCH_OPTIONS
+
 pytest.importorskip("triton", reason="triton is not installed (a Linux-only dependency)")
 
 MARKOV = POLICIES["markov"].id
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # a launch's, not the kernel's
 
 
 def _cache():

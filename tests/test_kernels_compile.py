@@ -29,16 +29,11 @@ import torch
 
 from asyncmoe.cache.policies import POLICIES
 
+from devices import LAUNCH_OPTIONS
+
 pytestmark = pytest.mark.slow
 
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size: H100 and H200
-LAUNCH_OPTIONS = (
-    "num_warps",
-    "num_stages",
-    "num_ctas",
-    "maxnreg",
-    "enable_fp_fusion",
-)  # a launch's keywords that are not arguments
 
 
 # --- the launches, one case each: a launcher called as the package calls it, with small CPU tensors ---
