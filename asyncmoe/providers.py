@@ -107,7 +107,7 @@ class Links:
 
 class CachedProvider(ExpertWeightProvider):
     """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run
-    in waves."""
+    in waves, but with `hybrid`, where the CPU takes the excess (calls of at most one CPU request)."""
 
     def __init__(
         self,
@@ -159,12 +159,14 @@ class CachedProvider(ExpertWeightProvider):
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
-        out, wave, waves, filled, gated = None, 0, num_waves(T * k, C, E), None, []
-        linked = not self.paused
-        # calls in waves (prompts, large batches) stay on the GPU, as do calls over one request
+        # a call of one CPU request goes hybrid, whose split leaves the GPU no more experts than
+        # slots: one wave; longer ones (prompts) stay on the GPU, in waves
         hybrid = self.hybrid
-        if hybrid is not None and (waves > 1 or T > hybrid.executor.settings.max_tokens):
+        if hybrid is not None and T > hybrid.executor.settings.max_tokens:
             hybrid = None
+        waves = 1 if hybrid is not None else num_waves(T * k, C, E)
+        out, wave, filled, gated = None, 0, None, []
+        linked = not self.paused
         elsewhere = None
         if hybrid is not None:
             elsewhere, cpu_ids = hybrid_ops.hybrid_send(

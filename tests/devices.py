@@ -28,13 +28,21 @@ def devices() -> list:
 
 
 def cache_with(
-    E: int, resident: list[int], prefetched: list[int] = (), window: int = 0, device="cpu"
+    E: int,
+    resident: list[int],
+    prefetched: list[int] = (),
+    window: int = 0,
+    device="cpu",
+    slots: int | None = None,
 ) -> CacheState:
-    """The state of a cache of E experts holding `resident`, admitted alternately by the last call's `ensure` (born
-    at the cache's clock) and by an earlier call's prefetch, and `prefetched`, admitted for the coming call by the
-    gate's prefetch (born at the clock too), the prefetch having hidden behind `window` ns of compute."""
+    """The state of a cache of E experts and `slots` slots (None: E, room for every expert) holding `resident`,
+    admitted alternately by the last call's `ensure` (born at the cache's clock) and by an earlier call's prefetch,
+    and `prefetched`, admitted for the coming call by the gate's prefetch (born at the clock too), the prefetch
+    having hidden behind `window` ns of compute; the other slots empty."""
     experts = torch.tensor([*resident, *prefetched], dtype=torch.int64)
-    cache = ExpertCache({"w": torch.zeros(E, 1)}, max(len(experts), 1), "lru")
+    C = E if slots is None else slots
+    assert len(experts) <= C, f"{len(experts)} experts do not fit {C} slots"
+    cache = ExpertCache({"w": torch.zeros(E, 1)}, C, "lru")
     s, n = cache.state, len(resident)
     s.expert_to_slot[experts] = torch.arange(len(experts))
     s.slot_to_expert[: len(experts)] = experts

@@ -21,7 +21,9 @@ An expert id equal to E names no expert of this cache: expert parallelism routes
 another rank's experts (transformers' sentinel, weight 0). It needs nothing here and gets slot -1,
 as another wave's pair does. An expert in `elsewhere` (the hybrid's CPU computes it this call) is
 routed here, so the history (`routed`, the policy's observations, the prefetch's outcomes) counts
-it, but it is neither copied nor a hit, and its pairs get slot -1 too.
+it, but it is in no wave (`wave_of` WAVE_ELSEWHERE): neither copied nor a hit, and its pairs get slot
+-1 too. The waves rank only the experts computed here, so a call whose excess the CPU takes (the
+hybrid's split keeps the rest within C) is served in wave 0 alone.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from . import cache_step
 from .expert_cache import expert_bytes
 from .gather_copy import gather_copy
 from .policies import FREQ_DECAY_SHIFT, FREQ_UNIT, Policy, get_policy
-from .state import SOURCES, CacheState, Counter
+from .state import SOURCES, WAVE_ELSEWHERE, CacheState, Counter
 
 # (src [M] expert ids, dst [M] distinct slots, count [1])
 Copies = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -129,9 +131,7 @@ def ensure_reference(
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     s.clock.add_(1)
     resident = s.expert_to_slot[:E] >= 0
-    need, now, later = wave_plan(ids, wave, C, resident, s.wave_of)
-    if elsewhere is not None:
-        now, later = now & ~elsewhere, later & ~elsewhere
+    need, now, later = wave_plan(ids, wave, C, resident, s.wave_of, elsewhere)
     if wave == 0:
         policy.observe(s, need)
     s.routed.copy_(need)
@@ -190,19 +190,25 @@ def prefetch_reference(
 
 
 def wave_plan(
-    ids: torch.Tensor, wave: int, num_slots: int, resident: torch.Tensor, wave_of: torch.Tensor
+    ids: torch.Tensor,
+    wave: int,
+    num_slots: int,
+    resident: torch.Tensor,
+    wave_of: torch.Tensor,
+    elsewhere: torch.Tensor | None = None,  # [E] bool
 ):
     """Experts needed by this call [E], those in wave `wave` [E], those of later waves [E].
 
-    Wave 0 ranks the needed experts, resident ones first, and writes each one's wave to `wave_of`
-    (-1: not needed); later waves of the call read it. An id E (another rank's expert) needs
-    nothing."""
+    Wave 0 ranks the needed experts but those `elsewhere` computes, resident ones first, and writes
+    each one's wave to `wave_of` (-1: not needed, WAVE_ELSEWHERE: elsewhere's, in no wave); later
+    waves of the call read it. An id E (another rank's expert) needs nothing."""
     E = resident.numel()
     need = resident.new_zeros(E + 1).index_fill_(0, ids.reshape(-1), True)[:E]
     if wave == 0:
-        first = need & resident
-        rank = torch.where(first, first.cumsum(0), first.sum() + (need & ~first).cumsum(0)) - 1
-        wave_of.copy_(torch.where(need, rank // num_slots, -1))
+        here = need if elsewhere is None else need & ~elsewhere
+        first = here & resident
+        rank = torch.where(first, first.cumsum(0), first.sum() + (here & ~first).cumsum(0)) - 1
+        wave_of.copy_(torch.where(here, rank // num_slots, torch.where(need, WAVE_ELSEWHERE, -1)))
     return need, wave_of == wave, wave_of > wave
 
 

@@ -31,7 +31,7 @@ from .policies import (
     LIKELY_SHIFT,
     POLICIES,
 )
-from .state import SOURCES, CacheState, Counter
+from .state import SOURCES, WAVE_ELSEWHERE, CacheState, Counter
 
 try:
     import triton
@@ -81,6 +81,7 @@ if triton is not None:
     _RUNNERS_UP_PAID = tl.constexpr(Counter.RUNNERS_UP_PAID)
     _N_COUNTERS = tl.constexpr(len(Counter))
     _N_SOURCES = tl.constexpr(len(SOURCES))
+    _WAVE_ELSEWHERE = tl.constexpr(WAVE_ELSEWHERE)
 
     @triton.jit
     def _order(flags):
@@ -112,14 +113,16 @@ if triton is not None:
 
     @triton.jit
     def _call_needs(
-        ids_ptr, n_pairs, wave_of_ptr, e2s, e, emask, wave, C, BE: tl.constexpr, BP: tl.constexpr
-    ):
+        ids_ptr, n_pairs, wave_of_ptr, away, e2s, e, emask, wave, C,
+        BE: tl.constexpr, BP: tl.constexpr,
+    ):  # fmt: skip
         """The call's experts and each one's wave: a later wave reads them from wave 0's plan (-1:
-        not needed); wave 0 scans the pairs, an [E, BP] comparison a block
-        (docs/decisions.md#later-waves-skip-the-pair-scan), ranks the needed experts, resident ones
-        first, and keeps each one's wave for the later waves."""
+        not needed, WAVE_ELSEWHERE: routed, computed elsewhere); wave 0 scans the pairs, an [E, BP]
+        comparison a block (docs/decisions.md#later-waves-skip-the-pair-scan), ranks the needed
+        experts but those `away` [BE] int32 marks, resident ones first, and keeps each one's wave
+        for the later waves."""
         kept = tl.load(wave_of_ptr + e, mask=emask, other=-1)
-        need = (kept >= 0).to(tl.int32)
+        need = (kept != -1).to(tl.int32)
         if wave == 0:
             need = tl.zeros([BE], dtype=tl.int32)
             for p0 in range(0, n_pairs, BP):
@@ -127,13 +130,15 @@ if triton is not None:
                 ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=-1)
                 need = tl.maximum(need, tl.max((ids[None, :] == e[:, None]).to(tl.int32), axis=1))
         need = tl.where(emask, need, 0)
-        first = need & (e2s >= 0).to(tl.int32)
+        here = need & (1 - away)
+        first = here & (e2s >= 0).to(tl.int32)
         rank = tl.where(
             first != 0,
             tl.cumsum(first, axis=0),
-            tl.sum(first, axis=0) + tl.cumsum(need - first, axis=0),
+            tl.sum(first, axis=0) + tl.cumsum(here - first, axis=0),
         )
-        planned = tl.where(need != 0, (rank - 1) // C, -1).to(tl.int64)
+        no_wave = tl.where(need != 0, _WAVE_ELSEWHERE, -1)
+        planned = tl.where(here != 0, (rank - 1) // C, no_wave).to(tl.int64)
         wave_of = tl.where(wave == 0, planned, kept)
         # a branch, not `mask=emask & (wave == 0)`: Triton 3.9's interpreter broadcasts a scalar
         # comparison to its operands' integer type, and its loads and stores refuse a mask that is
@@ -378,13 +383,13 @@ if triton is not None:
         if PREFETCH:
             now, later = _prefetch_wants(pred_ptr, e2s, e, emask, M, BE)
         else:
+            away = tl.zeros([BE], dtype=tl.int32)
+            if ELSEWHERE:  # routed, but in no wave: neither copied nor a hit
+                away = tl.load(elsewhere_ptr + e, mask=emask, other=0).to(tl.int32)
             need, wave_of = _call_needs(
-                ids_ptr, n_pairs, wave_of_ptr, e2s, e, emask, wave, C, BE, BP
+                ids_ptr, n_pairs, wave_of_ptr, away, e2s, e, emask, wave, C, BE, BP
             )
             now, later = (wave_of == wave).to(tl.int32), (wave_of > wave).to(tl.int32)
-            if ELSEWHERE:  # routed, but neither copied nor a hit
-                here = 1 - tl.load(elsewhere_ptr + e, mask=emask, other=0).to(tl.int32)
-                now, later = now * here, later * here
             if POLICY == _MARKOV:
                 if wave == 0:
                     _learn_follows(follows_ptr, routed_ptr, need, e, emask, E, BE, BR)

@@ -63,6 +63,8 @@ PACE_STAMP, PACE_WINDOW, PACE_COPY = clock.STAMP, clock.WINDOW, 2
 # waited for the prefetch's copies and spent in `ensure`'s own decision and copies
 TIMER_START, TIMER_WAIT_FROM, TIMER_WAITED = clock.START, clock.WAIT_FROM, clock.WAITED
 TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_SIZE = clock.WAIT_NS, clock.ENSURE_NS, clock.TIMER_SIZE
+# `wave_of` of an expert the call routes to that another executor (the hybrid's CPU) computes
+WAVE_ELSEWHERE = -2
 
 
 class CacheState(NamedTuple):
@@ -82,7 +84,9 @@ class CacheState(NamedTuple):
     routed: Tensor  # [E] bool: experts the last call routed to
     counters: Tensor  # [len(Counter)] int64
     evicted_at: Tensor  # [E+1] int64: clock of the prefetch that last evicted each expert, -1: none
-    wave_of: Tensor  # [E] int64: this call's wave of each expert, -1: not needed
+    # [E] int64: this call's wave of each expert, -1: not needed, WAVE_ELSEWHERE: routed, computed
+    # elsewhere (in no wave)
+    wave_of: Tensor
     scratch: Tensor  # [E] int32: the fused kernel's per-expert flags
     # [1] int64: the expert an exploring call nominated, for the next `ensure` to score; -1: none
     explored: Tensor

@@ -1,13 +1,19 @@
 """Which of a call's misses the CPU computes and which the link copies: the cost model's decision, on
 the device, in fixed shapes.
 
-A call's misses are its routed experts that are not resident. The CPU takes them in the order of its
-cost (fewest tokens first: its time grows with each token, a copy's does not), n of them; the link
-copies the other m - n one after another. n is the one that finishes both soonest:
+A call's misses are its routed experts that are not resident (m of them; h routed experts are). The
+CPU takes them in the order of its cost (fewest tokens first: its time grows with each token, a
+copy's does not), n of them; the link copies the other m - n one after another. The GPU's experts
+must fit the C slots at once, so that `ensure` serves them in one wave: h + m - n <= C. Among those
+n, the one that finishes both soonest:
 
     cpu(n) = round_trip + sum over the first n of (per_expert + tokens * per_pair)   (0 when n = 0)
     link(n) = busy + (m - n) * copy
-    n = argmin max(cpu(n), link(n)), the fewest on the CPU among equals
+    n = argmin over max(0, h + m - C) <= n <= m of max(cpu(n), link(n)), the fewest on the CPU
+    among equals
+
+So a call of more distinct experts than slots (a batch) has the CPU compute the excess, and the
+GPU the rest in one wave; the caller sends a call of at most one CPU request (`max_tokens`).
 
 `busy` is what the link still owes this call's prefetch: the experts a predictor admitted to this
 layer for this call (slots born at its clock with a `source`), a copy each, less the compute they
@@ -72,16 +78,19 @@ def split_reference(
     experts = torch.arange(E, device=ids.device)
     tokens = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
     tokens = tokens.scatter_add_(0, ids, torch.ones_like(ids))[:E]  # [E]
-    miss = (tokens > 0) & (expert_to_slot[:E] < 0)
+    resident = expert_to_slot[:E] >= 0
+    miss, hits = (tokens > 0) & ~resident, ((tokens > 0) & resident).sum()
     # misses first, by tokens then expert id
     key = torch.where(miss, tokens, ids.numel() + 1) * E + experts
     order = torch.argsort(key)
     rank = torch.empty_like(order).scatter_(0, order, experts)  # [E]: position in that order
     work = torch.where(miss, cost[Cost.PER_EXPERT] + tokens * cost[Cost.PER_PAIR], 0)[order]
     cpu = torch.cat([work.new_zeros(1), cost[Cost.ROUND_TRIP] + torch.cumsum(work, 0)])  # [E+1]
-    m, n = miss.sum(), torch.arange(E + 1, device=ids.device)
+    m, n, C = miss.sum(), torch.arange(E + 1, device=ids.device), s.slot_to_expert.numel()
     finish = torch.maximum(cpu, _busy(s, cost) + (m - n).clamp(min=0) * cost[Cost.COPY])
-    finish = finish.masked_fill(n > m, torch.iinfo(torch.int64).max)
+    # the GPU's experts fit the slots: h + m - n <= C
+    allowed = (n <= m) & (n >= hits + m - C)
+    finish = finish.masked_fill(~allowed, torch.iinfo(torch.int64).max)
     n_cpu = torch.argmin(finish)  # the first of equal minima: the fewest on the CPU
     elsewhere = miss & (rank < n_cpu)
     on_cpu = torch.cat([elsewhere, miss.new_zeros(1)])[ids]  # [P]; id E: no expert
@@ -110,6 +119,7 @@ if triton is not None:
         tokens = tl.sum((ids[:, None] == e[None, :]).to(tl.int64), axis=0)  # [BE]
         slot = tl.load(expert_to_slot_ptr + e, mask=e < E, other=0)
         miss = (tokens > 0) & (slot < 0) & (e < E)
+        hits = tl.sum(((tokens > 0) & (slot >= 0) & (e < E)).to(tl.int64))
         # sorted keys carry the expert in their low bits: misses first, by tokens then expert id
         keys = tl.sort(tl.where(miss, tokens, P + 1) * BE + e)
         expert, miss_sorted = keys % BE, keys < (P + 1) * BE
@@ -131,9 +141,11 @@ if triton is not None:
         finish = tl.maximum(
             tl.load(cost_ptr + _ROUND_TRIP) + tl.cumsum(work, 0), busy + (m - n) * copy
         )
-        finish = tl.where(n <= m, finish, 0x7FFFFFFFFFFFFFFF)
+        # the GPU's experts fit the slots: n >= h + m - C
+        least = hits + m - C
+        finish = tl.where((n <= m) & (n >= least), finish, 0x7FFFFFFFFFFFFFFF)
         best = tl.min(finish, 0)
-        none = busy + m * copy  # n = 0
+        none = tl.where(least <= 0, busy + m * copy, 0x7FFFFFFFFFFFFFFF)  # n = 0
         n_cpu = tl.where(best < none, tl.min(tl.where(finish == best, n, BE + 1), 0), 0)
         cpu_sorted = miss_sorted & (n <= n_cpu)
         on_cpu = (

@@ -160,14 +160,21 @@ def check_memory(model: nn.Module, batch_size: int, max_length: int, device: tor
 
 
 def check_capturable(model: nn.Module, batch_size: int) -> None:
-    """A captured step must serve every call in one wave: cache >= min(E, B*k) per cached layer."""
+    """A captured step must serve every call in one wave: cache >= min(E, B*k) per cached layer,
+    but a hybrid layer, whose CPU takes the excess of a batch of one CPU request."""
     for name, m in find_experts(model):
         provider = getattr(m, PROVIDER, None)
         if not isinstance(provider, CachedProvider):
             continue
+        hybrid = provider.hybrid
+        if hybrid is not None and batch_size <= hybrid.executor.settings.max_tokens:
+            continue
         cache, k = provider.cache, top_k_of(m.config) or 1
         need = min(cache.num_experts, batch_size * k)
         if cache.num_slots < need:
+            cpu = (
+                ", or compile with hybrid=True: its CPU takes the excess" if hybrid is None else ""
+            )
             raise ValueError(
                 f"capturing a decode step of batch {batch_size} needs cache >= "
                 f"min(num_experts={cache.num_experts}, "
@@ -177,7 +184,7 @@ def check_capturable(model: nn.Module, batch_size: int) -> None:
                 "copied on the compute "
                 f"stream, which the graph would serialise. Use cache>={need}, or "
                 f"batch_size<={cache.num_slots // k}, "
-                "or Decoder(..., waves=True) to capture the waves anyway."
+                f"or Decoder(..., waves=True) to capture the waves anyway{cpu}."
             )
 
 
@@ -276,7 +283,8 @@ class Decoder:
     A captured step refuses a cache smaller than one step's possible experts (`check_capturable`)
     unless `waves=True`: then each layer runs the most waves its shapes allow (`num_waves`, fixed,
     so capturable), each wave's copies on the compute stream after the previous wave's compute, and
-    waves with nothing to copy still launch their kernels.
+    waves with nothing to copy still launch their kernels. A hybrid layer needs neither: its CPU
+    takes what the slots cannot hold, so a batch of one CPU request is one wave.
 
     With prefetch, each step runs with it or without it as the prefetch gates ask (`Gates`; a graph
     of each), and the host queues at most LEAD graph steps ahead of the GPU, so that it reads the

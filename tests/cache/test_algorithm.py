@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from asyncmoe.cache import algorithm
 from asyncmoe.cache.expert_cache import ExpertCache, num_waves
 from asyncmoe.cache.policies import POLICIES
-from asyncmoe.cache.state import COUNTERS, GATE, TEMPORAL, TRANSITION, Counter
+from asyncmoe.cache.state import COUNTERS, GATE, TEMPORAL, TRANSITION, WAVE_ELSEWHERE, Counter
 
 
 def make_cache(E: int, C: int, policy: str) -> ExpertCache:
@@ -192,6 +192,19 @@ def test_wave_plan_ranks_resident_experts_first():
         0,
         1,
     ]
+
+
+def test_wave_plan_ranks_only_the_experts_computed_here():
+    """The experts `elsewhere` computes are routed (`need`) but in no wave (WAVE_ELSEWHERE): the
+    others fill the waves as if alone, so 2, 0 and 5 take waves 0, 0 and 1 of 2 slots."""
+    resident = torch.tensor([False, False, True, False, True, False])
+    wave_of = torch.full((6,), -1)
+    ids = torch.tensor([5, 4, 1, 2, 0])
+    elsewhere = torch.tensor([False, True, False, True, True, False])
+    need, now, later = algorithm.wave_plan(ids, 0, 2, resident, wave_of, elsewhere)
+    assert wave_of.tolist() == [0, WAVE_ELSEWHERE, 0, -1, WAVE_ELSEWHERE, 1]
+    assert need.tolist() == [True, True, True, False, True, True]
+    assert now.nonzero().flatten().tolist() == [0, 2] and later.nonzero().flatten().tolist() == [5]
 
 
 def test_prefetch_hits_are_counted_by_nominator():

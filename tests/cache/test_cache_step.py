@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from asyncmoe.cache import algorithm, cache_step
 from asyncmoe.cache.expert_cache import ExpertCache, expert_bytes, num_waves
 from asyncmoe.cache.policies import POLICIES, get_policy
+from asyncmoe.cache.state import WAVE_ELSEWHERE, Counter
 
 from devices import assert_same, devices
 
@@ -44,10 +45,16 @@ def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]])
                 torch.rand(1, generator=g) < 0.5
             ):  # some pairs on another rank's experts (expert parallelism): id E
                 ids = torch.where(torch.rand(size, k, generator=g) < 0.3, E, ids)
-            # a third of the calls have some experts computed elsewhere (the hybrid's CPU)
-            elsewhere = (
-                torch.rand(E, generator=g) < 0.3 if torch.rand(1, generator=g) < 0.3 else None
-            )
+            # a third of the calls have some experts computed elsewhere (the hybrid's CPU), another
+            # third the excess over the slots, as the hybrid's split gives the CPU
+            r, elsewhere = torch.rand(1, generator=g), None
+            if r < 0.3:
+                elsewhere = torch.rand(E, generator=g) < 0.3
+            elif r < 0.6:
+                routed = torch.zeros(E + 1, dtype=torch.bool).index_fill_(0, ids.flatten(), True)
+                rank = torch.randperm(E, generator=g)  # [E]: which of the routed stay here
+                here = routed[:E] & (rank < torch.randint(0, C + 1, (), generator=g))
+                elsewhere = routed[:E] & ~here
             for wave in range(num_waves(size * k, C, E)):
                 yield "ensure", (ids, wave, elsewhere)
         else:
@@ -122,3 +129,44 @@ def test_launchers_plan_the_references_copies(device):
         dst[:n], rdst[:n]
     )
     assert_same(kernel, reference)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_elsewhere_taking_the_excess_serves_the_call_in_wave_0(device, use_kernel):
+    """Eight experts routed over 4 slots, 1 and 9 resident, the CPU computing 0, 3, 4 and 7 (the
+    split's excess): the GPU's four (1, 9 and the misses 2, 6) all land in wave 0, the elsewhere
+    experts in no wave, so the second wave that the shapes allow has nothing to serve. Every routed
+    expert still counts as routed."""
+    E, C = 16, 4
+    cache, _ = pair(E, C, "lru", device)
+    c = cache
+    one = torch.tensor([[1, 9]], device=device)
+    algorithm.ensure(one, 0, c.policy, c.state, c.hosts, c.slots, use_kernel)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 9], [6, 7]], device=device)
+    elsewhere = torch.zeros(E, dtype=torch.bool, device=device)
+    elsewhere[[0, 3, 4, 7]] = True
+    before = c.counters.clone()
+    served = []
+    for wave in range(num_waves(ids.numel(), C, E)):
+        slots, (src, _, count) = algorithm.ensure_plan(
+            ids, wave, c.policy, c.state, c.slots, use_kernel, elsewhere
+        )
+        served.append(sorted(ids[slots >= 0].tolist()))
+        assert sorted(src[: int(count)].tolist()) == ([2, 6] if wave == 0 else [])
+    assert served == [[1, 2, 6, 9], []]
+    assert c.wave_of.tolist()[:10] == [
+        WAVE_ELSEWHERE,
+        0,
+        0,
+        *[WAVE_ELSEWHERE] * 2,
+        -1,
+        0,
+        WAVE_ELSEWHERE,
+        -1,
+        0,
+    ]
+    assert c.routed.nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 6, 7, 9]
+    got = c.counters - before
+    assert (int(got[Counter.CALLS]), int(got[Counter.HITS]), int(got[Counter.MISSES])) == (1, 2, 2)
+    assert sorted(c.slot_to_expert.tolist()) == [1, 2, 6, 9]

@@ -9,16 +9,17 @@ of the misses; on CUDA the calibrated cost decides, and a second model takes han
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import asyncmoe
-from asyncmoe.cache.state import COUNTERS
+from asyncmoe.cache.state import COUNTERS, Counter
 from asyncmoe.hybrid.split import Cost
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 
-from greedy import GREEDY, assert_same_greedy, prompt
+from greedy import GREEDY, STEPS, assert_same_greedy, prompt
 from models import NUM_EXPERTS, tiny
 
 
@@ -102,15 +103,64 @@ def test_the_cpus_experts_are_routed_but_not_copied():
     assert split > 0
 
 
+def one_wave_a_call(model) -> bool:
+    """Whether every layer served each of its calls in one wave: its clock counts waves, `calls`
+    the calls."""
+    return all(int(p.cache.clock) == int(p.cache.counters[Counter.CALLS]) for p in providers(model))
+
+
+def batch(size=4, length=6) -> torch.Tensor:
+    return torch.randint(3, 128, (size, length), generator=torch.Generator().manual_seed(2))
+
+
 @torch.no_grad()
-def test_calls_in_waves_stay_on_the_gpu():
-    """A prompt of more distinct experts than slots runs in waves, with no CPU share."""
+def test_a_batch_over_the_slots_runs_one_wave_the_cpu_taking_the_excess():
+    """Batch 4 at cache 4 (8 pairs > 4 slots): the CPU takes the misses the slots cannot hold, so each
+    layer's call is one wave, eager and under torch.compile(fullgraph=True), the model's logits; the
+    GPU-only cache serves the same calls in waves."""
     model = tiny("olmoe")
     ours = hybrid(model)
+    gpu_only = asyncmoe.compile(copy.deepcopy(model), cache=4, hybrid=False)
+    over = 0  # layer calls of more distinct experts than slots
+    for ids in batch().split(1, dim=1):  # decode-sized calls, [4, 1] each
+        torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+        over += sum(int(p.cache.routed.sum()) > 4 for p in providers(ours))
+        gpu_only(ids)
+    assert over > 0 and one_wave_a_call(ours) and not one_wave_a_call(gpu_only)
+    assert_split_both_ways(ours)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    for ids in batch(length=3).split(1, dim=1):
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert one_wave_a_call(ours)
+
+
+@torch.no_grad()
+def test_a_batch_over_the_slots_decodes_the_models_tokens():
+    """Greedy tokens of batch 4 at cache 4 through the eager Decoder equal the unmodified model's, the
+    prompt (24 tokens) and every step in one wave a layer."""
+    model = tiny("olmoe")
+    ours = hybrid(model)
+    ids, steps = batch(), 16
+    want = asyncmoe.Decoder(model, 4, 32, graph=False).generate(ids, steps).tokens
+    got = asyncmoe.Decoder(ours, 4, 32, graph=False).generate(ids, steps).tokens
+    assert torch.equal(got, want)
+    assert one_wave_a_call(ours)
+    assert_split_both_ways(ours)
+
+
+@torch.no_grad()
+def test_calls_over_one_cpu_request_stay_on_the_gpu_in_waves():
+    """A prompt longer than one CPU request (`max_tokens`, here 8) of more distinct experts than
+    slots runs in waves, with no CPU share."""
+    model = tiny("olmoe")
+    ours = hybrid(model)
+    ex = providers(ours)[0].hybrid.executor
+    ex.settings = dataclasses.replace(ex.settings, max_tokens=8)
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
     t = asyncmoe.stats(ours).totals
-    assert t["cpu_misses"] == 0 and t["misses"] > 0
+    assert t["cpu_misses"] == 0 and t["misses"] > 0 and not one_wave_a_call(ours)
 
 
 def test_calibration_measures_this_host():
@@ -171,6 +221,26 @@ def test_hybrid_on_the_gpu_equals_the_gpu_only_cache(quantize):
         assert_same_greedy(ours, gpu_only, ids, graph=True)
         assert_split_both_ways(ours)
         assert asyncmoe.stats(ours).totals["cpu_wait_ns"] > 0
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_a_batch_over_the_slots_captures_without_waves():
+    """Batch 4 at cache 4 (8 pairs > 4 slots) captured in the Decoder's graph without waves=True: the
+    CPU takes the excess, every step one wave a layer, and 64 greedy tokens equal the GPU-only
+    cache's (which needs waves=True) in float32."""
+    model = tiny("olmoe")
+    gpu_only = asyncmoe.compile(copy.deepcopy(model), cache=4, device="cuda", hybrid=False)
+    ours = hybrid(model, device="cuda")
+    ids = batch().cuda()
+    n = ids.shape[1] + STEPS
+    want = asyncmoe.Decoder(gpu_only, 4, n, graph=True, waves=True).generate(ids, STEPS).tokens
+    with pytest.raises(ValueError, match="waves=True"):
+        asyncmoe.Decoder(gpu_only, 4, n, graph=True)
+    got = asyncmoe.Decoder(ours, 4, n, graph=True).generate(ids, STEPS).tokens
+    assert torch.equal(got, want)
+    assert one_wave_a_call(ours)
+    assert_split_both_ways(ours)
 
 
 @pytest.mark.cuda

@@ -48,6 +48,34 @@ def test_the_link_owes_this_calls_prefetch_first():
     assert split(ids, s, costs(5, 8, 0, 10), use_kernel=False)[0].sum() == 2
 
 
+def test_the_gpus_experts_fit_the_slots():
+    """The first case's call (two hits, four misses) with fewer slots. At 4 slots the GPU's 2 + 2
+    fit: the cost's choice stands (n = 2). At 3 the CPU must take n >= 2 + 4 - 3 = 3 though n = 2
+    finishes sooner: 3 and 7, then 1 (two tokens, like 5: ties by expert id), max(29, 10). At 2 it
+    takes every miss: max(5 + 4 * 8, 0) = 37."""
+    ids = torch.tensor([[1, 2], [3, 4], [5, 1], [7, 5]])
+    for slots, cpu, cost_ns in [(4, [3, 7], 21), (3, [1, 3, 7], 29), (2, [1, 3, 5, 7], 37)]:
+        for use_kernel in (False, True):
+            s = cache_with(8, [2, 4], slots=slots)
+            elsewhere, cpu_ids = split(ids, s, costs(5, 8, 0, 10), use_kernel=use_kernel)
+            assert elsewhere.nonzero().flatten().tolist() == cpu, (slots, use_kernel)
+            assert torch.equal(cpu_ids, torch.where(elsewhere[ids], ids, -1))
+            assert s.counters[Counter.CPU_MISSES] == len(cpu)
+            assert s.counters[Counter.COST_NS] == cost_ns
+
+
+def test_the_fit_overrides_a_slow_cpu():
+    """A CPU too slow to take any miss by cost alone still takes those the slots cannot hold: three
+    misses, one hit, 2 slots: two on the CPU (the fewest tokens: 6, then 0 before 3 by id)."""
+    ids = torch.tensor([[0, 3], [3, 6], [0, 1]])
+    for use_kernel in (False, True):
+        s = cache_with(8, [1], slots=2)
+        elsewhere, _ = split(ids, s, costs(150, 60, 0, 100), use_kernel=use_kernel)
+        assert elsewhere.nonzero().flatten().tolist() == [0, 6]
+        assert s.counters[Counter.CPU_MISSES] == 2
+        assert s.counters[Counter.COST_NS] == max(150 + 2 * 60, 100)
+
+
 def test_no_misses_or_a_slow_cpu_sends_nothing():
     ids = torch.tensor([[1, 2]])
     for resident, cost in [([1, 2], costs(0, 1, 0, 100)), ([], costs(150, 60, 0, 100))]:
@@ -79,12 +107,18 @@ def test_the_kernel_equals_the_reference(device, seed, E, T, k, data):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     held = torch.randperm(E, generator=g)[: data.draw(st.integers(0, E))].tolist()
     n = data.draw(st.integers(0, len(held)))  # the last n prefetched for this call
+    # slots from those held to E: often fewer than the call's experts, whose excess the CPU takes
+    slots = data.draw(st.integers(max(len(held), 1), E))
     window = data.draw(st.integers(0, 6000))
     cost = costs(*(data.draw(st.integers(0, 3000)) for _ in range(4))).to(device)
     out = []
     for use_kernel in (True, False):
-        s = cache_with(E, held[: len(held) - n], held[len(held) - n :], window, device)
+        s = cache_with(E, held[: len(held) - n], held[len(held) - n :], window, device, slots)
         s.counters.fill_(7)
         out.append([t.cpu() for t in (*split(ids.to(device), s, cost, use_kernel), s.counters)])
     for a, b in zip(*out):
         assert torch.equal(a, b)
+    # the GPU's experts fit the slots
+    elsewhere = out[1][0]
+    routed = torch.zeros(E, dtype=torch.bool).index_fill_(0, ids.flatten(), True)
+    assert int((routed & ~elsewhere).sum()) <= slots

@@ -3,6 +3,7 @@ argument checks; on a GPU, graph replay == eager under heavy eviction, prefetch 
 whole."""
 
 import copy
+import dataclasses
 import time
 import warnings
 
@@ -319,10 +320,24 @@ def test_capture_needs_slots_for_the_whole_batch():
     with pytest.raises(
         ValueError,
         match=r"batch 4 needs cache >= min\(num_experts=16, batch\*top_k=8\) = 8 .*Use "
-        r"cache>=8, or batch_size<=2, or Decoder\(..., waves=True\)",
+        r"cache>=8, or batch_size<=2, or Decoder\(..., waves=True\) to capture the waves anyway, or "
+        r"compile with hybrid=True: its CPU takes the excess",
     ):
         check_capturable(model, batch_size=4)
     check_capturable(model, batch_size=2)
+
+
+def test_a_hybrid_model_captures_a_batch_over_the_slots():
+    """A hybrid layer's CPU takes the experts its slots cannot hold, so a batch of one CPU request
+    (`max_tokens`) is one wave: batch 4 at cache 4 needs no waves=True; over the request it does."""
+    model = asyncmoe.compile(tiny("olmoe"), cache=4, hybrid=True, cpu_threads=1)
+    check_capturable(model, batch_size=4)
+    executor = next(p.hybrid.executor for p in cached_providers(model))
+    executor.settings = dataclasses.replace(executor.settings, max_tokens=2)
+    with pytest.raises(
+        ValueError, match=r"batch 4 needs cache >= .*waves=True\) to capture the waves anyway\.$"
+    ):
+        check_capturable(model, batch_size=4)
 
 
 def test_prompt_too_long():
