@@ -107,7 +107,8 @@ class Links:
 
 class CachedProvider(ExpertWeightProvider):
     """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run
-    in waves, but with `hybrid`, where the CPU takes the excess (calls of at most one CPU request)."""
+    in waves, but captured or compiled ones with `hybrid`, whose CPU takes the excess (calls of at
+    most one CPU request)."""
 
     def __init__(
         self,
@@ -159,12 +160,17 @@ class CachedProvider(ExpertWeightProvider):
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
-        # a call of one CPU request goes hybrid, whose split leaves the GPU no more experts than
-        # slots: one wave; longer ones (prompts) stay on the GPU, in waves
-        hybrid = self.hybrid
-        if hybrid is not None and T > hybrid.executor.settings.max_tokens:
+        # A captured or compiled call of one CPU request goes hybrid whatever its experts: the split
+        # leaves the GPU no more than the slots hold, one wave, where its shapes would fix the worst
+        # case's waves. Eager calls over the slots (prompts, whose experts carry many tokens each)
+        # keep their waves on the GPU: the forced split would hand the CPU such experts.
+        hybrid, waves = self.hybrid, num_waves(T * k, C, E)
+        if hybrid is not None and (
+            T > hybrid.executor.settings.max_tokens
+            or (waves > 1 and not _fixed_shapes(hidden_states))
+        ):
             hybrid = None
-        waves = 1 if hybrid is not None else num_waves(T * k, C, E)
+        waves = 1 if hybrid is not None else waves
         out, wave, filled, gated = None, 0, None, []
         linked = not self.paused
         elsewhere = None
