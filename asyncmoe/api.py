@@ -16,7 +16,7 @@ from .integrations.transformers import PROVIDER, check_model, find_experts
 from .layer_stats import Stats, cpu_layer_stats, read_stats
 from .prefetch import Prefetch
 from .providers import CachedProvider, CpuProvider, ResidentProvider
-from .settings import AutoCache, Settings
+from .settings import AutoCache, HybridCosts, Settings
 from .trace import Trace
 
 
@@ -31,6 +31,7 @@ def compile(
     quantize: str | None = None,
     cpu_threads: int | None = None,
     hybrid: bool | None = None,
+    hybrid_costs: HybridCosts | None = None,
 ) -> nn.Module:
     """Prepare a transformers MoE model in place: experts to (pinned) host memory, `cache` GPU slots
     per MoE layer.
@@ -41,13 +42,17 @@ def compile(
     (`asyncmoe.AutoCache(max_length=, batch_size=)` leaves what a Decoder of that size needs
     instead). `cache >= num_experts` keeps every expert resident and runs the model's own
     implementation. `cache=0` computes every routed expert on the host's CPU from the host store,
-    with `cpu_threads` threads (default: all but one core, two for a model on CUDA); the rest of the
-    model runs on `device` (on a CUDA device, inside the same graphs: the GPU sends each layer's
-    pairs to a CPU worker through pinned memory and waits for its outputs). `hybrid`: a cached
+    with `cpu_threads` threads (default: all but one core, two for a model on CUDA; the models of a
+    process share them); the rest of the model runs on `device` (on a CUDA device, inside the same
+    graphs: the GPU sends each layer's pairs to a CPU worker through pinned memory and waits for its
+    outputs). `hybrid`: a cached
     layer's misses split between the link (copied into slots) and the host's CPU (computed from the
     host store, while the GPU copies and computes the rest), by a cost model timed on this host at
-    compile; the default, None, turns it on where the model runs on CUDA and the CPU would take any
-    of a decode call's misses; calls of more distinct experts than slots (waves) stay on the GPU.
+    compile, or `hybrid_costs` (an `asyncmoe.HybridCosts`, for reproducible runs); the default, None,
+    turns it on where the model runs on CUDA and the CPU would take any of a decode call's misses,
+    and off, with a warning, where this host is too noisy to time them; compile prints the costs and
+    the misses' predicted time a decode token. Calls of more distinct experts than slots (waves) stay
+    on the GPU.
     `quantize="fp8"`: store the experts as block-wise fp8 (transformers' fine-grained FP8 layout,
     128x128 blocks), quantized layer by layer on the way to host memory: a miss copies about half of
     bf16's bytes and the same GPU memory holds twice the experts. None keeps the model's dtype (or
@@ -70,8 +75,9 @@ def compile(
     if isinstance(replay, (str, os.PathLike)):
         replay = Trace.load(replay, what="replay=")
     settings = Settings(
-        cache, policy, device, prefetch, replay, time_stalls, quantize, cpu_threads, hybrid
-    )
+        cache, policy, device, prefetch, replay, time_stalls, quantize, cpu_threads, hybrid,
+        hybrid_costs,
+    )  # fmt: skip
     return install(model, settings)
 
 
@@ -94,6 +100,7 @@ def from_pretrained(
     quantize: str | None = None,
     cpu_threads: int | None = None,
     hybrid: bool | None = None,
+    hybrid_costs: HybridCosts | None = None,
     **kwargs,
 ) -> nn.Module:
     """Load a MoE checkpoint (local directory or hub id) straight into an asyncmoe model.
@@ -111,9 +118,13 @@ def from_pretrained(
     them (`cache` slots of its own).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = Settings(
+        cache, policy, device, prefetch, None, time_stalls, quantize, cpu_threads, hybrid,
+        hybrid_costs,
+    )  # fmt: skip
     return load(
         path,
-        Settings(cache, policy, device, prefetch, None, time_stalls, quantize, cpu_threads, hybrid),
+        settings,
         dtype,
         **kwargs,
     )

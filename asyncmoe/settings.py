@@ -88,6 +88,27 @@ class AutoCache:
             )
 
 
+@dataclass(frozen=True)
+class HybridCosts:
+    """The hybrid's cost model (hybrid/split.py), in ns: a request to the CPU beyond its experts' work,
+    the CPU's work for an expert beyond its tokens', for each of its tokens, and one expert's copy
+    over the link. Timed on this host at compile unless given (`hybrid_costs=`, for reproducible
+    runs); `asyncmoe.stats(model).hybrid_costs` reads back the model's."""
+
+    round_trip: int
+    per_expert: int
+    per_pair: int
+    copy: int
+
+    def __post_init__(self):
+        for name, ns in vars(self).items():
+            if not is_int(ns) or ns < 1:
+                raise ValueError(
+                    f"HybridCosts({name}={ns!r}): each cost is an int of ns >= 1; a cost of 0 "
+                    "would make that work free to the split"
+                )
+
+
 def parse_cache(cache) -> int | AutoCache:
     """`cache=` -> slots per MoE layer (an int), a budget in bytes (an int, as `Settings.budget`) or
     an AutoCache."""
@@ -120,6 +141,8 @@ class Settings:
     cpu_threads: int | None = None
     # split a cached layer's misses between the link and the CPU (None: where it pays, on CUDA)
     hybrid: bool | None = None
+    # the hybrid's costs (None: timed at compile)
+    hybrid_costs: HybridCosts | None = None
 
     def __post_init__(self):
         asked = parse_cache(self.cache)
@@ -144,6 +167,17 @@ class Settings:
                 "hybrid splits a GPU cache's misses between the link and the CPU, and cache=0 has "
                 "no GPU cache (the CPU computes every routed expert already): give slots "
                 "(cache=16 or a budget) or leave hybrid out"
+            )
+        if self.hybrid_costs is not None and not isinstance(self.hybrid_costs, HybridCosts):
+            raise TypeError(
+                "hybrid_costs must be an asyncmoe.HybridCosts(round_trip=, per_expert=, per_pair=, "
+                f"copy=) in ns, got {type(self.hybrid_costs).__name__} {self.hybrid_costs!r}"
+            )
+        if self.hybrid_costs is not None and (self.hybrid is False or self.cache == 0):
+            raise ValueError(
+                "hybrid_costs are the costs the hybrid splits a GPU cache's misses by, and "
+                f"{'hybrid=False' if self.hybrid is False else 'cache=0'} has no hybrid: leave "
+                "hybrid_costs out"
             )
         if self.cpu_threads is not None and self.cache != 0 and self.hybrid is False:
             raise ValueError(
