@@ -14,7 +14,8 @@ it counts the host's launches too: that larger fixed cost splits better than a c
 The requests repeat until every cost is above zero and known within `BOUND` of the smallest time it
 enters (the medians' 95% notches, McGill et al. 1978, carried through the fit), and the costs
 predict the fourth request within `FIT`; past `BUDGET_S` without that, `CalibrationError` says what
-was too noisy (docs/decisions.md#the-hybrids-cost-model). A sync each, at compile only.
+was too noisy (docs/decisions.md#calibration-each-cost-within-20-in-3-s). A sync each, at compile
+only.
 
 Dims: T tokens, L layers, E experts, C slots, k experts a token.
 """

@@ -9,6 +9,8 @@ the misses; on CUDA the calibrated costs decide, and a second model takes given 
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 
 import pytest
 import torch
@@ -280,3 +282,35 @@ def test_the_default_calibrates_on_this_host(capsys):
     with capsys.disabled():
         print(f"\ntiny model's calibrated costs: {costs}; on by default: {hybrids != {id(None)}}")
     assert all(ns > 0 for ns in vars(costs).values()), costs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape",
+    [{}, dict(hidden_size=256, intermediate_size=512)],
+    ids=["tiny", "1.5MiB-experts"],
+)
+def test_calibrations_repeat(shape, capsys):
+    """Printed, not asserted past positive costs: ten calibrations of one model, how long each took,
+    how many ran out of budget, and each cost's spread over those that did not (max / min)."""
+    p = providers(asyncmoe.compile(tiny("olmoe", **shape), cache=4, hybrid=True,
+                                   hybrid_costs=EVEN, cpu_threads=1))[0]  # fmt: skip
+    runs, seconds, noisy = [], [], 0
+    for _ in range(10):
+        start = time.monotonic()
+        try:
+            runs.append(calibrate.calibrate(p.hybrid.executor, p.cache))
+        except calibrate.CalibrationError:
+            noisy += 1
+        seconds.append(time.monotonic() - start)
+    spread = {
+        name: max(getattr(c, name) for c in runs) / min(getattr(c, name) for c in runs)
+        for name in vars(EVEN)
+    }
+    with capsys.disabled():
+        print(
+            f"\n{shape or 'tiny'}: {noisy} of 10 too noisy; seconds each (median, max) "
+            f"{statistics.median(seconds):.2f}, {max(seconds):.2f}; spread "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in spread.items())
+        )
+    assert all(ns > 0 for c in runs for ns in vars(c).values())

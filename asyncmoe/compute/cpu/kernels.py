@@ -426,8 +426,9 @@ _shared: weakref.WeakValueDictionary[str, Pool] = weakref.WeakValueDictionary()
 def shared_pool(threads: int | None = None, beside_gpu: bool = False) -> Pool:
     """The process's pool, which every model's CPU executor computes on: one set of threads on the cores, not
     one a model contending for them. Made at first use with `threads` (None: `default_threads(beside_gpu)`),
-    its threads spinning 1 ms between calls beside a GPU (docs/decisions.md#a-polling-worker-on-a-pinned-channel),
-    200 µs on the CPU. Raises where `threads` differs from the live pool's size."""
+    its threads spinning 1 ms between calls beside a GPU, whose worker nudges them awake
+    (docs/decisions.md#calls-with-nothing-for-the-cpu-skip-the-channel), 200 µs on the CPU. Raises where
+    `threads` differs from the live pool's size."""
     pool = _shared.get("pool")
     if pool is not None and threads not in (None, pool.threads):
         del pool
