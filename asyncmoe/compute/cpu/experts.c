@@ -1662,8 +1662,8 @@ static int32_t serve(amc_worker *w, int64_t *detail) {
     if (T < 0 || T > l->max_tokens) return *detail = T, AMC_ERR_TOKENS;
     uint8_t *c = w->channel;
     const amc_layer *L = &w->layers[layer];
-    int64_t start = now_ns(), groups = 0, computed = 0;
     pthread_mutex_lock(&w->pool->busy); /* the pool may serve other workers and in-line callers too */
+    int64_t start = now_ns(), groups = 0, computed = 0;
     int32_t err = run_experts(w->pool, L, P, (const int32_t *)(c + l->token_ids), (const int32_t *)(c + l->expert_ids),
                               c + l->x, l->x_format, T, (float *)(c + l->out), detail, &groups, &computed);
     pthread_mutex_unlock(&w->pool->busy);
