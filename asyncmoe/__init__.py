@@ -17,6 +17,7 @@ _WHERE = {
     "demo_model_path": ".api",
     "expert_parallel": ".integrations.parallel",
     "from_pretrained": ".api",
+    "HybridCosts": ".settings",
     "record": ".api",
     "stats": ".api",
     "ops": ".ops",

@@ -14,6 +14,7 @@ from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
 from .compute.cpu.kernels import STATS
 from .compute.cpu.request import WAITED_NS
 from .prefetch.prefetch_gate import MIN_PRECISION, gate_precision
+from .settings import HybridCosts
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Stats:
     window_ns: int = 0
     # the share of prefetches that must save a miss (gate_precision)
     min_precision: float = MIN_PRECISION
+    # the costs the hybrid splits misses by (calibrated or given); None where it is off
+    hybrid_costs: HybridCosts | None = None
 
     def __post_init__(self):
         keys = (
@@ -374,6 +377,7 @@ def read_stats(
         copy_ns=copy,
         window_ns=window,
         min_precision=gate_precision(pace).item(),
+        hybrid_costs=next((h.costs for h in hybrids if h is not None), None),
     )
 
 

@@ -93,6 +93,27 @@ class AutoCache:
             )
 
 
+@dataclass(frozen=True)
+class HybridCosts:
+    """The hybrid's cost model (hybrid/split.py), in ns: a request to the CPU beyond its experts' work,
+    the CPU's work for an expert beyond its tokens', for each of its tokens, and one expert's copy
+    over the link. Timed on this host at compile unless given (`hybrid_costs=`, for reproducible
+    runs); `asyncmoe.stats(model).hybrid_costs` reads back the model's."""
+
+    round_trip: int
+    per_expert: int
+    per_pair: int
+    copy: int
+
+    def __post_init__(self):
+        for name, ns in vars(self).items():
+            if not is_int(ns) or ns < 1:
+                raise ValueError(
+                    f"HybridCosts({name}={ns!r}): each cost is an int of ns >= 1; a cost of 0 "
+                    "would make that work free to the split"
+                )
+
+
 def parse_cache(cache) -> int | AutoCache:
     """`cache=` -> slots per MoE layer (an int), a budget in bytes (an int, as `Settings.budget`) or
     an AutoCache."""
@@ -168,15 +189,21 @@ class Settings:
     )
     cpu_threads: int | None = _option(
         None,
-        "the CPU executor's threads (None: all but one core, two for a model on CUDA); refused "
-        "where nothing computes on the CPU (no cache=0, no hybrid)",
+        "the CPU executor's threads (None: all but one core, two for a model on CUDA), shared by "
+        "the models of a process; refused where nothing computes on the CPU (no cache=0, no hybrid)",
     )
     hybrid: bool | None = _option(
         None,
         "split a cached layer's misses between the link and the host's CPU by a cost model timed "
         "at compile (None: on where the model runs on CUDA and the CPU would take any of a decode "
-        "call's misses; True on a CPU model splits them too, both sides on the host); calls of "
-        "more experts than slots stay on the GPU",
+        "call's misses; True on a CPU model splits them too, both sides on the host); a captured "
+        "or compiled call of more experts than slots has the CPU take the excess, eager ones run "
+        "in waves on the GPU",
+    )
+    hybrid_costs: HybridCosts | None = _option(
+        None,
+        "the hybrid's costs, an asyncmoe.HybridCosts (None: timed at compile, and printed as one "
+        "to pass back for reproducible runs)",
     )
 
     def __post_init__(self):
@@ -204,6 +231,17 @@ class Settings:
                 "hybrid splits a GPU cache's misses between the link and the CPU, and cache=0 has "
                 "no GPU cache (the CPU computes every routed expert already): give slots "
                 "(cache=16 or a budget) or leave hybrid out"
+            )
+        if self.hybrid_costs is not None and not isinstance(self.hybrid_costs, HybridCosts):
+            raise TypeError(
+                "hybrid_costs must be an asyncmoe.HybridCosts(round_trip=, per_expert=, per_pair=, "
+                f"copy=) in ns, got {type(self.hybrid_costs).__name__} {self.hybrid_costs!r}"
+            )
+        if self.hybrid_costs is not None and (self.hybrid is False or self.cache == 0):
+            raise ValueError(
+                "hybrid_costs are the costs the hybrid splits a GPU cache's misses by, and "
+                f"{'hybrid=False' if self.hybrid is False else 'cache=0'} has no hybrid: leave "
+                "hybrid_costs out"
             )
         if self.cpu_threads is not None and self.cache != 0 and self.hybrid is False:
             raise ValueError(

@@ -49,7 +49,6 @@ import transformers
 
 import asyncmoe
 from asyncmoe.cache.policies import DEFAULT_POLICY
-from asyncmoe.hybrid.split import Cost
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.settings import parse_budget
 
@@ -365,14 +364,6 @@ def main():
                     else (" no prefetch" if cached else "")
                 )
             )
-            hybrid_of = [
-                getattr(getattr(m, PROVIDER), "hybrid", None) for _, m in find_experts(model)
-            ]
-            if any(hybrid_of):  # the cost model this case's split decides by
-                cost = next(h for h in hybrid_of if h is not None).cost.tolist()
-                print(
-                    f"{label}: calibrated cost, ns: {dict(zip(Cost.__members__, cost))}", flush=True
-                )
             rows += run(model, label, memory_after_build(model))
             # a random model's resident twin: every expert in its slots
             if resident_ms is None and not cached and cache != 0:

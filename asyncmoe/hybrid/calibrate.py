@@ -1,100 +1,197 @@
 """The hybrid's cost model, calibrated on this host when the model is compiled: what a request to
 the CPU costs (a round trip, each expert, each of its tokens) and what one copy costs, in ns.
 
-The CPU's costs are timed end to end as a layer's call meets them, on real requests of the model's
-own layers (on CUDA through the channel, with CUDA events; on the CPU in-line), each request on
-other experts than the last, so their weights come from memory and not from the CPU's caches. Eager,
-the round trip counts the host's launches too: that larger fixed cost splits better than a captured
-request's (docs/decisions.md#tried-and-dropped). Medians of a few repeats; a sync each, at compile
+Four requests of the model's own layers, taken in turns: one pair; n experts of a token each; the
+same n of `TOKENS` tokens each (a decode batch's, well short of the kernels' prompt sizes); and, to
+check the fit, half of them of two tokens each. Each request is on other experts than the last, so
+their weights come from memory and not from the CPU's caches. The CPU's work on its own clock (the
+executor's counters) gives an expert's and a token's cost, which n experts make stand above the
+noise however small they are; the round trip is the pair's time end to end as a layer's call meets
+it (on CUDA through the channel, with CUDA events; on the CPU in-line), less its work's costs. Eager,
+it counts the host's launches too: that larger fixed cost splits better than a captured request's
+(docs/decisions.md#tried-and-dropped).
+
+The requests repeat until every cost is above zero and known within `BOUND` of the smallest time it
+enters (the medians' 95% notches, McGill et al. 1978, carried through the fit), and the costs
+predict the fourth request within `FIT`; past `BUDGET_S` without that, `CalibrationError` says what
+was too noisy (docs/decisions.md#calibration-each-cost-within-20-in-3-s). A sync each, at compile
 only.
 
-Dims: T tokens, k experts a token, L layers, E experts.
+Dims: T tokens, L layers, E experts, C slots, k experts a token.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from ..cache.expert_cache import ExpertCache
 from ..cache.gather_copy import copy_ns, gather_copy
 from ..compute.cpu.executor import CpuExecutor
+from ..compute.cpu.kernels import STATS
+from ..settings import HybridCosts
 from .split import Cost
 
-REPEATS = 7
+BOUND = 0.2  # a cost's 95% confidence half-width, at most this share of the smallest time it enters
+FIT = 0.25  # the fourth request's work, as the costs predict it, off by at most this share
+BUDGET_S = 3.0  # for all the requests together
+MIN_REPEATS = 5
+TOKENS = 4  # an expert's tokens in the request that times a token
 
 
-def calibrate(executor: CpuExecutor, cache: ExpertCache) -> list[int]:
-    """The costs in ns, indexed by `Cost`, fitted to three requests: one pair, n
-    tokens each routed to an expert of its own, and T tokens routed to one expert; and `cache`'s
-    copy."""
+class CalibrationError(RuntimeError):
+    """The costs could not be timed on this host within the budget; the message says which."""
+
+
+def calibrate(executor: CpuExecutor, cache: ExpertCache) -> HybridCosts:
+    """The costs of `executor`'s requests and of `cache`'s copy, timed here; raises CalibrationError
+    where the host is too noisy to time them within `BUDGET_S`."""
     E = executor.layers[0].num_experts
-    n, T = min(E, 8), min(executor.settings.max_tokens, 16)
+    n = min(E, executor.settings.max_tokens // TOKENS)
+    # (experts, tokens each)
+    shapes = {"one": (1, 1), "spread": (n, 1), "stacked": (n, TOKENS), "check": (max(2, n // 2), 2)}
     turn = iter(range(10**9))
 
-    def timed(tokens: int, distinct: bool) -> float:
-        def once() -> float:
-            r = next(turn)
-            first = r * tokens
-            ids = (
-                (torch.arange(tokens) + first) % E if distinct else torch.full((tokens,), first % E)
-            )
+    def request(experts: int, each: int) -> Callable[[], tuple[float, float]]:
+        def once() -> tuple[float, float]:
+            r, tokens = next(turn), experts * each
+            ids = (torch.arange(tokens) % experts + r * experts) % E
             x = torch.zeros(tokens, executor.hidden, dtype=executor.x_dtype, device=executor.device)
-            return _request_ns(
-                executor, x, ids.view(tokens, 1).to(executor.device), r % len(executor.layers)
+            ids = ids.view(tokens, 1).to(executor.device)
+            return _request_ns(executor, x, ids, r % len(executor.layers))
+
+        return once
+
+    samplers = {name: request(*shape) for name, shape in shapes.items()}
+    samplers["copy"] = lambda: (_copy_ns(cache),)
+    for sample in samplers.values():
+        sample()  # first use: kernels compiled, threads woken
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in samplers}
+    deadline = time.monotonic() + BUDGET_S
+    while True:
+        for name, sample in samplers.items():
+            times[name].append(sample())
+        if len(times["one"]) < MIN_REPEATS:
+            continue
+        costs, problem = _fit(times, shapes)
+        if problem is None:
+            return costs
+        if time.monotonic() > deadline:
+            raise CalibrationError(
+                f"{problem} after {len(times['one'])} rounds in {BUDGET_S:g} s: other work on "
+                "this host's cores or its memory bus upset the timings"
             )
 
-        once()  # first use: kernels compiled, threads woken
-        return statistics.median(once() for _ in range(REPEATS))
 
-    one, experts, tokens = timed(1, True), timed(n, True), timed(T, False)
-    per_pair = max(0.0, (tokens - one) / (T - 1))
-    per_expert = max(0.0, (experts - one) / (n - 1) - per_pair)
-    cost = [0] * len(Cost)
-    cost[Cost.ROUND_TRIP] = int(max(0.0, one - per_expert - per_pair))
-    cost[Cost.PER_EXPERT], cost[Cost.PER_PAIR] = int(per_expert), int(per_pair)
-    cost[Cost.COPY] = _copy_ns(cache)
-    executor.stats(reset=True)  # stats count the model's calls only
-    return cost
+def _notch(values: list[float]) -> tuple[float, float]:
+    """The median and its 95% confidence half-width (1.58 IQR / sqrt(n))."""
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return median, 1.58 * (q3 - q1) / math.sqrt(len(values))
 
 
-def _request_ns(executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int) -> float:
-    """One request's round trip as a layer's call meets it: send, then wait for the outputs."""
+def _fit(
+    times: dict[str, list[tuple[float, ...]]], shapes: dict[str, tuple[int, int]]
+) -> tuple[HybridCosts | None, str | None]:
+    """The costs from the medians (work = fixed + experts * per_expert + pairs * per_pair), or what
+    keeps them from standing: a cost not above zero or not within BOUND, or a fit that misses the
+    check request by more than FIT."""
+    (total, u_total), (one, u_one) = (_notch([t[i] for t in times["one"]]) for i in (0, 1))
+    (spread, u_spread), (stacked, u_stacked), (check, _), (copy, u_copy) = (
+        _notch([t[-1] for t in times[name]]) for name in ("spread", "stacked", "check", "copy")
+    )
+    n, m = shapes["spread"][0], shapes["check"][0]
+    extra = n * (TOKENS - 1)  # the pairs `stacked` has beyond `spread`'s
+    pair, u_pair = (stacked - spread) / extra, (u_stacked + u_spread) / extra
+    expert = (spread - one) / (n - 1) - pair
+    u_expert = (u_spread + u_one) / (n - 1) + u_pair
+    trip, u_trip = total - expert - pair, u_total + u_expert + u_pair
+    fitted = {  # the value, its uncertainty, the smallest time it enters, what it is
+        "round_trip": (trip, u_trip, total, "a request's round trip"),
+        "per_expert": (expert, u_expert, expert + pair, f"an expert's work ({n} of a token)"),
+        "per_pair": (pair, u_pair, expert + pair, f"a token's ({n} experts of {TOKENS})"),
+        "copy": (copy, u_copy, copy, "an expert's copy"),
+    }
+    for ns, uncertain, scale, what in fitted.values():
+        if ns <= 0 or uncertain > BOUND * scale:
+            return None, (
+                f"{what} timed {ns / 1e3:.3g} µs ± {uncertain / 1e3:.2g} µs, not above zero "
+                f"within {BOUND:.0%} of {scale / 1e3:.3g} µs"
+            )
+    predicted = one + (m - 1) * expert + (2 * m - 1) * pair
+    if abs(predicted - check) > FIT * check:
+        return None, (
+            f"the costs predict {predicted / 1e3:.3g} µs of work for {m} experts of 2 tokens, "
+            f"which took {check / 1e3:.3g} µs"
+        )
+    return HybridCosts(**{name: max(1, round(v[0])) for name, v in fitted.items()}), None
+
+
+def _request_ns(
+    executor: CpuExecutor, x: torch.Tensor, ids: torch.Tensor, layer: int
+) -> tuple[float, float]:
+    """One request as a layer's call meets it, send then wait for the outputs, in ns: its time end
+    to end, and the CPU's work in it (the executor's counters, zeroed: the model's stats count its
+    own calls only)."""
     if executor.device.type != "cuda":
         start = time.perf_counter_ns()
         executor.send(x, ids, layer)
         executor.receive(layer, ids.numel())
-        return float(time.perf_counter_ns() - start)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(executor.device)  # at compile only, as every sync here
-    start.record()
-    executor.send(x, ids, layer)
-    executor.receive(layer, ids.numel())
-    end.record()
-    end.synchronize()  # at compile only
-    return start.elapsed_time(end) * 1e6
+        total = float(time.perf_counter_ns() - start)
+    else:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(executor.device)  # at compile only, as every sync here
+        start.record()
+        executor.send(x, ids, layer)
+        executor.receive(layer, ids.numel())
+        end.record()
+        end.synchronize()  # at compile only
+        total = start.elapsed_time(end) * 1e6
+    counts, _ = executor.stats(reset=True)
+    return total, float(counts[layer, STATS.index("ns")])
 
 
-def _copy_ns(cache: ExpertCache) -> int:
+def _copy_ns(cache: ExpertCache) -> float:
     if cache.expert_to_slot.is_cuda:
-        return copy_ns(cache.hosts, cache.slots)
+        return float(copy_ns(cache.hosts, cache.slots))
     one = torch.ones(1, dtype=torch.int64)
+    start = time.perf_counter_ns()
     gather_copy(cache.hosts, cache.slots, one - 1, one - 1, one)
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter_ns()
-        gather_copy(cache.hosts, cache.slots, one - 1, one - 1, one)
-        times.append(time.perf_counter_ns() - start)
-    return int(statistics.median(times))
+    return float(time.perf_counter_ns() - start)
 
 
-def pays(c: list[int], top_k: int) -> bool:
-    """Whether the split would send the CPU any of a decode call's `top_k` misses, by the costs `c`
-    (`calibrate`): the hybrid's default is on where it would."""
-    for n in range(1, top_k + 1):
-        cpu = c[Cost.ROUND_TRIP] + n * (c[Cost.PER_EXPERT] + c[Cost.PER_PAIR])
-        if max(cpu, (top_k - n) * c[Cost.COPY]) < top_k * c[Cost.COPY]:
-            return True
-    return False
+def cost_tensor(costs: HybridCosts, device: torch.device) -> torch.Tensor:
+    """`costs` as the split reads them: [len(Cost)] int64, indexed by `Cost`."""
+    return torch.tensor(
+        [getattr(costs, c.name.lower()) for c in Cost], dtype=torch.int64, device=device
+    )
+
+
+def split_ns(c: HybridCosts, misses: int) -> int:
+    """The split's time for a call of `misses` misses of a token each, the link owing nothing else:
+    min over the CPU's share n of max(its time, the link's for the rest)."""
+    return min(
+        max(c.round_trip + n * (c.per_expert + c.per_pair) if n else 0, (misses - n) * c.copy)
+        for n in range(misses + 1)
+    )
+
+
+def pays(c: HybridCosts, top_k: int) -> bool:
+    """Whether the split would send the CPU any of a decode call's `top_k` misses: the hybrid's
+    default is on where it would."""
+    return split_ns(c, top_k) < top_k * c.copy
+
+
+def decode_miss_ns(c: HybridCosts, E: int, C: int, k: int, hybrid: bool) -> float:
+    """A decode token's expected miss time in a layer of E experts and C slots, under uniform
+    routing: its k distinct experts drawn alike, so m of them miss with the hypergeometric
+    probability (k(1 - C/E) on average); each miss a copy, or `hybrid` the split's time."""
+    return sum(
+        math.comb(E - C, m) * math.comb(C, k - m) / math.comb(E, k)
+        * (split_ns(c, m) if hybrid else m * c.copy)
+        for m in range(min(k, E - C) + 1)
+    )  # fmt: skip

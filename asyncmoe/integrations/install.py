@@ -14,13 +14,13 @@ from transformers.utils.logging import tqdm
 
 from ..cache.host import block_bytes, check_host_memory, human_bytes
 from ..compute.cpu.executor import CpuExecutor, CpuSettings
-from ..compute.cpu.kernels import CpuExperts
+from ..compute.cpu.kernels import CpuExperts, PoolSizeError
 from ..formats import FP8, QUANTIZE_METHODS, Format, Fp8, parse_quantize
-from ..hybrid.calibrate import calibrate, pays
+from ..hybrid.calibrate import CalibrationError, calibrate, cost_tensor, decode_miss_ns, pays
 from ..hybrid.ops import Hybrid
 from ..prefetch.predictors import Prefetch
 from ..providers import CachedProvider, CpuProvider, ExpertWeightProvider, ResidentProvider, link
-from ..settings import AutoCache, Settings, budget_text
+from ..settings import AutoCache, HybridCosts, Settings, budget_text
 from .offload import (
     CacheSpec,
     expert_size,
@@ -365,10 +365,10 @@ def install(model: nn.Module, settings: Settings) -> nn.Module:
     if num_slots == 0:
         _install_cpu(model, experts, spec, top_k, CpuSettings(threads=settings.cpu_threads))
         return _switch(model, experts, settings, device)
-    if settings.hybrid and parallel:
+    if (settings.hybrid or settings.hybrid_costs) and parallel:
         raise ValueError(
             "hybrid under expert parallelism is not supported: the ranks would share one CPU; "
-            "leave hybrid out"
+            "leave hybrid and hybrid_costs out"
         )
     # one for every linked layer (providers.link)
     pace = torch.zeros(3, dtype=torch.int64, device=device)
@@ -425,12 +425,19 @@ def _install_hybrid(
 ) -> None:  # fmt: skip
     """Give the cached layers one CPU executor over their host stores and the cost model that
     splits their misses, where `settings.hybrid` asks for it, or (None) where the model runs on CUDA
-    and the calibrated CPU would take any of a decode call's misses."""
-    asked = settings.hybrid
-    if asked and not cached:
+    and the CPU would take any of a decode call's misses; print the costs and what they predict."""
+    asked, given = settings.hybrid, settings.hybrid_costs
+    what = "hybrid=True" if asked else "hybrid_costs"
+    if (asked or given) and not cached:
         raise ValueError(
-            "hybrid=True splits the misses of cached layers, and every MoE layer here keeps all "
-            "its experts resident (cache >= num_experts): there are no misses; leave hybrid out"
+            f"{what} splits the misses of cached layers, and every MoE layer here keeps all "
+            "its experts resident (cache >= num_experts): there are no misses; leave it out"
+        )
+    if asked is None and given and spec.device.type != "cuda":
+        raise ValueError(
+            "hybrid_costs are given, but the hybrid is off by default for a model on the CPU, "
+            "whose slots and host store share one memory: pass hybrid=True to split its misses "
+            "anyway, or leave hybrid_costs out"
         )
     threads = settings.cpu_threads
     if asked is False or not cached or (asked is None and spec.device.type != "cuda"):
@@ -439,20 +446,69 @@ def _install_hybrid(
         layers = [CpuExperts.from_module(m, host_tensors(m), spec.fmt) for m, _ in cached]
         cpu = CpuSettings(threads=settings.cpu_threads)
         executor = CpuExecutor(layers, spec.device, _dtype(model), top_k, cpu)
+    except PoolSizeError:
+        raise
     except (ValueError, RuntimeError) as e:  # a layer the kernels cannot compute; no C compiler
-        if asked:
-            raise ValueError(
-                f"hybrid=True computes misses on the CPU, which cannot here: {e}"
-            ) from None
+        if asked or given:
+            raise ValueError(f"{what} computes misses on the CPU, which cannot here: {e}") from None
         _threads_unused(threads, f"the CPU cannot compute these experts ({e})")
         return
-    costs = calibrate(executor, cached[0][1].cache)
-    if asked is None and not pays(costs, top_k):
-        _threads_unused(threads, "the CPU, timed here, would take none of a decode call's misses")
+    costs = given or _calibrated(executor, cached[0][1].cache, asked)
+    if costs is None:
+        _threads_unused(threads, "this host was too noisy to time the CPU")
         return
-    cost = torch.tensor(costs, dtype=torch.int64, device=spec.device)
-    for i, (_, provider) in enumerate(cached):
-        provider.hybrid = Hybrid(executor, i, cost)
+    on = bool(asked) or pays(costs, top_k)
+    print(_hybrid_summary(costs, given is not None, on, cached, top_k))
+    if not on:
+        _threads_unused(threads, "the CPU, timed here, would take none of a decode call's misses")
+    else:
+        cost = cost_tensor(costs, spec.device)
+        for i, (_, provider) in enumerate(cached):
+            provider.hybrid = Hybrid(executor, i, cost, costs)
+
+
+def _calibrated(executor: CpuExecutor, cache, asked: bool | None) -> HybridCosts | None:
+    """The costs timed on this host; where it is too noisy to time them, an error for
+    `hybrid=True`, else a warning and None (the hybrid stays off)."""
+    try:
+        return calibrate(executor, cache)
+    except CalibrationError as e:
+        if asked:
+            raise ValueError(
+                f"hybrid=True splits misses by costs timed at compile, and this host was too "
+                f"noisy to time them ({e}): pass hybrid_costs=asyncmoe.HybridCosts(round_trip=, "
+                "per_expert=, per_pair=, copy=) in ns (a quiet run's compile prints them), or "
+                "leave hybrid out"
+            ) from None
+        warnings.warn(
+            f"asyncmoe: the hybrid stays off: this host was too noisy to time its costs ({e}). "
+            "To split misses with the CPU, pass hybrid_costs=asyncmoe.HybridCosts(...) (a quiet "
+            "run's compile prints them); hybrid=False skips the timing",
+            stacklevel=2,
+        )
+        return None
+
+
+def _hybrid_summary(
+    costs: HybridCosts, given: bool, on: bool, cached: list[tuple[nn.Module, CachedProvider]],
+    top_k: int,
+) -> str:  # fmt: skip
+    """One line: the costs, whether the hybrid is on, and a decode token's miss time that the
+    costs predict under uniform routing, with and without the CPU."""
+    shapes = [(p.cache.num_experts, p.cache.num_slots) for _, p in cached]
+
+    def per_token(hybrid: bool) -> str:
+        ns = sum(decode_miss_ns(costs, E, C, top_k, hybrid) for E, C in shapes)
+        return f"{ns / 1e3:.3g} µs"
+
+    E, C = shapes[0]
+    predicted = f"{per_token(True)} hybrid, {per_token(False)} GPU-only" if on else per_token(False)
+    return (
+        f"asyncmoe: hybrid {'on' if on else 'off (the CPU would take no decode miss)'}, by "
+        f"{costs} in ns ({'given' if given else 'timed on this host'}); a decode token's misses "
+        f"{predicted} (uniform routing: top_k={top_k}, {C} of {E} experts resident, "
+        f"{len(cached)} layers)"
+    )
 
 
 def _threads_unused(threads: int | None, why: str) -> None:

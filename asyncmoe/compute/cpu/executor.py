@@ -4,7 +4,8 @@
 Model on CUDA: one channel in pinned memory and its worker thread (worker.py) serve every layer; a
 layer's call sends its pairs and hidden rows and receives the outputs through two kernels
 (request.py), in chunks of at most `max_tokens` tokens, all inside whatever graph is being captured.
-Model on the CPU: the same kernels run in-line on a thread pool.
+Model on the CPU: the same kernels run in-line on a thread pool. Every executor of the process computes on
+one pool (`kernels.shared_pool`), which its users take turns on.
 
 The custom op `asyncmoe::cpu_experts` names its executor by an id (ops.py), so a compiled graph
 holds an int, not the executor.
@@ -25,7 +26,7 @@ import torch
 from ...cache.host import PinnedBlock, device_view, uva_view
 from ..experts import combine
 from . import request
-from .kernels import STATS, CpuExperts, Pool, default_threads, experts_mlp
+from .kernels import STATS, CpuExperts, experts_mlp, shared_pool
 from .worker import Channel, Worker, channel_layout
 
 _executors: weakref.WeakValueDictionary[int, CpuExecutor] = weakref.WeakValueDictionary()
@@ -38,8 +39,9 @@ class CpuExecutorError(RuntimeError):
 
 @dataclass(frozen=True)
 class CpuSettings:
-    """`threads`: the CPU threads computing experts (None: `default_threads`, all but one core, two
-    for a model on CUDA). `max_tokens`: rows in one request; a longer call is sent in chunks.
+    """`threads`: the CPU threads computing experts, those of the process's shared pool (None: the live
+    pool's, or `default_threads`: all but one core, two for a model on CUDA). `max_tokens`: rows in
+    one request; a longer call is sent in chunks.
     `timeout_s`: how long the GPU waits for one chunk before it fails."""
 
     threads: int | None = None
@@ -61,18 +63,13 @@ class CpuExecutor:
     ):
         self.layers, self.device, self.x_dtype, self.top_k = layers, device, x_dtype, top_k
         self.settings = settings
-        self.threads = (
-            default_threads(beside_gpu=device.type == "cuda")
-            if settings.threads is None
-            else settings.threads
-        )
+        self.pool = shared_pool(settings.threads, beside_gpu=device.type == "cuda")
         self.hidden = layers[0].hidden
         self.id = next(_ids)
         _executors[self.id] = self
         if device.type == "cuda":
             self._start_worker()
         else:
-            self.pool = Pool(self.threads)
             self.counts = torch.zeros(len(layers), len(STATS), dtype=torch.int64)
             self.pending: torch.Tensor | None = None  # the outputs `send` computed in-line
 
@@ -82,7 +79,7 @@ class CpuExecutor:
         self.block.data.zero_()
         self.channel = Channel(T * self.top_k, T, H, self.x_dtype, buffer=self.block.data)
         self.gpu = self.channel.fields(uva_view(self.block, self.device))
-        self.worker = Worker(self.channel, self.layers, self.threads)
+        self.worker = Worker(self.channel, self.layers, self.pool)
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # the last request sent
         host = torch.zeros(4, dtype=torch.int64, pin_memory=True)
         self.fault, self.fault_view = host, device_view(host, self.device)

@@ -12,6 +12,7 @@ inputs.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import time
 import weakref
@@ -125,7 +126,7 @@ def library(isa: str = "native") -> ctypes.CDLL:
         "amc_channel_layout_init": (i32, [ctypes.POINTER(ChannelLayout), i64, i64, i64, i32]),
         "amc_request_publish": (None, [p, i64]),
         "amc_done_wait": (i32, [p, i64, i64]),
-        "amc_worker_create": (p, [p, ctypes.POINTER(ChannelLayout), i32, i32, i64, i64, i64]),
+        "amc_worker_create": (p, [p, ctypes.POINTER(ChannelLayout), i32, p, i64, i64]),
         "amc_worker_set_layer": (i32, [p, i32, ctypes.POINTER(_Layer)]),
         "amc_worker_start": (i32, [p]),
         "amc_worker_destroy": (None, [p]),
@@ -152,7 +153,8 @@ def default_threads(beside_gpu: bool = False) -> int:
 
 class Pool:
     """The threads each projection is split over, the calling thread being one of them. Between calls a thread
-    spins for `spin_us`, then sleeps until the next call wakes it. For another thread count, make another pool."""
+    spins for `spin_us`, then sleeps until the next call wakes it. Calls from several threads (in-line callers,
+    workers) take turns. For another thread count, make another pool; a model's comes from `shared_pool`."""
 
     def __init__(self, threads: int | None = None, spin_us: float = 200.0, isa: str = "native"):
         self.lib = library(isa)
@@ -413,13 +415,36 @@ def _act_name(experts) -> str:
     )
 
 
-_default_pools: dict[str, Pool] = {}
+class PoolSizeError(ValueError):
+    """A model asked for another thread count than the process's live pool has."""
 
 
-def default_pool(isa: str = "native") -> Pool:
-    if isa not in _default_pools:
-        _default_pools[isa] = Pool(isa=isa)
-    return _default_pools[isa]
+# held weakly: the executors using the pool hold it, so it stops with the last model
+_shared: weakref.WeakValueDictionary[str, Pool] = weakref.WeakValueDictionary()
+
+
+def shared_pool(threads: int | None = None, beside_gpu: bool = False) -> Pool:
+    """The process's pool, which every model's CPU executor computes on: one set of threads on the cores, not
+    one a model contending for them. Made at first use with `threads` (None: `default_threads(beside_gpu)`),
+    its threads spinning 1 ms between calls beside a GPU, whose worker nudges them awake
+    (docs/decisions.md#calls-with-nothing-for-the-cpu-skip-the-channel), 200 µs on the CPU. Raises where
+    `threads` differs from the live pool's size."""
+    pool = _shared.get("pool")
+    if pool is not None and threads not in (None, pool.threads):
+        del pool
+        gc.collect()  # a freed model in a reference cycle may hold it still
+        pool = _shared.get("pool")
+    if pool is None:
+        threads = default_threads(beside_gpu) if threads is None else threads
+        pool = _shared["pool"] = Pool(threads, spin_us=1000.0 if beside_gpu else 200.0)
+    elif threads not in (None, pool.threads):
+        size = pool.threads
+        del pool  # the error's traceback keeps this frame: not the pool with it
+        raise PoolSizeError(
+            f"cpu_threads={threads}, but the models of a process share one CPU pool, and the one a live model "
+            f"uses has {size} threads: pass cpu_threads={size} or leave it out, or free the models using it first"
+        )
+    return pool
 
 
 def experts_mlp(
@@ -427,14 +452,13 @@ def experts_mlp(
     x: torch.Tensor,
     token_ids: torch.Tensor,
     expert_ids: torch.Tensor,
-    pool: Pool | None = None,
+    pool: Pool,
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each pair's expert output before routing weights, float32 [P, H]: pair p is (token_ids[p], expert_ids[p])
-    of x [T, H] (float32, bfloat16 or float16); a pair of expert -1 is skipped (its row is left unset). `pool`: the
-    threads (None: default_pool(), all but one core). `stats`: an int64 [len(STATS)] row this call's counts are
-    added to, as the worker counts its requests."""
-    pool = default_pool() if pool is None else pool
+    of x [T, H] (float32, bfloat16 or float16); a pair of expert -1 is skipped (its row is left unset), computed on
+    `pool`'s threads. `stats`: an int64 [len(STATS)] row this call's counts are added to, as the worker counts its
+    requests."""
     if pool.handle is None:
         raise ValueError("this Pool was closed: make another")
     if x.dim() != 2 or x.shape[1] != layer.hidden or x.device.type != "cpu":

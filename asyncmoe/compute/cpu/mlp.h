@@ -208,7 +208,7 @@ static int32_t layer_problem(const amc_layer *L) {
 /* The expert MLP of P pairs (token_ids[p], expert_ids[p]) of x [T, H] (f32, bf16 or f16): out [P, H] float32. A pair
  * of expert -1 is skipped: its row of `out` is left as it was (the hybrid's GPU computes it).
  * Returns AMC_OK or an AMC_ERR_* code with `detail` (out is then untouched); `groups`: the distinct experts computed.
- * One call at a time per pool. */
+ * Calls from several threads take turns (the pool's `busy` lock). */
 int32_t amc_experts(amc_pool *pool, const amc_layer *L, int64_t P, const int32_t *token_ids,
                     const int32_t *expert_ids, const void *x, int32_t x_format, int64_t T, float *out,
                     int64_t *detail, int64_t *groups) {

@@ -1,7 +1,8 @@
 /*
  * The thread pool: `threads` workers, the caller being thread 0. Between tasks a worker spins for `spin_ns`, then
  * sleeps on a condition variable; `pool_run` wakes sleepers only when there are any. The pool owns the expert MLP's
- * workspace and decode buffers, kept across calls; one computation at a time holds them (`busy`).
+ * workspace and decode buffers, kept across calls; one computation at a time holds them (`busy`): its callers
+ * (amc_experts and every worker sharing the pool) take turns through it.
  */
 #pragma once
 #include <pthread.h>

@@ -118,9 +118,11 @@ static int32_t serve(amc_worker *w, int64_t *detail) {
     if (T < 0 || T > l->max_tokens) return *detail = T, AMC_ERR_TOKENS;
     uint8_t *c = w->channel;
     const amc_layer *L = &w->layers[layer];
+    pthread_mutex_lock(&w->pool->busy); /* the pool may serve other workers and in-line callers too */
     int64_t start = now_ns(), groups = 0, computed = 0;
     int32_t err = run_experts(w->pool, L, P, (const int32_t *)(c + l->token_ids), (const int32_t *)(c + l->expert_ids),
                               c + l->x, l->x_format, T, (float *)(c + l->out), detail, &groups, &computed);
+    pthread_mutex_unlock(&w->pool->busy);
     if (err) return err;
     int64_t *row = w->stats + (int64_t)layer * AMC_STATS;
     count(row, AMC_STAT_REQUESTS, 1);
@@ -168,8 +170,9 @@ static void *worker_thread(void *opaque) {
 
 void amc_worker_destroy(amc_worker *w);
 
-amc_worker *amc_worker_create(void *channel, const amc_channel_layout *layout, int32_t num_layers, int32_t threads,
-                              int64_t pool_spin_ns, int64_t idle_spin_ns, int64_t idle_sleep_ns) {
+/* `pool` computes the requests; it may be shared (amc_experts, other workers) and must outlive the worker */
+amc_worker *amc_worker_create(void *channel, const amc_channel_layout *layout, int32_t num_layers, amc_pool *pool,
+                              int64_t idle_spin_ns, int64_t idle_sleep_ns) {
     amc_worker *w = calloc(1, sizeof(amc_worker));
     if (!w) return NULL;
     w->channel = channel;
@@ -180,7 +183,7 @@ amc_worker *amc_worker_create(void *channel, const amc_channel_layout *layout, i
     w->layers = calloc(num_layers > 0 ? num_layers : 1, sizeof(amc_layer));
     w->registered = calloc(num_layers > 0 ? num_layers : 1, 1);
     w->stats = calloc((num_layers > 0 ? num_layers : 1) * AMC_STATS, sizeof(int64_t));
-    w->pool = amc_pool_create(threads, pool_spin_ns);
+    w->pool = pool;
     if (!w->layers || !w->registered || !w->stats || !w->pool) {
         amc_worker_destroy(w);
         return NULL;
@@ -204,12 +207,16 @@ int32_t amc_worker_set_layer(amc_worker *w, int32_t index, const amc_layer *laye
 /* Start polling, with the workspace already sized for the channel's largest request. */
 int32_t amc_worker_start(amc_worker *w) {
     if (w->started) return -1;
-    for (int32_t i = 0; i < w->num_layers; i++) {
+    int32_t err = AMC_OK;
+    pthread_mutex_lock(&w->pool->busy);
+    for (int32_t i = 0; i < w->num_layers && !err; i++) {
         const amc_layer *L = &w->layers[i];
         if (w->registered[i] &&
             workspace_reserve(&w->pool->ws, w->layout.max_pairs, L->experts, L->up.k, L->up.n, L->down.k))
-            return AMC_ERR_MEMORY;
+            err = AMC_ERR_MEMORY;
     }
+    pthread_mutex_unlock(&w->pool->busy);
+    if (err) return err;
     w->first_seen = __atomic_load_n(&((amc_header *)w->channel)->request, __ATOMIC_ACQUIRE);
     if (pthread_create(&w->thread, NULL, worker_thread, w) != 0) return -2;
     w->started = 1;
@@ -222,7 +229,6 @@ void amc_worker_destroy(amc_worker *w) {
         __atomic_store_n(&w->stop, 1, __ATOMIC_RELEASE);
         pthread_join(w->thread, NULL);
     }
-    amc_pool_destroy(w->pool);
     free(w->layers);
     free(w->registered);
     free(w->stats);

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels import DENSE, ERRORS, STATS, ChannelLayout, CpuExperts, default_threads, library
+from .kernels import DENSE, ERRORS, STATS, ChannelLayout, CpuExperts, Pool, library
 
 
 def channel_layout(
@@ -161,38 +161,37 @@ class Channel:
 
 class Worker:
     """A C thread serving `channel`'s requests for `layers` (index = the request's layer; None: a layer the CPU
-    never serves) with `threads` threads in all (default: all but two cores, `default_threads`).
+    never serves), computing them on `pool` (the worker's thread is its thread 0), which other workers and in-line
+    callers may share: they take turns.
 
     While idle it polls with a pause instruction for `idle_spin_ms`, then sleeps `idle_sleep_us` between polls
-    (a request then waits up to that long). Its pool's threads spin `pool_spin_us` after each phase, then sleep;
-    a change of the channel's `awake` (a call that sent the CPU nothing) keeps the worker polling and wakes the
-    pool to spin again, so that the requests of the calls after it do not wait for sleeping threads.
-    `close()` stops and joins it; so do garbage collection and interpreter exit. The channel's buffer and the
-    layers' tensors stay alive until then."""
+    (a request then waits up to that long). The pool's threads spin after each phase, then sleep; a change of the
+    channel's `awake` (a call that sent the CPU nothing) keeps the worker polling and wakes the pool to spin again,
+    so that the requests of the calls after it do not wait for sleeping threads.
+    `close()` stops and joins it; so do garbage collection and interpreter exit. The channel's buffer, the
+    layers' tensors and the pool stay alive until then."""
 
     def __init__(
         self,
         channel: Channel,
         layers: Sequence[CpuExperts | None],
-        threads: int | None = None,
-        pool_spin_us: float = 1000.0,
+        pool: Pool,
         idle_spin_ms: float = 20.0,
         idle_sleep_us: float = 50.0,
     ):
         lib, H = channel.lib, channel.layout.hidden
-        threads = default_threads(beside_gpu=True) if threads is None else threads
-        if threads < 1:
-            raise ValueError(
-                f"threads={threads}: the worker needs at least its own thread (threads >= 1)"
-            )
+        if pool.handle is None or pool.lib is not lib:
+            raise ValueError("a worker computes on an open Pool of its channel's build (isa)")
         handle = lib.amc_worker_create(
-            channel.buffer.data_ptr(), ctypes.byref(channel.layout), len(layers), threads,
-            int(pool_spin_us * 1e3), int(idle_spin_ms * 1e6), int(idle_sleep_us * 1e3),
+            channel.buffer.data_ptr(), ctypes.byref(channel.layout), len(layers), pool.handle,
+            int(idle_spin_ms * 1e6), int(idle_sleep_us * 1e3),
         )  # fmt: skip
         if not handle:
-            raise MemoryError(f"could not start a CPU worker of {threads} threads")
+            raise MemoryError("could not allocate a CPU worker")
         # the finalizer holds what the thread reads, so none of it is freed before the thread is joined
-        self._close = weakref.finalize(self, _destroy, lib, handle, (channel.buffer, list(layers)))
+        self._close = weakref.finalize(
+            self, _destroy, lib, handle, (channel.buffer, list(layers), pool)
+        )
         for i, layer in enumerate(layers):
             if layer is None:
                 continue
@@ -209,8 +208,7 @@ class Worker:
             raise MemoryError(
                 f"could not start the CPU worker thread (workspace for {channel.layout.max_pairs} pairs)"
             )
-        self.channel, self.threads = channel, threads
-
+        self.channel, self.pool = channel, pool
         self.handle, self.num_layers = handle, len(layers)
 
     def stats(self, reset: bool = False) -> torch.Tensor:

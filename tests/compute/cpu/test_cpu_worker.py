@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from asyncmoe.compute.cpu import Channel, CpuExperts, Pool, Projection, Worker, reference
+from asyncmoe.compute.cpu.kernels import default_threads
 from asyncmoe.compute.cpu.request import DONE_REFUSED
 from asyncmoe.formats import Mxfp4
 
@@ -47,7 +48,7 @@ def layers() -> list[CpuExperts | None]:
 @pytest.fixture
 def served():
     channel = Channel(MAX_PAIRS, T, H, torch.bfloat16)
-    worker = Worker(channel, layers(), threads=2, pool_spin_us=100)
+    worker = Worker(channel, layers(), Pool(2, spin_us=100))
     yield channel, worker
     worker.close()
 
@@ -109,9 +110,9 @@ def test_skipped_pairs(served):
 
 def test_a_change_of_awake_wakes_the_sleeping_pool_for_one_spin():
     """A call that sends the CPU nothing changes `awake`: the worker wakes its sleeping pool, which
-    spins for one `pool_spin_us`, then sleeps again."""
+    spins for one `spin_us`, then sleeps again."""
     channel = Channel(MAX_PAIRS, T, H, torch.bfloat16)
-    worker = Worker(channel, layers(), threads=3, pool_spin_us=300_000)
+    worker = Worker(channel, layers(), Pool(3, spin_us=300_000))
 
     def until(asleep: int, seconds: float) -> float:
         start = time.monotonic()
@@ -195,7 +196,7 @@ def test_malformed_requests_set_an_error(served):
 
 def test_idle_worker_naps_and_still_serves():
     channel = Channel(MAX_PAIRS, T, H)
-    worker = Worker(channel, layers(), threads=1, idle_spin_ms=1, idle_sleep_us=200)
+    worker = Worker(channel, layers(), Pool(1), idle_spin_ms=1, idle_sleep_us=200)
     try:
         time.sleep(0.05)  # well past the idle spin: the worker sleeps between polls
         x, token_ids, expert_ids = request(torch.Generator().manual_seed(3), 2, 2)
@@ -208,7 +209,7 @@ def test_idle_worker_naps_and_still_serves():
 
 def test_close_and_collect_stop_the_thread():
     channel = Channel(MAX_PAIRS, T, H)
-    worker = Worker(channel, layers(), threads=2)
+    worker = Worker(channel, layers(), Pool(2))
     worker.close()
     worker.close()  # idempotent
     none = torch.zeros(0, dtype=torch.int32)
@@ -216,7 +217,7 @@ def test_close_and_collect_stop_the_thread():
         channel.result(channel.submit(0, none, none, torch.zeros(0, H)), timeout=0.05)
 
     channel = Channel(MAX_PAIRS, T, H)
-    ref = weakref.ref(Worker(channel, layers(), threads=1))
+    ref = weakref.ref(Worker(channel, layers(), Pool(1)))
     gc.collect()
     assert ref() is None
     with pytest.raises(TimeoutError):
@@ -230,20 +231,50 @@ def test_default_threads_leave_a_core_to_the_host_and_one_to_python_beside_a_gpu
     """Every busy thread beside a GPU (the worker's, and Python spinning on the GPU) on a core of its own
     with one to spare: one more runnable thread holds a request for a scheduler slice."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    worker = Worker(Channel(MAX_PAIRS, T, H), layers())
+    assert default_threads(beside_gpu=True) == max(1, cores - 2)
     pool = Pool()
     try:
-        assert worker.threads == max(1, cores - 2)
         assert pool.threads == max(1, cores - 1)
     finally:
-        worker.close()
         pool.close()
+
+
+def test_workers_sharing_a_pool_take_turns():
+    """Two workers, each polling its own channel, compute on one pool: requests in flight on both at
+    once come back right."""
+    pool, gen = Pool(2, spin_us=100), torch.Generator().manual_seed(5)
+    channels = [Channel(MAX_PAIRS, T, H, torch.bfloat16) for _ in range(2)]
+    workers = [Worker(c, layers(), pool) for c in channels]
+    try:
+        for _ in range(20):
+            sent = []
+            for layer_index, channel in enumerate(channels):
+                x, token_ids, expert_ids = request(gen, T, 4)
+                sent.append(
+                    (
+                        channel.submit(layer_index, token_ids, expert_ids, x),
+                        x,
+                        token_ids,
+                        expert_ids,
+                    )
+                )
+            for layer_index, (channel, (seq, x, token_ids, expert_ids)) in enumerate(
+                zip(channels, sent)
+            ):
+                ref = reference.experts_mlp(worker_layer(layer_index), x, token_ids, expert_ids)
+                torch.testing.assert_close(
+                    channel.result(seq), ref, rtol=1e-4, atol=2e-5 * ref.abs().max().item()
+                )
+    finally:
+        for w in workers:
+            w.close()
+    assert all(w.pool is pool for w in workers)
 
 
 def test_refuses_layers_of_another_hidden_size():
     channel = Channel(MAX_PAIRS, T, 2 * H)
     with pytest.raises(ValueError, match="hidden size"):
-        Worker(channel, layers(), threads=1)
+        Worker(channel, layers(), Pool(1))
 
 
 @pytest.mark.slow
@@ -251,10 +282,10 @@ def test_interpreter_exit_joins_a_running_worker():
     """A worker never closed is stopped and joined at exit (its finalizer's atexit hook): the process ends, rc 0."""
     script = f"""
 import torch
-from asyncmoe.compute.cpu import Channel, CpuExperts, Projection, Worker
+from asyncmoe.compute.cpu import Channel, CpuExperts, Pool, Projection, Worker
 layer = CpuExperts(Projection(torch.randn({E}, 96, {H})), Projection(torch.randn({E}, {H}, 48)))
 channel = Channel(4, 2, {H})
-worker = Worker(channel, [layer], threads=2)
+worker = Worker(channel, [layer], Pool(2))
 channel.result(channel.submit(0, torch.tensor([0]), torch.tensor([1]), torch.randn(1, {H})))
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

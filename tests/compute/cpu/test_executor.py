@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import statistics
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -134,6 +136,28 @@ def test_settings_refuse_what_cache_0_cannot_do():
     with pytest.raises(ValueError, match="leave time_stalls out"):
         asyncmoe.compile(model, cache=0, time_stalls=True)
     assert not hasattr(find_experts(model)[0][1], PROVIDER)  # refused before any change
+
+
+@torch.no_grad()
+def test_the_models_of_a_process_share_one_pool():
+    """Two models compute on one pool, each correctly while the other's calls come between its
+    own; a third asking for another size is refused while they live; the pool goes with them."""
+    one, two = tiny("olmoe"), tiny("gpt_oss")
+    ours = [asyncmoe.compile(copy.deepcopy(m), cache=0, cpu_threads=2) for m in (one, two)]
+    pool = executor_of(ours[0]).pool
+    assert executor_of(ours[1]).pool is pool and pool.threads == 2
+    with pytest.raises(ValueError, match="share one CPU pool, and the one a live model uses has 2"):
+        asyncmoe.compile(tiny("olmoe"), cache=0, cpu_threads=1)
+    ids = prompt()
+    for t in range(1, ids.shape[1] + 1):  # the two models' calls interleaved
+        for model, compiled in zip((one, two), ours):
+            got, want = compiled(ids[:, :t]).logits, model(ids[:, :t]).logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    alive = weakref.ref(pool)
+    del ours, compiled, pool
+    gc.collect()
+    assert alive() is None
+    assert executor_of(asyncmoe.compile(tiny("olmoe"), cache=0, cpu_threads=1)).pool.threads == 1
 
 
 @torch.no_grad()

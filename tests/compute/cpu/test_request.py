@@ -37,7 +37,7 @@ def link():
     model = asyncmoe.compile(tiny("olmoe", dtype=torch.bfloat16), cache=0, cpu_threads=1)
     ex = getattr(find_experts(model)[0][1], PROVIDER).executor
     channel = Channel(T_MAX * TOP_K, T_MAX, ex.hidden, torch.bfloat16)
-    worker = Worker(channel, ex.layers, threads=1)
+    worker = Worker(channel, ex.layers, ex.pool)  # the model's pool: they take turns
     yield Link(
         model=model, ex=ex, channel=channel, worker=worker, fields=channel.fields(channel.buffer),
         seq=torch.zeros(1, dtype=torch.int64), fault=torch.zeros(4, dtype=torch.int64),
