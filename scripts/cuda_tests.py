@@ -3,7 +3,8 @@ file in shards), each one's result printed as it finishes; the tests marked `tim
 alone, since other processes' threads would be timed too. Exits 1 if any test failed.
 
 A process per file also keeps a trapped CUDA context (the CPU executor's loud timeout) from failing
-the files after it.
+the files after it. Each process side by side runs on cores of its own (its CPU executor's threads
+follow its affinity), so that the processes' thread pools do not crowd one another.
 
 usage: python scripts/cuda_tests.py [--jobs N] [--shard N] [--logs DIR] [pytest args...]
 """
@@ -11,6 +12,8 @@ usage: python scripts/cuda_tests.py [--jobs N] [--shard N] [--logs DIR] [pytest 
 from __future__ import annotations
 
 import argparse
+import os
+import queue
 import subprocess
 import sys
 import time
@@ -46,11 +49,32 @@ def shards(ids: list[str], size: int) -> list[tuple[str, list[str]]]:
     return sorted(out, key=lambda job: -len(job[1]))
 
 
-def run(name: str, ids: list[str], args: list[str], logs: Path) -> tuple[str, int, str, float]:
+def core_sets(jobs: int) -> queue.Queue:
+    """Disjoint sets of this process's cores, one a process side by side."""
+    cores = sorted(os.sched_getaffinity(0))
+    size = max(1, len(cores) // jobs)
+    sets = queue.Queue()
+    for i in range(jobs):
+        sets.put(set(cores[i * size : (i + 1) * size]) or set(cores))
+    return sets
+
+
+def run(
+    name: str, ids: list[str], args: list[str], logs: Path, cores: queue.Queue | None = None
+) -> tuple[str, int, str, float]:
     start = time.perf_counter()
-    done = subprocess.run(
-        [*PYTEST, "-q", "-rfE", *args, *ids], cwd=ROOT, capture_output=True, text=True
+    mine = cores.get() if cores is not None else set(os.sched_getaffinity(0))
+    pinned = (
+        f"import os, sys, pytest; os.sched_setaffinity(0, {sorted(mine)}); sys.exit(pytest.main())"
     )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", pinned, "-p", "no:cacheprovider", "-q", "-rfE", *args, *ids],
+            cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+    finally:
+        if cores is not None:
+            cores.put(mine)
     log = done.stdout + done.stderr
     (
         logs / (name.replace("/", "_").replace(" ", "").replace("[", "-").strip("]") + ".txt")
@@ -84,7 +108,8 @@ def main() -> int:
     )
     ok = True
     with ThreadPoolExecutor(opts.jobs) as pool:
-        futures = [pool.submit(run, name, ids, pytest_args, opts.logs) for name, ids in jobs]
+        cores = core_sets(opts.jobs)
+        futures = [pool.submit(run, name, ids, pytest_args, opts.logs, cores) for name, ids in jobs]
         for f in as_completed(futures):
             ok &= report(*f.result())
     if alone:

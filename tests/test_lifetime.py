@@ -151,11 +151,13 @@ def test_cuda_memory_returns_when_the_model_is_dropped(hybrid):
     """After a graph Decoder has decoded, `del dec, model` returns every byte the model and the
     Decoder took on the GPU (no gc.collect, no empty_cache), and the host store is unpinned."""
 
+    # given costs: a calibration too noisy to time would refuse hybrid=True
+    costs = asyncmoe.HybridCosts(round_trip=20_000, per_expert=5_000, per_pair=1_000, copy=10_000)
+    kw = dict(hybrid=True, hybrid_costs=costs, cpu_threads=1) if hybrid else dict(hybrid=False)
+
     def run():
         model = tiny("olmoe", dtype=torch.bfloat16, hidden_size=256, intermediate_size=1024)
-        model = asyncmoe.compile(
-            model, cache=4, device="cuda", prefetch=True, hybrid=hybrid, cpu_threads=1
-        )
+        model = asyncmoe.compile(model, cache=4, device="cuda", prefetch=True, **kw)
         dec = asyncmoe.Decoder(model, 1, 32)
         dec.generate(PROMPT.cuda(), 8)
         return model, dec

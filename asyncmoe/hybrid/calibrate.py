@@ -13,7 +13,8 @@ it counts the host's launches too: that larger fixed cost splits better than a c
 
 The requests repeat until every cost is above zero and known within `BOUND` of the smallest time it
 enters (the medians' 95% notches, McGill et al. 1978, carried through the fit), and the costs
-predict the fourth request within `FIT`; past `BUDGET_S` without that, `CalibrationError` says what
+predict the fourth request within `FIT`; past `BUDGET_S` without that, or sooner where the spread so
+far asks for more (work too small against the timings' noise), `CalibrationError` says what
 was too noisy (docs/decisions.md#calibration-each-cost-within-20-in-3-s). A sync each, at compile
 only.
 
@@ -71,19 +72,24 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> HybridCosts:
     for sample in samplers.values():
         sample()  # first use: kernels compiled, threads woken
     times: dict[str, list[tuple[float, ...]]] = {name: [] for name in samplers}
-    deadline = time.monotonic() + BUDGET_S
+    start = time.monotonic()
     while True:
         for name, sample in samplers.items():
             times[name].append(sample())
-        if len(times["one"]) < MIN_REPEATS:
+        rounds = len(times["one"])
+        if rounds < MIN_REPEATS:
             continue
-        costs, problem = _fit(times, shapes)
+        costs, problem, short = _fit(times, shapes)
         if problem is None:
             return costs
-        if time.monotonic() > deadline:
+        # a half-width shrinks as 1/sqrt(rounds): `short` times the rounds so far would meet BOUND
+        spent = time.monotonic() - start
+        if spent > BUDGET_S or (rounds >= 2 * MIN_REPEATS and spent * short > BUDGET_S):
             raise CalibrationError(
-                f"{problem} after {len(times['one'])} rounds in {BUDGET_S:g} s: other work on "
-                "this host's cores or its memory bus upset the timings"
+                f"{problem} after {rounds} rounds in {spent:.2g} s (the spread so far asks for "
+                f"~{min(spent * short, 1e4):.2g} s, the budget is {BUDGET_S:g} s): the work is "
+                "too small against the timings' noise, or other work on this host's cores or its "
+                "memory bus upset them"
             )
 
 
@@ -95,10 +101,11 @@ def _notch(values: list[float]) -> tuple[float, float]:
 
 def _fit(
     times: dict[str, list[tuple[float, ...]]], shapes: dict[str, tuple[int, int]]
-) -> tuple[HybridCosts | None, str | None]:
+) -> tuple[HybridCosts | None, str | None, float]:
     """The costs from the medians (work = fixed + experts * per_expert + pairs * per_pair), or what
     keeps them from standing: a cost not above zero or not within BOUND, or a fit that misses the
-    check request by more than FIT."""
+    check request by more than FIT; and how many times the rounds so far that cost's half-width
+    needs to come within BOUND of the time it enters."""
     (total, u_total), (one, u_one) = (_notch([t[i] for t in times["one"]]) for i in (0, 1))
     (spread, u_spread), (stacked, u_stacked), (check, _), (copy, u_copy) = (
         _notch([t[-1] for t in times[name]]) for name in ("spread", "stacked", "check", "copy")
@@ -117,17 +124,26 @@ def _fit(
     }
     for ns, uncertain, scale, what in fitted.values():
         if ns <= 0 or uncertain > BOUND * scale:
-            return None, (
-                f"{what} timed {ns / 1e3:.3g} µs ± {uncertain / 1e3:.2g} µs, not above zero "
-                f"within {BOUND:.0%} of {scale / 1e3:.3g} µs"
+            short = (uncertain / (BOUND * abs(scale))) ** 2 if scale else math.inf
+            return (
+                None,
+                (
+                    f"{what} timed {ns / 1e3:.3g} µs ± {uncertain / 1e3:.2g} µs, not above zero "
+                    f"within {BOUND:.0%} of {scale / 1e3:.3g} µs"
+                ),
+                short,
             )
     predicted = one + (m - 1) * expert + (2 * m - 1) * pair
     if abs(predicted - check) > FIT * check:
-        return None, (
-            f"the costs predict {predicted / 1e3:.3g} µs of work for {m} experts of 2 tokens, "
-            f"which took {check / 1e3:.3g} µs"
+        return (
+            None,
+            (
+                f"the costs predict {predicted / 1e3:.3g} µs of work for {m} experts of 2 tokens, "
+                f"which took {check / 1e3:.3g} µs"
+            ),
+            1.0,
         )
-    return HybridCosts(**{name: max(1, round(v[0])) for name, v in fitted.items()}), None
+    return HybridCosts(**{name: max(1, round(v[0])) for name, v in fitted.items()}), None, 1.0
 
 
 def _request_ns(

@@ -238,6 +238,26 @@ def test_a_noisy_host_warns_and_keeps_the_default_off(monkeypatch):
         assert _calibrated(p.hybrid.executor, p.cache, asked=None) is None
 
 
+def test_work_below_the_noise_gives_up_before_the_budget(monkeypatch):
+    """Each request's work 0.1 µs an expert and 0.1 a token beside up to 200 µs of noise: after its
+    first rounds the spread asks for far more than the budget, so the calibration says so then,
+    not at its end."""
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda: float(200e3 * torch.rand((), generator=gen))
+
+    def request_ns(executor, x, ids, layer):
+        work = 1e3 + 100 * len(set(ids.flatten().tolist())) + 100 * ids.numel() + noise()
+        return work + 20e3 + noise(), work
+
+    p = providers(hybrid(tiny("olmoe")))[0]
+    monkeypatch.setattr(calibrate, "_request_ns", request_ns)
+    monkeypatch.setattr(calibrate, "BUDGET_S", 30.0)
+    start = time.monotonic()
+    with pytest.raises(calibrate.CalibrationError, match=r"the spread so far asks for .* budget"):
+        calibrate.calibrate(p.hybrid.executor, p.cache)
+    assert time.monotonic() - start < 3.0
+
+
 def test_a_noisy_host_fails_a_forced_hybrid_without_costs(monkeypatch):
     noisy(monkeypatch)
     with pytest.raises(ValueError, match=r"too noisy to time them .*pass hybrid_costs=asyncmoe"):
@@ -307,8 +327,8 @@ def test_hybrid_on_the_gpu_equals_the_gpu_only_cache(quantize):
 @torch.no_grad()
 def test_a_batch_over_the_slots_captures_without_waves():
     """Batch 4 at cache 4 (8 pairs > 4 slots) captured in the Decoder's graph without waves=True: the
-    CPU takes the excess, every step one wave a layer, and 64 greedy tokens equal the GPU-only
-    cache's (which needs waves=True) in float32."""
+    CPU takes the excess, every step one wave a layer (the eager prompt keeps its waves), and 64
+    greedy tokens equal the GPU-only cache's (which needs waves=True) in float32."""
     model = tiny("olmoe")
     gpu_only = asyncmoe.compile(copy.deepcopy(model), cache=4, device="cuda", hybrid=False)
     ours = hybrid(model, device="cuda")
@@ -317,10 +337,16 @@ def test_a_batch_over_the_slots_captures_without_waves():
     want = asyncmoe.Decoder(gpu_only, 4, n, graph=True, waves=True).generate(ids, STEPS).tokens
     with pytest.raises(ValueError, match="waves=True"):
         asyncmoe.Decoder(gpu_only, 4, n, graph=True)
-    got = asyncmoe.Decoder(ours, 4, n, graph=True).generate(ids, STEPS).tokens
-    assert torch.equal(got, want)
-    assert one_wave_a_call(ours)
+    dec = asyncmoe.Decoder(ours, 4, n, graph=True)
+    assert torch.equal(dec.generate(ids, STEPS).tokens, want)
     assert_split_both_ways(ours)
+    dec.prefill(ids)
+    waves = lambda: [
+        (int(p.cache.clock), int(p.cache.counters[Counter.CALLS])) for p in providers(ours)
+    ]
+    before = waves()
+    dec.decode(8)  # graph replays
+    assert all(c - c0 == k - k0 > 0 for (c0, k0), (c, k) in zip(before, waves(), strict=True))
 
 
 @pytest.mark.cuda

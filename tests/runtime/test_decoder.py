@@ -641,6 +641,7 @@ def test_transformers_generate_with_static_cache_compiled():
 
 
 @pytest.mark.cuda
+@pytest.mark.timing
 @pytest.mark.parametrize("prefetch", [False, True])
 @torch.no_grad()
 def test_stall_timing_in_the_graph(prefetch):
