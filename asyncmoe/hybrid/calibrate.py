@@ -41,6 +41,7 @@ BOUND = 0.2  # a cost's 95% confidence half-width, at most this share of the sma
 FIT = 0.25  # the fourth request's work, as the costs predict it, off by at most this share
 BUDGET_S = 3.0  # for all the requests together
 MIN_REPEATS = 5
+HOPELESS_AFTER = 40  # rounds before the spread so far may end the calibration ahead of its budget
 TOKENS = 4  # an expert's tokens in the request that times a token
 
 
@@ -84,7 +85,7 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> HybridCosts:
             return costs
         # a half-width shrinks as 1/sqrt(rounds): `short` times the rounds so far would meet BOUND
         spent = time.monotonic() - start
-        if spent > BUDGET_S or (rounds >= 2 * MIN_REPEATS and spent * short > BUDGET_S):
+        if spent > BUDGET_S or (rounds >= HOPELESS_AFTER and spent * short > BUDGET_S):
             raise CalibrationError(
                 f"{problem} after {rounds} rounds in {spent:.2g} s (the spread so far asks for "
                 f"~{min(spent * short, 1e4):.2g} s, the budget is {BUDGET_S:g} s): the work is "
