@@ -15,7 +15,7 @@ from .integrations.record import TraceRecorder
 from .integrations.transformers import PROVIDER, check_model, find_experts
 from .layer_stats import Stats, cpu_layer_stats, read_stats
 from .providers import CachedProvider, CpuProvider, ResidentProvider
-from .settings import OPTIONS, Settings, settings_from, takes_settings
+from .settings import OPTIONS, Settings, check_bool, settings_from, takes_settings
 
 
 @takes_settings
@@ -74,8 +74,7 @@ def stats(model: nn.Module, reset: bool = False, group=None) -> Stats:
     such as `torch.distributed.group.WORLD`) sums them over its ranks, every one of which must
     call."""
     check_model(model)
-    if not isinstance(reset, bool):
-        raise TypeError(f"reset must be True or False, got {reset!r}")
+    check_bool("reset", reset)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             "group must be a torch.distributed process group, such as "

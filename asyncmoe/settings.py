@@ -63,6 +63,12 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def check_bool(name: str, value) -> None:
+    """A switch takes True or False only: "yes", 1 or a tensor is refused, not read as truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 @dataclass(frozen=True)
 class AutoCache:
     """`cache=AutoCache(max_length=4096, batch_size=1)`: the slots that fit in the GPU memory free
@@ -262,8 +268,7 @@ class Settings:
         # from_pretrained's: an fp8 checkpoint's experts read in the model's dtype
         if self.quantize != "dequantize":
             parse_quantize(self.quantize)
-        if not isinstance(self.time_stalls, bool):
-            raise TypeError(f"time_stalls must be True or False, got {self.time_stalls!r}")
+        check_bool("time_stalls", self.time_stalls)
         if self.prefetch is not None and not isinstance(self.prefetch, (bool, Prefetch)):
             raise TypeError(
                 "prefetch must be True, False, None (on where the model runs on CUDA) or an "

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..prefetch import predictors
 from ..providers import CachedProvider, QuantizedResidentProvider
+from ..settings import check_bool
 from ..trace.format import Trace
 from .transformers import PROVIDER, families_hint, find_experts, find_router, num_experts
 
@@ -36,8 +37,7 @@ class TraceRecorder:
     """
 
     def __init__(self, model: nn.Module, gate: bool = False):
-        if not isinstance(gate, bool):
-            raise TypeError(f"gate must be True or False, got {gate!r}")
+        check_bool("gate", gate)
         named = find_experts(model)
         if not named:
             raise ValueError(

@@ -38,7 +38,7 @@ from ..integrations.transformers import (
 )
 from ..prefetch.prefetch_gate import EXPLORE_EVERY
 from ..providers import CachedProvider, prefetch_paused
-from ..settings import is_int
+from ..settings import check_bool, is_int
 from .sampling import check_sampling, sample
 
 
@@ -317,8 +317,7 @@ class Decoder:
                 f"graph must be True, False or None (graphs on CUDA, eager steps elsewhere), got "
                 f"{graph!r}"
             )
-        if not isinstance(waves, bool):
-            raise TypeError(f"waves must be True or False, got {waves!r}")
+        check_bool("waves", waves)
         if not is_int(batch_size) or batch_size < 1:
             raise ValueError(
                 "batch_size must be an int >= 1, the number of prompts per call; got "

@@ -10,6 +10,8 @@ import numbers
 
 import torch
 
+from ..settings import check_bool
+
 # each sampling knob: its type, what it must be, and the values sampling accepts
 KNOBS = {
     "temperature": (numbers.Real, "a number > 0 and finite", lambda t: 0 < t < math.inf),
@@ -23,8 +25,7 @@ def check_sampling(do_sample: bool, temperature: float, top_k: int, top_p: float
     transformers' sampling warpers accept, less top_p 0 (it would keep no token) and an infinite
     temperature (every token alike: the model unread). Greedy decoding ignores their values, as
     transformers' generate does."""
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+    check_bool("do_sample", do_sample)
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         kind, what, accepted = KNOBS[name]
         if isinstance(value, bool) or not isinstance(value, kind):
