@@ -13,6 +13,7 @@ from .cache.expert_cache import ExpertCache
 from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
 from .compute.cpu.kernels import STATS
 from .compute.cpu.request import WAITED_NS
+from .hybrid.calibrate import costs_of
 from .prefetch.prefetch_gate import MIN_PRECISION, gate_precision
 from .settings import HybridCosts
 
@@ -377,7 +378,7 @@ def read_stats(
         copy_ns=copy,
         window_ns=window,
         min_precision=gate_precision(pace).item(),
-        hybrid_costs=next((h.costs for h in hybrids if h is not None), None),
+        hybrid_costs=next((costs_of(h.cost) for h in hybrids if h is not None), None),
     )
 
 

@@ -188,6 +188,13 @@ def cost_tensor(costs: HybridCosts, device: torch.device) -> torch.Tensor:
     )
 
 
+def costs_of(cost: torch.Tensor) -> HybridCosts:
+    """`cost_tensor`'s costs read back (a host sync: stats only)."""
+    return HybridCosts(
+        **{c.name.lower(): int(ns) for c, ns in zip(Cost, cost.tolist(), strict=True)}
+    )
+
+
 def split_ns(c: HybridCosts, misses: int) -> int:
     """The split's time for a call of `misses` misses of a token each, the link owing nothing else:
     min over the CPU's share n of max(its time, the link's for the rest)."""

@@ -19,7 +19,6 @@ from ..cache.ops import check_state
 from ..cache.state import CacheState
 from ..cache.streams import SIDE
 from ..compute.cpu.executor import CpuExecutor, executor
-from ..settings import HybridCosts
 from . import split
 from .split import Cost
 
@@ -27,13 +26,12 @@ from .split import Cost
 @dataclass(frozen=True)
 class Hybrid:
     """A cached layer's link to the CPU: the model's `executor`, this layer's number in its
-    requests, and the model's `costs`, as the split reads them in `cost` [len(Cost)] int64 ns (on
-    the model's device)."""
+    requests, and the model's costs as the split reads them, `cost` [len(Cost)] int64 ns (on the
+    model's device; `calibrate.costs_of` reads them back)."""
 
     executor: CpuExecutor
     layer: int
     cost: Tensor
-    costs: HybridCosts
 
 
 @torch.library.custom_op("asyncmoe::hybrid_send", mutates_args=("state",))

@@ -464,7 +464,7 @@ def _install_hybrid(
     else:
         cost = cost_tensor(costs, spec.device)
         for i, (_, provider) in enumerate(cached):
-            provider.hybrid = Hybrid(executor, i, cost, costs)
+            provider.hybrid = Hybrid(executor, i, cost)
 
 
 def _calibrated(executor: CpuExecutor, cache, asked: bool | None) -> HybridCosts | None:

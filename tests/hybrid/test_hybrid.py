@@ -185,7 +185,7 @@ def test_calibration_measures_this_host(shape, capsys):
     assert all(ns > 0 for ns in vars(costs).values()), costs
     cost = providers(ours)[0].hybrid.cost
     assert cost.tolist() == [getattr(costs, c.name.lower()) for c in Cost]
-    assert all(p.hybrid.cost is cost and p.hybrid.costs == costs for p in providers(ours))
+    assert all(p.hybrid.cost is cost for p in providers(ours))
     said = capsys.readouterr().out
     assert said.count("asyncmoe: hybrid") == 1 and f"{costs} in ns (timed on this host)" in said
 
