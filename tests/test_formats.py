@@ -224,7 +224,9 @@ def test_fullgraph_compile_of_a_quantized_model(quantize):
 def test_quantized_on_the_gpu_graph_eager_and_generate_agree(quantize, family, cache):
     model = tiny(family, dtype=torch.bfloat16)
     ref = quantized_reference(model, parse_quantize(quantize)).cuda()
-    ours = asyncmoe.compile(copy.deepcopy(model), cache=cache, quantize=quantize, device="cuda")
+    ours = asyncmoe.compile(
+        copy.deepcopy(model), cache=cache, quantize=quantize, device="cuda", hybrid=False
+    )
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(0)).cuda()
     # the layer output against the dequantized reference, on bf16 activations
     (_, mine), (_, theirs) = find_experts(ours)[0], find_experts(ref)[0]
@@ -257,7 +259,9 @@ def test_fp8_checkpoint_on_the_gpu(tmp_path):
 
     model = tiny("qwen3_moe", moe_intermediate_size=32)
     path = write_fp8_checkpoint(model, tmp_path, (16, 16), shards=2)
-    ours = asyncmoe.from_pretrained(path, cache=4, dtype=torch.bfloat16, device="cuda")
+    ours = asyncmoe.from_pretrained(
+        path, cache=4, dtype=torch.bfloat16, device="cuda", hybrid=False
+    )
     ref = dequantized(model, (16, 16)).to("cuda", torch.bfloat16)
     ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():

@@ -467,8 +467,8 @@ REPLAY_CASES = [
 @torch.no_grad()
 def test_graph_replay_equals_eager_fp32(family, kind, batch, cache):
     ref = tiny(family, device="cuda")
-    a = asyncmoe.compile(copy.deepcopy(ref), cache=cache)
-    b = asyncmoe.compile(copy.deepcopy(ref), cache=cache)
+    a = asyncmoe.compile(copy.deepcopy(ref), cache=cache, hybrid=False)  # slots refill: GPU only
+    b = asyncmoe.compile(copy.deepcopy(ref), cache=cache, hybrid=False)
     ids = prompts(kind, batch).cuda()
     n = ids.shape[1] + STEPS + 1
     waves = cache < min(NUM_EXPERTS, batch * TOP_K)
@@ -507,8 +507,8 @@ def test_graph_replay_bf16_within_the_models_own_compile_tolerance(family):
     # the unmodified model's own spread: eager vs torch.compile'd forward on the same inputs
     x = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(9)).cuda()
     own = (torch.compile(ref)(x).logits.float() - ref(x).logits.float()).abs().max().item()
-    a = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
-    b = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
+    a = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, hybrid=False)
+    b = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, hybrid=False)
     worst = lockstep(
         asyncmoe.Decoder(a, 1, n, graph=True), asyncmoe.Decoder(b, 1, n, graph=False), ids, 40
     )
@@ -587,8 +587,8 @@ def test_reduce_overhead_compile_keeps_the_moe_layers_in_cudagraphs():
     call, next to none of eager's kernel launches), while the routing changes with every prompt and the outputs
     stay eager's."""
     ref = tiny("olmoe", device="cuda")
-    model = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
-    eager = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K)
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, hybrid=False)  # misses refill slots
+    eager = asyncmoe.compile(copy.deepcopy(ref), cache=TOP_K, hybrid=False)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 128, (1, 4), generator=g).cuda() for _ in range(8)]
     warm = 3  # compile and warm-up run, graph recording, first replay

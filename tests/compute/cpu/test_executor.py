@@ -178,7 +178,9 @@ def on_the_gpu(model, quantize: str | None):
     if quantize is None:
         theirs = copy.deepcopy(model).cuda()
     else:
-        theirs = asyncmoe.compile(copy.deepcopy(model), cache=4, quantize=quantize, device="cuda")
+        theirs = asyncmoe.compile(
+            copy.deepcopy(model), cache=4, quantize=quantize, device="cuda", hybrid=False
+        )
     return theirs, asyncmoe.compile(copy.deepcopy(model), cache=0, quantize=quantize, device="cuda")
 
 
