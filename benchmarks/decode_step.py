@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step.py --shape olmoe-1b-7b --caches 64 32 16 --out decode_step.json
 
-Systems, batch-1 greedy decode, the same prompt (16 random tokens) for all:
+Systems, greedy decode of `--batch` sequences (1), the same prompt (16 random tokens a sequence) for all:
   unmodified            the transformers model fully resident (a: CUDA graph; and eager)
   asyncmoe cache=C      asyncmoe with C slots per layer, with and without prefetch, graph and eager (and each of
                         `--policies`, the default policy unless given)
@@ -201,6 +201,7 @@ def main():
         default=[64, 32, 16],
         help="slots per MoE layer (0: every routed expert on the CPU) or GPU-memory budgets (8GiB)",
     )
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--eager-steps", type=int, default=16)
@@ -288,7 +289,7 @@ def main():
     reset_host_peak()
     base = None if args.random_mxfp4 else random_model(args.shape, torch.bfloat16, "cuda")
     experts = routing_shape(args.shape)[0]
-    ids = prompt(args.shape, 1, seed=0)
+    ids = prompt(args.shape, args.batch, seed=0)
 
     timings = [(True, args.steps, args.rounds)]
     if not args.no_eager:
@@ -409,6 +410,7 @@ def main():
         "steps": args.steps,
         "rounds": args.rounds,
         "replay": args.replay,
+        "batch": args.batch,
         "time_stalls": args.time_stalls,
         "rows": rows,
     }
