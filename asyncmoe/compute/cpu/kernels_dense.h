@@ -22,44 +22,38 @@ static void decode_f16(const uint16_t *src, int64_t len, float *dst) {
     for (; i < len; i++) dst[i] = f16_to_f32(src[i]);
 }
 
-/* VL weights from input k of a row, as float32: how dot_chains reads a row's format */
-typedef vf (*weights_fn)(const void *row, int64_t k);
-
-/* The loop of the float32 dots (dot_fixed, dot8_fixed's blocks): sum[t] = sum_k load(row, k) x[t * ldx + k] for t < tb
- * over the whole VLs of [k, end); returns where they stop. Each token keeps `u` partial sums, so that at least four
- * FMA chains are in flight even for one token (a single chain waits out the FMA's latency at every step, slower than
- * a thread's share of DRAM bandwidth for 4-bit). tb and load constants once inlined: the sums stay in registers. */
-static inline __attribute__((always_inline)) int64_t dot_chains(weights_fn load, const void *row, const float *x,
-                                                                int64_t ldx, int64_t k, int64_t end, int tb, vf *sum) {
-    const int u = tb == 1 ? 4 : tb == 2 ? 2 : 1;
-    vf acc[4][TOKENS_PER_READ];
-    for (int j = 0; j < u; j++)
-        for (int t = 0; t < tb; t++) acc[j][t] = vzero();
-    for (; k + u * VL <= end; k += u * VL)
-        for (int j = 0; j < u; j++) {
-            vf w = load(row, k + j * VL);
-            for (int t = 0; t < tb; t++) acc[j][t] = vfma(w, vload(x + t * ldx + k + j * VL), acc[j][t]);
-        }
-    for (; k + VL <= end; k += VL) {
-        vf w = load(row, k);
-        for (int t = 0; t < tb; t++) acc[0][t] = vfma(w, vload(x + t * ldx + k), acc[0][t]);
+/* The loop of the float32 dots (dot_fixed, dot8_fixed's blocks), written once and expanded in each: declares k and,
+ * over the whole VLs of [start, end), makes sum_j acc[j][t] = sum_k LOAD(k) x[t * ldx + k] for t < tb, j < CHAINS(tb);
+ * k ends where they stop. LOAD(i): the VL weights from input i as float32, written `base + i` (unparenthesised, so the
+ * address adds as the loops always wrote it). Each token keeps CHAINS(tb) partial sums, so that at least four FMA
+ * chains are in flight even for one token (a single chain waits out the FMA's latency at every step, slower than a
+ * thread's share of DRAM bandwidth for 4-bit). A macro, not an inline function taking the load: the function compiled
+ * to other machine code (docs/decisions.md#own-cpu-kernels-all-but-one-core-two-beside-a-gpu). */
+#define CHAINS(tb) ((tb) == 1 ? 4 : (tb) == 2 ? 2 : 1)
+#define DOT_CHAINS(LOAD, acc, x, ldx, k, start, end, tb)                                                              \
+    for (int j = 0; j < CHAINS(tb); j++)                                                                               \
+        for (int t = 0; t < (tb); t++) acc[j][t] = vzero();                                                            \
+    int64_t k = (start);                                                                                               \
+    for (; k + CHAINS(tb) * VL <= (end); k += CHAINS(tb) * VL)                                                         \
+        for (int j = 0; j < CHAINS(tb); j++) {                                                                         \
+            vf w_ = LOAD(k + j * VL);                                                                                  \
+            for (int t = 0; t < (tb); t++) acc[j][t] = vfma(w_, vload((x) + t * (ldx) + k + j * VL), acc[j][t]);       \
+        }                                                                                                              \
+    for (; k + VL <= (end); k += VL) {                                                                                 \
+        vf w_ = LOAD(k);                                                                                               \
+        for (int t = 0; t < (tb); t++) acc[0][t] = vfma(w_, vload((x) + t * (ldx) + k), acc[0][t]);                    \
     }
-    for (int t = 0; t < tb; t++) {
-        for (int j = 1; j < u; j++) acc[0][t] = vadd(acc[0][t], acc[j][t]);
-        sum[t] = acc[0][t];
-    }
-    return k;
-}
 
-static inline vf load_f32(const void *row, int64_t k) { return vload((const float *)row + k); }
-
-/* out[t] = sum_k w[k] x[t * ldx + k] for t < tb */
+/* out[t] = sum_k w[k] x[t * ldx + k] for t < tb; tb a constant once inlined, so the accumulators stay in registers */
 static inline __attribute__((always_inline)) void dot_fixed(const float *w, const float *x, int64_t ldx, int64_t len,
                                                             int tb, float *out) {
-    vf sum[TOKENS_PER_READ];
-    const int64_t k = dot_chains(load_f32, w, x, ldx, 0, len, tb, sum);
+    vf acc[4][TOKENS_PER_READ];
+#define LOAD_F32(i) vload(w + i)
+    DOT_CHAINS(LOAD_F32, acc, x, ldx, k, 0, len, tb);
+#undef LOAD_F32
     for (int t = 0; t < tb; t++) {
-        float s = vsum(sum[t]);
+        for (int j = 1; j < CHAINS(tb); j++) acc[0][t] = vadd(acc[0][t], acc[j][t]);
+        float s = vsum(acc[0][t]);
         for (int64_t j = k; j < len; j++) s += w[j] * x[t * ldx + j];
         out[t] = s;
     }

@@ -24,21 +24,22 @@ static inline int64_t fp8_position(int64_t k, int64_t K) {
 }
 
 #if VL > 1
-static inline vf load_fp8(const void *row, int64_t k) { return vfp8((const uint8_t *)row + k); }
-
-/* an fp8 row of K bytes whose scales change every B inputs: each block by dot_chains, its sums scaled once */
+/* an fp8 row of K bytes whose scales change every B inputs: each block by DOT_CHAINS, its sums scaled once */
 static inline __attribute__((always_inline)) void dot8_fixed(const uint8_t *row, const float *scales, int64_t B,
                                                              const float *x, int64_t ldx, int64_t K, int tb,
                                                              float *out) {
-    vf acc[TOKENS_PER_READ], part[TOKENS_PER_READ];
+    vf acc[TOKENS_PER_READ], part[4][TOKENS_PER_READ];
     float tail[TOKENS_PER_READ] = {0};
     for (int t = 0; t < tb; t++) acc[t] = vzero();
     for (int64_t b0 = 0; b0 < K; b0 += B) {
         const int64_t end = min64(K, b0 + B);
         const float scale = scales[b0 / B];
-        const int64_t k = dot_chains(load_fp8, row, x, ldx, b0, end, tb, part);
+#define LOAD_FP8(i) vfp8(row + i)
+        DOT_CHAINS(LOAD_FP8, part, x, ldx, k, b0, end, tb);
+#undef LOAD_FP8
         for (int t = 0; t < tb; t++) {
-            acc[t] = vfma(vset1(scale), part[t], acc[t]);
+            for (int j = 1; j < CHAINS(tb); j++) part[0][t] = vadd(part[0][t], part[j][t]);
+            acc[t] = vfma(vset1(scale), part[0][t], acc[t]);
             float rest = 0.0f;
             for (int64_t i = k; i < end; i++) rest += E4M3[row[i]] * x[t * ldx + i];
             tail[t] += scale * rest;
