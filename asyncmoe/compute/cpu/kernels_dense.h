@@ -28,7 +28,7 @@ static void decode_f16(const uint16_t *src, int64_t len, float *dst) {
  * address adds as the loops always wrote it). Each token keeps CHAINS(tb) partial sums, so that at least four FMA
  * chains are in flight even for one token (a single chain waits out the FMA's latency at every step, slower than a
  * thread's share of DRAM bandwidth for 4-bit). A macro, not an inline function taking the load: the function compiled
- * to other machine code (docs/decisions.md#own-cpu-kernels-all-but-one-core-two-beside-a-gpu). */
+ * to other machine code (docs/decisions.md#one-loop-for-the-float32-dots). */
 #define CHAINS(tb) ((tb) == 1 ? 4 : (tb) == 2 ? 2 : 1)
 #define DOT_CHAINS(LOAD, acc, x, ldx, k, start, end, tb)                                                              \
     for (int j = 0; j < CHAINS(tb); j++)                                                                               \
