@@ -26,7 +26,6 @@ from .cache import ops as cache_ops
 from .cache.expert_cache import ExpertCache, num_waves
 from .cache.gather_copy import copy_ns
 from .cache.state import GATE, PACE_COPY, TEMPORAL, TRANSITION
-from .cache.stream import streamed_waves
 from .compute.cpu import ops as cpu_ops
 from .compute.cpu.executor import CpuExecutor
 from .compute.experts import absent_zeroed, combine, routed_outputs
@@ -108,8 +107,8 @@ class Links:
 
 class CachedProvider(ExpertWeightProvider):
     """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run
-    in waves (eager ones streamed: cache/stream.py), but captured or compiled ones with `hybrid`,
-    whose CPU takes the excess (calls of at most one CPU request)."""
+    in waves, but captured or compiled ones with `hybrid`, whose CPU takes the excess (calls of at
+    most one CPU request)."""
 
     def __init__(
         self,
@@ -164,30 +163,22 @@ class CachedProvider(ExpertWeightProvider):
         # A captured or compiled call of one CPU request goes hybrid whatever its experts: the split
         # leaves the GPU no more than the slots hold, one wave, where its shapes would fix the worst
         # case's waves. Eager calls over the slots (prompts, whose experts carry many tokens each)
-        # stream their waves through the GPU, with no prefetch beside them: they route to most
-        # experts, and the copy engine moves them back to back (cache/stream.py).
+        # keep their waves on the GPU: the forced split would hand the CPU such experts.
         hybrid, waves = self.hybrid, num_waves(T * k, C, E)
-        streamed = waves > 1 and not _fixed_shapes(hidden_states)
-        linked = not self.paused
-        if streamed:
-            out = streamed_waves(
-                self.cache,
-                top_k_index,
-                lambda slots: routed_outputs(experts, hidden_states, slots, weights, self.fmt),
-                wait=self.wait and linked,
-            )
-            out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
-            return combine(out, top_k_weights, hidden_states.dtype)
-        if hybrid is not None and T > hybrid.executor.settings.max_tokens:
+        if hybrid is not None and (
+            T > hybrid.executor.settings.max_tokens
+            or (waves > 1 and not _fixed_shapes(hidden_states))
+        ):
             hybrid = None
         waves = 1 if hybrid is not None else waves
-        out, gated = None, []
+        out, wave, filled, gated = None, 0, None, []
+        linked = not self.paused
         elsewhere = None
         if hybrid is not None:
             elsewhere, cpu_ids = hybrid_ops.hybrid_send(
                 hidden_states, top_k_index, self.wait and linked, self.cache, hybrid
             )  # [E], [T, k]
-        for wave in range(waves):
+        while wave < waves:
             first = wave == 0 and linked
             slots = cache_ops.ensure(
                 self.cache,
@@ -197,11 +188,19 @@ class CachedProvider(ExpertWeightProvider):
                 lap=self.laps and first,
                 elsewhere=elsewhere,
             )  # [T, k]
+            # wave 1, its plan and copies queued: a host sync, eager only (_fixed_shapes)
+            if filled is not None:
+                waves, filled = filled(), None
+                if wave == waves:
+                    break  # wave 0 held every expert the call needs: this plan has nothing to copy
+            if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
+                filled = self._waves_filled()
             if first and self.plan is not None:
                 # after this layer's misses, so it overlaps its compute
                 gated = self._prefetch(hidden_states)
             part = routed_outputs(experts, hidden_states, slots, weights, self.fmt)  # [T*k, H]
             out = part if out is None else torch.where((slots >= 0).reshape(-1, 1), part, out)
+            wave += 1
         for target in gated:
             # the side stream has read hidden_states: free it
             prefetch_ops.gate_join(hidden_states, target.prefetch)
@@ -211,6 +210,26 @@ class CachedProvider(ExpertWeightProvider):
             )
         out = absent_zeroed(out, top_k_index, E) if self.expert_parallel else out
         return combine(out, top_k_weights, hidden_states.dtype)
+
+    def _waves_filled(self) -> Callable[[], int]:
+        """The waves this call's experts fill, from wave 0's plan, for the host. On CUDA the count
+        is copied to pinned memory as soon as the plan is queued, and read once wave 0's compute and
+        wave 1's plan and copies are queued too: the host waits for wave 0's copies while the GPU
+        has the rest to run (docs/decisions.md#eager-waves)."""
+        last = self.cache.wave_of.max()
+        if not last.is_cuda:
+            return lambda: int(last) + 1  # a CPU tensor: no queue to wait for
+        host = torch.empty((), dtype=last.dtype, pin_memory=True)
+        host.copy_(last, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> int:
+            # the host sync, eager only: `forward` never calls this under _fixed_shapes
+            copied.synchronize()
+            return int(host) + 1
+
+        return read
 
     def _prefetch(self, hidden_states: torch.Tensor) -> list[CachedProvider]:
         """Predict and prefetch for the targets; returns those whose gate scores read
@@ -270,8 +289,9 @@ def prefetch_paused(providers: list[CachedProvider]):
 
 def _fixed_shapes(x: torch.Tensor) -> bool:
     """Whether this forward must run the worst case's waves, which shapes alone fix (`num_waves`): a
-    CUDA graph capture or torch.compile trace. Eager, a call streams the waves its experts fill,
-    read on the host once wave 0 has ranked them (cache/stream.py)."""
+    CUDA graph capture or torch.compile trace. Eager, a call stops after the waves its experts fill,
+    read on the host once wave 0 has ranked them (`wave_plan`): the rest would sort, gather and
+    decide over every pair for nothing (docs/decisions.md#eager-waves)."""
     return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 

@@ -185,8 +185,11 @@ def test_fullgraph_compile_matches_without_recompiling(family, dtype, tol):
         assert (out.float() - want.float()).abs().max().item() <= tol
         contents.add(tuple(cache.slot_to_expert.tolist()))
     assert compiles == 1, f"recompiled: {compiles} graphs for one input shape"
-    # (the eager model streams its waves, half the slots each, so its counters differ by design)
     assert len(contents) > 1, "routing never changed the cache contents: the test proves nothing"
+    if (
+        dtype == torch.float32
+    ):  # same routing, same cache decisions (bf16 rounding may flip a near-tie)
+        assert asyncmoe.stats(model).totals["misses"] == asyncmoe.stats(eager).totals["misses"]
 
 
 def test_stats_of_uncompiled_model():

@@ -17,10 +17,6 @@ every expert's wave and keeps it in `wave_of`, so that later waves, which see a 
 agree; wave w evicts only experts no later wave of the call needs while others are available, and
 returns slot -1 for pairs of other waves (docs/decisions.md#resident-first-waves).
 
-Streamed waves (`streamed`, an eager prompt: cache/stream.py) hold at most C // 2 experts each, and
-wave w also keeps wave w - 1's slots from eviction (tier "needed now", neither copied nor a hit), so
-wave w's copies can run while wave w - 1 computes: they only refill slots of wave w - 2 and before.
-
 An expert id equal to E names no expert of this cache: expert parallelism routes that pair to
 another rank's experts (transformers' sentinel, weight 0). It needs nothing here and gets slot -1,
 as another wave's pair does. An expert in `elsewhere` (the hybrid's CPU computes it this call) is
@@ -54,11 +50,10 @@ def ensure(
     slots: list[torch.Tensor],  # [C, ...] each
     use_kernel: bool | None = None,
     elsewhere: torch.Tensor | None = None,  # [E] bool
-    streamed: bool = False,
 ) -> torch.Tensor:
     """Make wave `wave` of this call's experts resident, but those `elsewhere` computes; return slot
     ids [T, k] (-1: another wave's pair, or elsewhere's)."""
-    out, copies = ensure_plan(top_k_index, wave, policy, s, slots, use_kernel, elsewhere, streamed)
+    out, copies = ensure_plan(top_k_index, wave, policy, s, slots, use_kernel, elsewhere)
     copy_in(hosts, slots, copies)
     return out
 
@@ -71,14 +66,13 @@ def ensure_plan(
     slots: list[torch.Tensor],
     use_kernel=None,
     elsewhere: torch.Tensor | None = None,
-    streamed: bool = False,
 ) -> tuple[torch.Tensor, Copies]:
     """`ensure`'s decision, tables updated: slot ids [T, k] and the copies still to make."""
     ids, policy, nbytes = top_k_index.long().reshape(-1), get_policy(policy), expert_bytes(slots)
     if _use_kernel(s, use_kernel):
-        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes, elsewhere, streamed)
+        out, copies = cache_step.ensure_triton(ids, wave, policy.id, s, nbytes, elsewhere)
     else:
-        out, copies = ensure_reference(ids, wave, policy, s, nbytes, elsewhere, streamed)
+        out, copies = ensure_reference(ids, wave, policy, s, nbytes, elsewhere)
     return out.view(top_k_index.shape), copies
 
 
@@ -131,16 +125,13 @@ def ensure_reference(
     s: CacheState,
     nbytes: int,
     elsewhere: torch.Tensor | None = None,
-    streamed: bool = False,
 ) -> tuple[torch.Tensor, Copies]:
     """`ensure`'s decision for the routed experts `ids` [P], but those `elsewhere` [E] computes: slot
-    of each pair [P] and the copies to make. `streamed`: waves of C // 2, the previous one kept."""
+    of each pair [P] and the copies to make."""
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     s.clock.add_(1)
     resident = s.expert_to_slot[:E] >= 0
-    per_wave = wave_capacity(C, streamed)
-    need, now, later = wave_plan(ids, wave, per_wave, resident, s.wave_of, elsewhere)
-    kept = (s.wave_of == wave - 1) & (s.wave_of >= 0) if streamed else None
+    need, now, later = wave_plan(ids, wave, C, resident, s.wave_of, elsewhere)
     if wave == 0:
         policy.observe(s, need)
     s.routed.copy_(need)
@@ -148,7 +139,7 @@ def ensure_reference(
     # wave 0
     victims = (need & ~resident & (s.evicted_at[:E] == s.clock - 1)).sum() * (wave == 0)
     nominations = nomination_outcomes(need, resident, s)
-    src, dst, _, count, gone, wasted = admit(now, later, min(C, E, ids.numel()), policy, s, kept)
+    src, dst, _, count, gone, wasted = admit(now, later, min(C, E, ids.numel()), policy, s)
     prefetch_hits = touch(now, s)
 
     calls = torch.ones_like(count) if wave == 0 else torch.zeros_like(count)
@@ -198,16 +189,10 @@ def prefetch_reference(
     return src, dst, count.view(1)
 
 
-def wave_capacity(num_slots: int, streamed: bool) -> int:
-    """Experts a wave holds: every slot, or half of them for streamed waves (one half computes while
-    the other fills)."""
-    return num_slots // 2 if streamed else num_slots
-
-
 def wave_plan(
     ids: torch.Tensor,
     wave: int,
-    per_wave: int,
+    num_slots: int,
     resident: torch.Tensor,
     wave_of: torch.Tensor,
     elsewhere: torch.Tensor | None = None,  # [E] bool
@@ -223,7 +208,7 @@ def wave_plan(
         here = need if elsewhere is None else need & ~elsewhere
         first = here & resident
         rank = torch.where(first, first.cumsum(0), first.sum() + (here & ~first).cumsum(0)) - 1
-        wave_of.copy_(torch.where(here, rank // per_wave, torch.where(need, WAVE_ELSEWHERE, -1)))
+        wave_of.copy_(torch.where(here, rank // num_slots, torch.where(need, WAVE_ELSEWHERE, -1)))
     return need, wave_of == wave, wave_of > wave
 
 
@@ -238,16 +223,15 @@ def admit(
     max_new: int,  # M
     policy: Policy,
     s: CacheState,
-    kept: torch.Tensor | None = None,  # [E] bool: never evicted, not admitted
 ):
     """Plan and book the admission of the wanted experts not yet resident; the caller copies the
     data.
 
     Returns src [M] expert ids, dst [M] slots, valid [M], count [] (pairs i < count are real), gone
     [M] (the expert each pair evicted, E: none) and wasted [] (evicted prefetches that were never
-    used). Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted or
-    kept), then by the policy's score, so a wanted expert is never evicted: at most C are wanted or
-    kept, and every missing wanted expert leaves a slot not holding a wanted or kept one.
+    used). Victims are ranked by tier (empty < prefetched-unused < used < protected < wanted), then
+    by the policy's score, so a wanted expert is never evicted: at most C are wanted, and every
+    missing wanted expert leaves a slot not holding a wanted one.
     """
     E = want.numel()
     missing = want & (s.expert_to_slot[:E] < 0)
@@ -256,11 +240,10 @@ def admit(
 
     held = s.slot_to_expert.clamp(min=0)
     used_tier = torch.where(s.used, 2, 1)
-    top = want if kept is None else want | kept
     tier = torch.where(
         s.slot_to_expert < 0,
         0,
-        torch.where(top[held], 4, torch.where(protect[held], 3, used_tier)),
+        torch.where(want[held], 4, torch.where(protect[held], 3, used_tier)),
     )
     by_score = torch.argsort(policy.score(s), stable=True)
     # victims, most evictable first

@@ -113,7 +113,7 @@ if triton is not None:
 
     @triton.jit
     def _call_needs(
-        ids_ptr, n_pairs, wave_of_ptr, away, e2s, e, emask, wave, per_wave,
+        ids_ptr, n_pairs, wave_of_ptr, away, e2s, e, emask, wave, C,
         BE: tl.constexpr, BP: tl.constexpr,
     ):  # fmt: skip
         """The call's experts and each one's wave: a later wave reads them from wave 0's plan (-1:
@@ -138,7 +138,7 @@ if triton is not None:
             tl.sum(first, axis=0) + tl.cumsum(here - first, axis=0),
         )
         no_wave = tl.where(need != 0, _WAVE_ELSEWHERE, -1)
-        planned = tl.where(here != 0, (rank - 1) // per_wave, no_wave).to(tl.int64)
+        planned = tl.where(here != 0, (rank - 1) // C, no_wave).to(tl.int64)
         wave_of = tl.where(wave == 0, planned, kept)
         # a branch, not `mask=emask & (wave == 0)`: Triton 3.9's interpreter broadcasts a scalar
         # comparison to its operands' integer type, and its loads and stores refuse a mask that is
@@ -237,14 +237,13 @@ if triton is not None:
     @triton.jit
     def _evict(s2e_ptr, used_ptr, scratch_ptr, c, cmask, score, count, BC: tl.constexpr):
         """The first `count` slots by (tier, policy score, slot): tiers empty < prefetched-unused <
-        used < needed by a later wave (`scratch` 1) < needed now (2) or kept from the previous
-        streamed wave (3). Returns the victims' slots, which of them are real, their experts and
-        use."""
+        used < needed by a later wave < needed now. Returns the victims' slots, which of them are
+        real, their experts and use."""
         s2e = tl.load(s2e_ptr + c, mask=cmask, other=-1)
         flag = tl.load(scratch_ptr + tl.maximum(s2e, 0), mask=cmask & (s2e >= 0), other=0)
         used = tl.load(used_ptr + c, mask=cmask, other=0).to(tl.int32)
         tier = tl.where(
-            s2e < 0, 0, tl.where(flag >= 2, 4, tl.where(flag == 1, 3, tl.where(used != 0, 2, 1)))
+            s2e < 0, 0, tl.where(flag == 2, 4, tl.where(flag == 1, 3, tl.where(used != 0, 2, 1)))
         )
         key = (tier.to(tl.int64) << 59) | (score << _SLOT_BITS) | c
         key = tl.where(cmask, key, (1 << 62))
@@ -358,17 +357,17 @@ if triton is not None:
 
     # Triton compiles a scalar argument equal to 0 or 1 as a Python constant; `wave` must stay a
     # tensor scalar
-    @triton.jit(do_not_specialize=["wave", "n_pairs", "E", "C", "M", "per_wave"])
+    @triton.jit(do_not_specialize=["wave", "n_pairs", "E", "C", "M"])
     def _cache_step(
         ids_ptr, n_pairs, out_ptr,  # ensure: routed expert of each pair [P]; slot of each pair, -1: other wave
         elsewhere_ptr,  # ensure: [E] bool, experts computed elsewhere (ELSEWHERE)
         pred_ptr, nominated_ptr,  # prefetch: score [E] f32, source bits [E] i8
         src_ptr, dst_ptr, count_ptr,  # the planned copies
-        wave, E, C, M, per_wave, expert_bytes,
+        wave, E, C, M, expert_bytes,
         # the cache's state (CACHE_STATE, by name)
         expert_to_slot_ptr, slot_to_expert_ptr, last_use_ptr, born_ptr, freq_ptr, used_ptr, clock_ptr, source_ptr,
         routed_ptr, evicted_at_ptr, wave_of_ptr, explored_ptr, runners_up_ptr, counters_ptr, scratch_ptr, follows_ptr,
-        POLICY: tl.constexpr, PREFETCH: tl.constexpr, ELSEWHERE: tl.constexpr, STREAMED: tl.constexpr,
+        POLICY: tl.constexpr, PREFETCH: tl.constexpr, ELSEWHERE: tl.constexpr,
         BE: tl.constexpr, BC: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     ):  # fmt: skip
         e = tl.arange(0, BE)
@@ -379,8 +378,7 @@ if triton is not None:
         if not PREFETCH:
             clock += 1
             tl.store(clock_ptr, clock)
-        # which experts this call wants: `now` (2 in scratch), `later` waves (1), and the previous
-        # streamed wave's, kept (3)
+        # which experts this call wants: `now` (2 in scratch), and `later` waves (1)
         e2s = tl.load(expert_to_slot_ptr + e, mask=emask, other=-1)
         if PREFETCH:
             now, later = _prefetch_wants(pred_ptr, e2s, e, emask, M, BE)
@@ -389,11 +387,9 @@ if triton is not None:
             if ELSEWHERE:  # routed, but in no wave: neither copied nor a hit
                 away = tl.load(elsewhere_ptr + e, mask=emask, other=0).to(tl.int32)
             need, wave_of = _call_needs(
-                ids_ptr, n_pairs, wave_of_ptr, away, e2s, e, emask, wave, per_wave, BE, BP
+                ids_ptr, n_pairs, wave_of_ptr, away, e2s, e, emask, wave, C, BE, BP
             )
             now, later = (wave_of == wave).to(tl.int32), (wave_of > wave).to(tl.int32)
-            if STREAMED:
-                later += ((wave_of == wave - 1) & (wave_of >= 0)).to(tl.int32) * 3
             if POLICY == _MARKOV:
                 if wave == 0:
                     _learn_follows(follows_ptr, routed_ptr, need, e, emask, E, BE, BR)
@@ -475,16 +471,15 @@ if triton is not None:
 
 def ensure_triton(
     ids: torch.Tensor, wave: int, policy_id: int, s: CacheState, expert_bytes: int,
-    elsewhere: torch.Tensor | None = None, streamed: bool = False,
+    elsewhere: torch.Tensor | None = None,
 ):  # fmt: skip
     """`ensure`'s decision for the routed experts `ids` [P] on the cache state `s`, but those
     `elsewhere` [E] computes: (slot of each pair [P], (src [M], dst [M], count [1])) with
-    M = min(C, E, P). `streamed`: waves of C // 2, the previous one kept (algorithm.py)."""
+    M = min(C, E, P)."""
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     out, *copies = _launch(
-        ids, None, None, wave, policy_id, min(C, E, ids.numel()), s, expert_bytes, elsewhere,
-        streamed,
-    )  # fmt: skip
+        ids, None, None, wave, policy_id, min(C, E, ids.numel()), s, expert_bytes, elsewhere
+    )
     return out, tuple(copies)
 
 
@@ -498,9 +493,8 @@ def prefetch_triton(
 
 
 def _launch(
-    ids, predicted, nominated, wave, policy_id, max_new, s: CacheState, expert_bytes, elsewhere=None,
-    streamed=False,
-):  # fmt: skip
+    ids, predicted, nominated, wave, policy_id, max_new, s: CacheState, expert_bytes, elsewhere=None
+):
     E, C = s.expert_to_slot.numel() - 1, s.slot_to_expert.numel()
     dev = s.expert_to_slot.device
     prefetch = predicted is not None
@@ -514,9 +508,9 @@ def _launch(
     away = s.routed if elsewhere is None else elsewhere
     n_pairs = ids.numel()
     _cache_step[(1,)](
-        ids, n_pairs, out, away, *scores, src, dst, count, wave, E, C, max_new,
-        C // 2 if streamed else C, expert_bytes, **pointers(s, CACHE_STATE),
-        POLICY=policy_id, PREFETCH=prefetch, ELSEWHERE=elsewhere is not None, STREAMED=streamed,
+        ids, n_pairs, out, away, *scores, src, dst, count, wave, E, C, max_new, expert_bytes,
+        **pointers(s, CACHE_STATE),
+        POLICY=policy_id, PREFETCH=prefetch, ELSEWHERE=elsewhere is not None,
         BE=triton.next_power_of_2(E), BC=triton.next_power_of_2(C),
         BP=min(triton.next_power_of_2(max(n_pairs, 1)), 1024), BK=triton.next_power_of_2(len(Counter)), BR=16,
         num_warps=4,

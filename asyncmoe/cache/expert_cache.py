@@ -20,9 +20,8 @@ class ExpertCache(nn.Module):
 
     `hosts` maps each per-expert tensor name of the experts module (`gate_up_proj`, `down_proj`,
     biases, ...) to its host store `[E, ...]` as the device sees it: a UVA view of pinned memory for
-    a CUDA cache, the host tensor itself for a CPU one. `pinned`: the same host stores at their host
-    addresses, which the copy engine takes (a prompt's streamed waves: cache/stream.py); `hosts` on
-    the CPU. `pace` is the tensor the linked layers share (a new one if None).
+    a CUDA cache, the host tensor itself for a CPU one. `pace` is the tensor the linked layers share
+    (a new one if None).
     """
 
     def __init__(
@@ -32,7 +31,6 @@ class ExpertCache(nn.Module):
         policy: str,
         time_stalls: bool = False,
         pace: torch.Tensor | None = None,
-        pinned: dict[str, torch.Tensor] | None = None,
     ):
         super().__init__()
         learns = get_policy(policy).learns  # and fail on a bad name now, not at the first forward
@@ -40,8 +38,6 @@ class ExpertCache(nn.Module):
         device, self.num_experts = first.device, first.shape[0]
         self.num_slots, self.policy = num_slots, policy
         self.names = list(hosts)
-        # plain tensors, not buffers: `.to()` never reaches them
-        self.pinned = [(pinned or hosts)[n] for n in self.names]
         # the pinned host memory behind `hosts`, kept alive as long as the cache
         self.pinned_block = None
         for name, host in hosts.items():

@@ -101,7 +101,7 @@ def offload(m: nn.Module, spec: CacheSpec, pace: torch.Tensor) -> ExpertCache:
     """Move the module's expert tensors to the host store, in `spec.fmt`, and give it a cache built
     as `spec` says."""
     hosts, views, block = host_store(m, spec)
-    cache = ExpertCache(views, spec.num_slots, spec.policy, spec.time_stalls, pace, pinned=hosts)
+    cache = ExpertCache(views, spec.num_slots, spec.policy, spec.time_stalls, pace)
     cache.pinned_block = block  # keeps the registration alive as long as the cache
     return cache
 

@@ -25,9 +25,9 @@ def pair(E, C, policy, device):
 def run(cache, kind, args, use_kernel):
     c = cache
     if kind == "ensure":
-        ids, wave, elsewhere, streamed = args
+        ids, wave, elsewhere = args
         return algorithm.ensure(
-            ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel, elsewhere, streamed
+            ids, wave, c.policy, c.state, c.hosts, c.slots, use_kernel, elsewhere
         )
     scores, sources, budget = args
     algorithm.prefetch(
@@ -55,10 +55,8 @@ def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]])
                 rank = torch.randperm(E, generator=g)  # [E]: which of the routed stay here
                 here = routed[:E] & (rank < torch.randint(0, C + 1, (), generator=g))
                 elsewhere = routed[:E] & ~here
-            # half the calls with none elsewhere stream their waves (half the slots each), as a prompt
-            streamed = elsewhere is None and C >= 2 and torch.rand(1, generator=g) < 0.5
-            for wave in range(num_waves(size * k, C // 2 if streamed else C, E)):
-                yield "ensure", (ids, wave, elsewhere, bool(streamed))
+            for wave in range(num_waves(size * k, C, E)):
+                yield "ensure", (ids, wave, elsewhere)
         else:
             scores = torch.rand(E, generator=g) * (torch.rand(E, generator=g) < 0.4)
             scores[: size % E] = 0.5  # ties: lower expert id first
