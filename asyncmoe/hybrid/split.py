@@ -3,7 +3,9 @@ the device, in fixed shapes.
 
 A call's misses are its routed experts that are not resident (m of them; h routed experts are). The
 CPU takes them in the order of its cost (fewest tokens first: its time grows with each token, a
-copy's does not), n of them; the link copies the other m - n one after another. The GPU's experts
+copy's does not), among equals the least likely to be routed again next call first (the Markov
+policy's `follows`: `likely`), n of them; the link copies the other m - n one after another, so the
+experts the slots keep are the ones worth keeping. The GPU's experts
 must fit the C slots at once, so that `ensure` serves them in one wave: h + m - n <= C. Among those
 n, the one that finishes both soonest:
 
@@ -37,6 +39,7 @@ from enum import IntEnum
 import torch
 
 from .. import gpu
+from ..cache.policies import LIKELY_MAX
 from ..cache.state import PACE_WINDOW, CacheState, Counter
 from ..compute.cpu.executor import CpuExecutor
 from ..gpu import pointers
@@ -50,7 +53,10 @@ except ImportError:  # non-Linux
 
 # what the split kernels take of a `CacheState`: which experts are resident, which slots this call's
 # prefetch filled, and the counters; their parameters `<field>_ptr`, bound by name
-CACHE_STATE = ("expert_to_slot", "slot_to_expert", "born", "source", "clock", "pace", "counters")
+LIKELY = LIKELY_MAX + 1  # a sort key's factor: the likelihoods below it
+CACHE_STATE = (
+    "expert_to_slot", "slot_to_expert", "born", "source", "clock", "pace", "follows", "counters",
+)  # fmt: skip
 
 
 class Cost(IntEnum):
@@ -68,6 +74,15 @@ def _busy(s: CacheState, cost: torch.Tensor) -> torch.Tensor:
     return (prefetched * cost[Cost.COPY] - s.pace[PACE_WINDOW]).clamp(min=0)
 
 
+def likely(routed: torch.Tensor, s: CacheState) -> torch.Tensor:
+    """[E] int64 in [0, LIKELY): how often each expert followed the experts `routed` [E] bool in the
+    calls after theirs (the Markov policy's `follows`, their mean); 0 where the policy learns none."""
+    if s.follows.numel() == 0:
+        return torch.zeros_like(routed, dtype=torch.int64)
+    seen = (s.follows.long() * routed[:, None]).sum(0) // routed.sum().clamp(min=1)
+    return seen.clamp(max=LIKELY - 1)
+
+
 def split_reference(
     ids: torch.Tensor, s: CacheState, cost: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +95,9 @@ def split_reference(
     tokens = tokens.scatter_add_(0, ids, torch.ones_like(ids))[:E]  # [E]
     resident = expert_to_slot[:E] >= 0
     miss, hits = (tokens > 0) & ~resident, ((tokens > 0) & resident).sum()
-    # misses first, by tokens then expert id
-    key = torch.where(miss, tokens, ids.numel() + 1) * E + experts
+    # misses first, by tokens, then by how likely the next call routes to them, then expert id
+    key = torch.where(miss, tokens * LIKELY + likely(tokens > 0, s), ids.numel() * LIKELY + LIKELY)
+    key = key * E + experts
     order = torch.argsort(key)
     rank = torch.empty_like(order).scatter_(0, order, experts)  # [E]: position in that order
     work = torch.where(miss, cost[Cost.PER_EXPERT] + tokens * cost[Cost.PER_PAIR], 0)[order]
@@ -104,14 +120,36 @@ if triton is not None:
     _PER_PAIR, _COPY = tl.constexpr(Cost.PER_PAIR), tl.constexpr(Cost.COPY)
     _CPU_MISSES, _COST_NS = tl.constexpr(Counter.CPU_MISSES), tl.constexpr(Counter.COST_NS)
     _WINDOW = tl.constexpr(PACE_WINDOW)
+    _LIKELY, _ROWS = tl.constexpr(LIKELY), tl.constexpr(16)  # `follows` rows a block
 
     from ..compute.cpu.request import BLOCK, SENT, publish
 
     @triton.jit
+    def _likely(ids, tokens, follows_ptr, E, BE: tl.constexpr, FOLLOWS: tl.constexpr):
+        """`likely` of the experts the call routes to: [BE] int64, the rows of `follows` summed a
+        block of rows at a time (a whole [E, E] table would not fit one program's registers)."""
+        e = tl.arange(0, BE)
+        likely = tl.zeros([BE], dtype=tl.int64)
+        if FOLLOWS:
+            seen = tl.zeros([BE], dtype=tl.int64)
+            for r0 in range(0, BE, _ROWS):
+                rows = r0 + tl.arange(0, _ROWS)
+                routed = tl.sum((ids[:, None] == rows[None, :]).to(tl.int32), axis=0) > 0
+                table = tl.load(
+                    follows_ptr + rows[:, None] * E + e[None, :],
+                    mask=(routed & (rows < E))[:, None] & (e < E)[None, :],
+                    other=0,
+                )
+                seen += tl.sum(table.to(tl.int64), axis=0)
+            n = tl.maximum(tl.sum((tokens > 0).to(tl.int64)), 1)
+            likely = tl.minimum(seen // n, _LIKELY - 1)
+        return likely
+
+    @triton.jit
     def _decide(
         ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
-        cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
-        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
+        follows_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr,
     ):  # fmt: skip
         """The split, stored; returns the CPU's pair ids [BP] (-1: the GPU's) and their offsets."""
         p, e = tl.arange(0, BP), tl.arange(0, BE)
@@ -120,12 +158,15 @@ if triton is not None:
         slot = tl.load(expert_to_slot_ptr + e, mask=e < E, other=0)
         miss = (tokens > 0) & (slot < 0) & (e < E)
         hits = tl.sum(((tokens > 0) & (slot >= 0) & (e < E)).to(tl.int64))
-        # sorted keys carry the expert in their low bits: misses first, by tokens then expert id
-        keys = tl.sort(tl.where(miss, tokens, P + 1) * BE + e)
-        expert, miss_sorted = keys % BE, keys < (P + 1) * BE
+        # sorted keys carry the expert in their low bits: misses first, by tokens, then by how likely
+        # the next call routes to them, then expert id
+        likely = _likely(ids, tokens, follows_ptr, E, BE, FOLLOWS)
+        keys = tl.sort(tl.where(miss, tokens * _LIKELY + likely, (P + 1) * _LIKELY) * BE + e)
+        expert, miss_sorted = keys % BE, keys < (P + 1) * _LIKELY * BE
         work = tl.where(
             miss_sorted,
-            tl.load(cost_ptr + _PER_EXPERT) + (keys // BE) * tl.load(cost_ptr + _PER_PAIR),
+            tl.load(cost_ptr + _PER_EXPERT)
+            + (keys // BE // _LIKELY) * tl.load(cost_ptr + _PER_PAIR),
             0,
         )
         m, copy = tl.sum(miss.to(tl.int64)), tl.load(cost_ptr + _COPY)
@@ -163,26 +204,28 @@ if triton is not None:
     def _split_kernel(
         ids_ptr, cost_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
         # the cache's state (CACHE_STATE, by name)
-        expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, counters_ptr,
-        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr,
+        expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, follows_ptr,
+        counters_ptr,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr,
     ):  # fmt: skip
         _decide(
             ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
-            cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC,
+            follows_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC, FOLLOWS,
         )  # fmt: skip
 
     @triton.jit
     def _split_send_kernel(
         ids_ptr, cost_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, x_ptr, seq_ptr, layer, T, k, H,
         # the cache's state (CACHE_STATE, by name)
-        expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, counters_ptr,
+        expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, follows_ptr,
+        counters_ptr,
         # the channel's (request.SENT, by name)
         chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr, chan_expert_ids_ptr, chan_x_ptr,
-        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         cpu_ids, p = _decide(
             ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
-            cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC,
+            follows_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC, FOLLOWS,
         )  # fmt: skip
         publish(
             x_ptr, cpu_ids, p, seq_ptr, chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr,
@@ -202,8 +245,9 @@ def split(
         return elsewhere, cpu_ids.view(top_k_index.shape)
     elsewhere, cpu_ids, sizes, (BP, BE, BC) = _outputs(ids, s)
     _split_kernel[(1,)](
-        ids, cost, elsewhere, cpu_ids, *sizes, **pointers(s, CACHE_STATE), BP=BP, BE=BE, BC=BC
-    )
+        ids, cost, elsewhere, cpu_ids, *sizes, **pointers(s, CACHE_STATE), BP=BP, BE=BE, BC=BC,
+        FOLLOWS=s.follows.numel() > 0,
+    )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
@@ -220,7 +264,7 @@ def split_and_send(
     _split_send_kernel[(1,)](
         ids, cost, elsewhere, cpu_ids, *sizes, x.contiguous(), executor.seq, layer, T, k, x.shape[1],
         **pointers(s, CACHE_STATE), **pointers(executor.gpu, SENT, "chan_"),
-        BP=BP, BE=BE, BC=BC, BLOCK=BLOCK, num_warps=8,
+        BP=BP, BE=BE, BC=BC, FOLLOWS=s.follows.numel() > 0, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncmoe.cache.state import Counter
-from asyncmoe.hybrid.split import Cost, split
+from asyncmoe.hybrid.split import LIKELY, Cost, split
 
 from devices import cache_with, devices
 
@@ -96,6 +96,34 @@ def test_a_fast_cpu_takes_every_miss():
     assert s.counters[Counter.CPU_MISSES] == 2 and s.counters[Counter.COST_NS] == 1 + 2 + 3
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_among_equal_costs_the_cpu_takes_what_the_next_call_is_least_likely_to_route(use_kernel):
+    """One token's four misses (1, 3, 5, 7), costs as the first case's: the CPU takes two. With no
+    history (a policy that learns none), the lowest ids; where the Markov policy learnt that 1 and 3
+    follow these experts, 5 and 7, and the link copies 1 and 3 into the slots, which keep them."""
+    ids = torch.tensor([[1, 3, 5, 7]])
+    s = cache_with(8, [])
+    assert split(ids, s, costs(5, 8, 0, 10), use_kernel=use_kernel)[
+        0
+    ].nonzero().flatten().tolist() == [1, 3]
+    follows = torch.zeros(8, 8, dtype=torch.int32)
+    follows[[1, 3, 5, 7], 1], follows[[3, 5], 3] = (
+        48,
+        32,
+    )  # likely: 1 -> 48, 3 -> 16 (the mean of 4 rows)
+    s = cache_with(8, [])._replace(follows=follows)
+    elsewhere, cpu_ids = split(ids, s, costs(5, 8, 0, 10), use_kernel=use_kernel)
+    assert elsewhere.nonzero().flatten().tolist() == [5, 7]
+    assert cpu_ids.tolist() == [[-1, -1, 5, 7]]
+    # fewer tokens still go first: 1, routed twice, stays on the link however unlikely it is
+    ids = torch.tensor([[1, 3], [1, 5]])
+    follows.zero_()
+    follows[:, 3] = follows[:, 5] = 64
+    s = cache_with(8, [])._replace(follows=follows)
+    cost = costs(5, 8, 2, 10)  # n = 1: max(15, 20); n = 2: max(25, 10): one goes to the CPU
+    assert split(ids, s, cost, use_kernel=use_kernel)[0].nonzero().flatten().tolist() == [3]
+
+
 @pytest.mark.parametrize("device", devices())
 @settings(max_examples=25, deadline=None)
 @given(
@@ -111,9 +139,14 @@ def test_the_kernel_equals_the_reference(device, seed, E, T, k, data):
     slots = data.draw(st.integers(max(len(held), 1), E))
     window = data.draw(st.integers(0, 6000))
     cost = costs(*(data.draw(st.integers(0, 3000)) for _ in range(4))).to(device)
+    # the Markov policy's history, up to past the largest likelihood a key holds; or none
+    follows = torch.randint(0, 2 * LIKELY, (E, E), generator=g, dtype=torch.int32)
+    if not data.draw(st.booleans()):
+        follows = follows[:0, :0]
     out = []
     for use_kernel in (True, False):
         s = cache_with(E, held[: len(held) - n], held[len(held) - n :], window, device, slots)
+        s = s._replace(follows=follows.to(device))
         s.counters.fill_(7)
         out.append([t.cpu() for t in (*split(ids.to(device), s, cost, use_kernel), s.counters)])
     for a, b in zip(*out):
