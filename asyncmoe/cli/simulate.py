@@ -64,6 +64,15 @@ def add_options(s) -> None:
         "GPU: the prefetch gate then decides as it does there (with --prefetch); default: "
         "unmeasured, as on the CPU",
     )
+    s.add_argument(
+        "--hybrid",
+        type=options.at_least(0.001, float),
+        nargs=4,
+        metavar=("ROUND_TRIP_US", "PER_EXPERT_US", "PER_PAIR_US", "COPY_US"),
+        default=None,
+        help="split each call's misses between the link and the CPU by these costs, in us, as "
+        "asyncmoe.compile prints them (hybrid=True); default: GPU-only",
+    )
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument(
         "--compile",
@@ -190,13 +199,14 @@ def run(args) -> int:
         else simulator.budget_slots(trace, args.cache, expert_bytes)
     )
     budget = PREFETCH_BUDGET if args.budget is None else args.budget
-    simulator.check(trace, slots, args.prefetch, budget, args.pace)
+    simulator.check(trace, slots, args.prefetch, budget, args.pace, args.hybrid)
     compiled = {"on": True, "off": False, "auto": simulator.compiles(trace)}[args.compile]
     say = [
         f"asyncmoe simulate: {args.trace}: {trace.tokens} tokens x {trace.layers} MoE layers, "
         f"top-{trace.top_k} of "
         f"{trace.num_experts} experts; cache {slots} slots per layer, policy {args.policy}, "
         f"prefetch {'+'.join(args.prefetch) or 'off'}"
+        + (", misses split with the CPU" if args.hybrid else "")
     ]
     if sized:
         say.append(sized)
@@ -218,6 +228,7 @@ def run(args) -> int:
             compiled,
             args.pace,
             progress=report,
+            hybrid_us=args.hybrid,
         )
     print(result.to_json() if args.json else result)
     return 0

@@ -7,6 +7,10 @@ prediction and `prefetch` for layer l+1. On a long trace the per-token step over
 compiled once with torch.compile: its tokens run 4-8x faster, after a wait of seconds a layer that a
 short trace would not win back (`compiles`).
 
+With hybrid costs (`hybrid_us`, as `compile` prints them), each call's misses split between the link and the
+CPU first, as `hybrid/split.py` decides them on the GPU: the CPU's are routed but never copied, and count as
+misses beside the link's in the hit rate.
+
 The Belady bound: per layer, the fewest misses any cache of the same size can have on the trace:
 on a miss, evict the resident expert (not needed by this token) whose next use is furthest away.
 Dims: N tokens, L layers, k top-k, E experts, C slots.
@@ -27,6 +31,7 @@ from ..cache.host import human_bytes
 from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
 from ..choices import PREDICTORS
+from ..hybrid import split
 from ..prefetch import predictors
 from ..prefetch.prefetch import Request, predict_and_prefetch
 from ..prefetch.state import PrefetchBuffers
@@ -48,10 +53,11 @@ class LayerResult:
     prefetched: int
     prefetch_hits: int
     belady_misses: int
+    cpu_misses: int = 0  # the hybrid's: misses the CPU computed, not copied
 
     @property
     def lookups(self) -> int:
-        return self.hits + self.misses
+        return self.hits + self.misses + self.cpu_misses
 
 
 @dataclass
@@ -66,8 +72,10 @@ class Simulation:
 
     def __post_init__(self):
         lookups = sum(r.lookups for r in self.layers)
-        misses = sum(r.misses for r in self.layers)
-        moved = misses + sum(r.prefetched for r in self.layers)
+        copied = sum(r.misses for r in self.layers)
+        cpu = sum(r.cpu_misses for r in self.layers)
+        misses = copied + cpu
+        moved = copied + sum(r.prefetched for r in self.layers)
         belady = sum(r.belady_misses for r in self.layers)
         per_token = 1 / self.tokens if self.tokens else float("nan")
         self.totals = {
@@ -76,6 +84,7 @@ class Simulation:
             "hit_rate": 1 - misses / lookups if lookups else float("nan"),
             "belady_hit_rate": 1 - belady / lookups if lookups else float("nan"),
             "misses_per_token": misses * per_token,
+            "cpu_misses_per_token": cpu * per_token,
             "belady_misses_per_token": belady * per_token,
             "prefetched_per_token": sum(r.prefetched for r in self.layers) * per_token,
             "prefetch_recall": sum(r.prefetch_hits for r in self.layers) / lookups
@@ -108,7 +117,7 @@ class Simulation:
             rows.append(
                 f"{i:>5} {100 * r.hits / r.lookups:>6.1f} "
                 f"{100 * (1 - r.belady_misses / r.lookups):>8.1f} "
-                f"{r.misses / self.tokens:>9.2f} {r.prefetched / self.tokens:>13.2f} "
+                f"{(r.misses + r.cpu_misses) / self.tokens:>9.2f} {r.prefetched / self.tokens:>13.2f} "
                 f"{100 * r.prefetch_hits / r.lookups:>10.1f}"
             )
         t = self.totals
@@ -118,6 +127,8 @@ class Simulation:
             f"{t['misses_per_token']:>9.2f} {t['prefetched_per_token']:>13.2f} "
             f"{100 * t['prefetch_recall']:>10.1f}",
         ]
+        if t["cpu_misses_per_token"]:
+            rows.append(f"misses the CPU computed per token: {t['cpu_misses_per_token']:.2f}")
         if self.expert_bytes:
             rows.append(
                 f"bytes per token: {t['bytes_per_token'] / 1e6:.1f} MB "
@@ -126,14 +137,15 @@ class Simulation:
         return "\n".join(rows)
 
 
-def _step(ids_t, gate_t, caches, targets, prefetch: tuple[str, ...], budget: int):
+def _step(ids_t, gate_t, caches, targets, prefetch: tuple[str, ...], budget: int, cost):
     """One token through every layer: what the providers do in a forward, minus the weights. gate_t
     [L, E]: the recorded gate predictor's scores for each layer (with "gate"); `targets`: each
-    layer's prefetch buffers."""
+    layer's prefetch buffers; `cost`: the hybrid's costs (split.Cost), or None."""
     bits = (GATE if "gate" in prefetch else 0) | (TEMPORAL if "temporal" in prefetch else 0)
     bits |= TRANSITION if "transition" in prefetch else 0
     for l, c in enumerate(caches):
-        algorithm.ensure(ids_t[l : l + 1], 0, c.policy, c.state, [], [])
+        elsewhere = None if cost is None else split.split_reference(ids_t[l], c.state, cost)[0]
+        algorithm.ensure(ids_t[l : l + 1], 0, c.policy, c.state, [], [], elsewhere=elsewhere)
         if "transition" in prefetch and l > 0:
             predictors.observe(caches[l - 1].routed, c.routed, targets[l].transitions)
         if prefetch and l + 1 < len(caches):
@@ -150,6 +162,7 @@ def check(
     prefetch: tuple[str, ...] = (),
     budget: int = 1,
     pace_us: tuple | None = None,
+    hybrid_us: tuple | None = None,
 ) -> None:
     """What `simulate` refuses, checked before it compiles or runs anything: a ValueError saying
     what is wrong."""
@@ -171,6 +184,11 @@ def check(
             "prints them on the "
             f"GPU; got {pace_us}"
         )
+    if hybrid_us is not None and not (len(hybrid_us) == len(split.Cost) and min(hybrid_us) > 0):
+        raise ValueError(
+            "hybrid_us is (a request's round trip, an expert's CPU time, a token's, an expert's copy) in µs, "
+            f"each > 0, as asyncmoe.compile prints them; got {hybrid_us}"
+        )
     if not trace.top_k <= cache:
         raise ValueError(
             f"cache={cache} is below the trace's top_k={trace.top_k}; use cache>={trace.top_k}"
@@ -187,6 +205,7 @@ def simulate(
     compiled: bool | None = None,
     pace_us: tuple[float, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    hybrid_us: tuple[float, float, float, float] | None = None,
 ) -> Simulation:
     """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady
     bound. `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded
@@ -195,12 +214,13 @@ def simulate(
     both), so the prefetch gate decides as it does there; None: unmeasured, as on the CPU. `cache`:
     slots per MoE layer, or a GPU-memory budget for every layer's slots ("6GiB", `budget_slots`).
     `compiled`: the step through torch.compile (None: where it pays, `compiles`). `progress(done,
-    total)`: called after each token (the first one, compiled, waits for torch.compile)."""
+    total)`: called after each token (the first one, compiled, waits for torch.compile). `hybrid_us`:
+    the hybrid's costs in µs, in `split.Cost`'s order; None: GPU-only."""
     if expert_bytes is None:
         expert_bytes = trace.expert_bytes or 0
     if isinstance(cache, str):
         cache = budget_slots(trace, cache, expert_bytes)[0]
-    check(trace, cache, prefetch, budget, pace_us)
+    check(trace, cache, prefetch, budget, pace_us, hybrid_us)
     E, L = trace.num_experts, trace.layers
     budget = min(budget, cache)
     # shared by the layers, as the runtime's linked ones share theirs
@@ -211,6 +231,7 @@ def simulate(
         ExpertCache({"w": torch.zeros(E, 0)}, min(cache, E), policy, pace=pace) for _ in range(L)
     ]
     targets = [PrefetchBuffers(E, torch.device("cpu"), E) for _ in range(L)]
+    cost = None if hybrid_us is None else torch.tensor([round(us * 1e3) for us in hybrid_us])
     compiled = compiles(trace) if compiled is None else compiled
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
     ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
@@ -221,8 +242,9 @@ def simulate(
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
         for t in range(trace.tokens):
             step(
-                ids[t], None if gate is None else gate[t], caches, targets, tuple(prefetch), budget
-            )
+                ids[t], None if gate is None else gate[t], caches, targets, tuple(prefetch), budget,
+                cost,
+            )  # fmt: skip
             if progress is not None:
                 progress(t + 1, trace.tokens)
     index = {name: i for i, name in enumerate(COUNTERS)}
@@ -236,6 +258,7 @@ def simulate(
                 n[index["prefetched"]],
                 n[index["prefetch_hits"]],
                 belady_misses(trace.ids[:, l], min(cache, E)),
+                n[index["cpu_misses"]],
             )
         )
     return Simulation(cache, policy, tuple(prefetch), trace.tokens, expert_bytes, layers)
@@ -310,9 +333,10 @@ def next_uses(ids: np.ndarray) -> tuple[list[list[int]], list[dict[int, float]]]
     return rows, next_use
 
 
-def belady_misses(ids: np.ndarray, cache: int) -> int:
+def belady_misses(ids: np.ndarray, cache: int, from_row: int = 0) -> int:
     """Fewest misses of a `cache`-slot cache serving `ids` [N, k]: each row's experts resident
-    together, or, for a row with more distinct experts than slots (a batch's decode step), in waves.
+    together, or, for a row with more distinct experts than slots (a batch's decode step), in waves;
+    counted from row `from_row` on (the rows before it warm the cache).
 
     Belady's rule: after each row keep the experts used soonest again. A row of d <= cache experts
     leaves room for cache - d others; a row served in waves, for at most cache - 1 (one slot at
@@ -322,7 +346,7 @@ def belady_misses(ids: np.ndarray, cache: int) -> int:
     resident: dict[int, float] = {}  # expert -> its next use
     misses = 0
     for t, need in enumerate(rows):
-        misses += sum(e not in resident for e in need)
+        misses += sum(e not in resident for e in need) if t >= from_row else 0
         resident.update((e, next_use[t][e]) for e in need)
         used = set(need)
         # for experts this row did not use

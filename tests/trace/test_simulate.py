@@ -229,6 +229,8 @@ def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_withi
             r"unknown predictors \['oracle'\]; simulable: gate, temporal, transition",
         ),
         (dict(cache=1), r"cache=1 is below the trace's top_k=2; use cache>=2"),
+        (dict(hybrid_us=(50, 0, 10, 300)), r"hybrid_us is .* each > 0, as asyncmoe.compile prints"),
+        (dict(hybrid_us=(50, 200)), r"hybrid_us is \(a request's round trip"),
     ],
 )
 def test_simulate_refuses_what_it_cannot_run(bad, message):
@@ -362,12 +364,23 @@ def test_cli_simulate_says_what_it_does_before_the_work_and_shows_progress(
     real, said = simulator.simulate, []
 
     def slow_to_compile(
-        trace, cache, policy, prefetch, budget, expert_bytes, compiled, pace_us, progress
+        trace, cache, policy, prefetch, budget, expert_bytes, compiled, pace_us, progress, hybrid_us
     ):
         said.append(capsys.readouterr().err)
         assert compiled
         time.sleep(0.3)  # as torch.compile works on the first token
-        return real(trace, cache, policy, prefetch, budget, expert_bytes, False, pace_us, progress)
+        return real(
+            trace,
+            cache,
+            policy,
+            prefetch,
+            budget,
+            expert_bytes,
+            False,
+            pace_us,
+            progress,
+            hybrid_us,
+        )
 
     monkeypatch.setattr(simulator, "simulate", slow_to_compile)
     monkeypatch.setattr(cli.simulate, "PROGRESS_EVERY_S", {True: 0.05, False: 0.05})
@@ -399,10 +412,22 @@ def test_the_step_compiles_only_where_the_trace_wins_its_wait_back(tmp_path, cap
     )  # the command on a short "long" trace
     long, compiled = tokens(200), []
 
-    def spy(trace, cache, policy, prefetch, budget, expert_bytes, step_compiled, pace_us, progress):
+    def spy(
+        trace, cache, policy, prefetch, budget, expert_bytes, step_compiled, pace_us, progress,
+        hybrid_us,
+    ):  # fmt: skip
         compiled.append(step_compiled)
         return simulate(
-            trace, cache, policy, prefetch, budget, expert_bytes, False, pace_us, progress
+            trace,
+            cache,
+            policy,
+            prefetch,
+            budget,
+            expert_bytes,
+            False,
+            pace_us,
+            progress,
+            hybrid_us,
         )
 
     monkeypatch.setattr(simulator, "simulate", spy)
@@ -467,3 +492,45 @@ def test_the_command_speaks_within_a_second_of_starting(tmp_path):
         child.communicate(timeout=600)
     assert first.startswith("asyncmoe simulate: loading torch") and took < 1.0, (first, took)
     assert child.returncode == 0
+
+
+def test_the_hybrid_splits_the_misses_by_the_runtimes_own_decision():
+    """A CPU far slower than a copy takes nothing: the GPU-only counts, exactly. One far faster takes
+    every miss, so nothing is ever copied or resident: every lookup misses on the CPU. Between them,
+    the misses the CPU computed leave the copies, and count as misses in the hit rate."""
+    trace = random_trace(3, N=60)
+    gpu = simulate(trace, cache=4, compiled=False).totals
+    slow = simulate(trace, cache=4, compiled=False, hybrid_us=(50, 10**6, 10**6, 1)).totals
+    assert slow == gpu and slow["cpu_misses_per_token"] == 0
+    fast = simulate(trace, cache=4, compiled=False, hybrid_us=(1, 1, 1, 10**6)).totals
+    assert fast["hit_rate"] == 0 and fast["bytes_per_token"] == 0
+    assert fast["cpu_misses_per_token"] == fast["misses_per_token"] > 0
+    both = simulate(trace, cache=4, compiled=False, hybrid_us=(1, 90, 10, 100)).totals
+    assert 0 < both["cpu_misses_per_token"] < both["misses_per_token"]
+    assert both["lookups"] == gpu["lookups"] and both["belady_hit_rate"] == gpu["belady_hit_rate"]
+
+
+def test_cli_simulate_takes_hybrid_costs(tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    random_trace(3, N=30).save(path)
+    assert (
+        main(
+            [
+                "simulate",
+                str(path),
+                "--cache",
+                "4",
+                "--compile",
+                "off",
+                "--hybrid",
+                "1",
+                "90",
+                "10",
+                "100",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "misses split with the CPU" in out.err
+    assert re.search(r"misses the CPU computed per token: (0\.[1-9]|[1-9])", out.out)
