@@ -49,10 +49,12 @@ import transformers
 
 import asyncmoe
 from asyncmoe.cache.policies import DEFAULT_POLICY
+from asyncmoe.integrations.replay import Replay
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.settings import parse_budget
+from asyncmoe.trace import Trace
 
-from harness import h2d_bandwidth, prompt, trace_for
+from harness import belady_hit_rate, h2d_bandwidth, prompt, trace_for
 from oracle import parse as parse_oracle
 from shapes import SHAPES, random_model, random_mxfp4_model, routing_shape
 
@@ -80,9 +82,11 @@ def measure(
     rounds: int,
     ids: torch.Tensor,
     compile: bool = False,
+    trace: Trace | None = None,
 ) -> dict:
     """`model`'s median ms per decode step over `rounds` rounds (`timed_round`), printed as one line; for a cached
-    model also the bytes it moved per token, its hit rate and its prefetch recall. `compile`: the Decoder's."""
+    model also the bytes it moved per token, its hit rate and its prefetch recall, and, routed by `trace`, the
+    Belady bound's hit rate on the tokens its last round decoded. `compile`: the Decoder's."""
     dec = asyncmoe.Decoder(
         model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph,
         compile=compile,
@@ -107,6 +111,10 @@ def measure(
             prefetch_recall=s.totals["prefetch_recall"],
             wasted_per_token=s.totals["wasted_bytes"] / steps,
         )
+        replays = [m for m in model.modules() if isinstance(m, Replay)]
+        if trace is not None and replays:
+            slots, batch = s.layers[0].slots, ids.shape[0]
+            row["belady_hit_rate"] = belady_hit_rate(trace, batch, slots, replays[0].routed, steps)
         if s.totals["cpu_misses"] or s.totals["cpu_experts"]:  # the last round's
             row.update(
                 cpu_misses_per_token=s.totals["cpu_misses"] / steps,
@@ -125,7 +133,8 @@ def measure(
         f"{label:<72} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
         + (
             f"  {row['bytes_per_token'] / 1e6:7.1f} MB/token  hit {100 * row['hit_rate']:5.1f}%"
-            f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%"
+            + (f" (Belady {100 * row['belady_hit_rate']:.1f}%)" if "belady_hit_rate" in row else "")
+            + f"  prefetch recall {100 * row['prefetch_recall']:5.1f}%"
             if cached
             else ""
         )
@@ -284,6 +293,7 @@ def main():
     replay = args.replay
     if replay == "trace" or (replay and parse_oracle(replay) is not None):
         replay = trace_for(args.shape, replay)
+    trace = Trace.load(replay) if isinstance(replay, str) else replay
     bandwidth = h2d_bandwidth()
     print(f"pinned host->GPU copy_: {bandwidth:.1f} GB/s", flush=True)
     reset_host_peak()
@@ -299,7 +309,7 @@ def main():
         out = []
         for graph, steps, rounds in timings:
             torch.cuda.reset_peak_memory_stats()
-            row = measure(model, label, graph, steps, rounds, ids, args.compile)
+            row = measure(model, label, graph, steps, rounds, ids, args.compile, trace)
             peaks = dict(
                 host_peak_bytes=host_status("VmHWM"),
                 gpu_peak_bytes=torch.cuda.max_memory_allocated(),

@@ -15,6 +15,7 @@ import pathlib
 import statistics
 import tempfile
 
+import numpy as np
 import torch
 
 import asyncmoe
@@ -208,6 +209,25 @@ def gpu_events(prof) -> list[dict]:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     ]
     return sorted(gpu, key=lambda e: e["start"])
+
+
+def belady_hit_rate(trace: Trace, batch: int, cache: int, routed: int, steps: int) -> float:
+    """The Belady bound's hit rate over a run's last `steps` decode steps of `batch` tokens each, the run having
+    replayed the trace's first `routed` tokens (wrapping): the tokens before those steps warm the bound's cache, as
+    they warmed the run's."""
+    ids = trace.ids[np.arange(routed) % trace.tokens]  # [routed, L, k]
+    warm, last = ids[: routed - steps * batch], ids[routed - steps * batch :]
+    last = last.reshape(steps, batch, trace.layers, trace.top_k).transpose(0, 2, 1, 3)
+    last = last.reshape(steps, trace.layers, batch * trace.top_k)
+    misses = lookups = 0
+    for layer in range(trace.layers):
+        rows = [
+            *(list(r) + [r[0]] * (batch - 1) * trace.top_k for r in warm[:, layer]),
+            *last[:, layer],
+        ]
+        misses += belady_misses(np.array(rows), cache, from_row=len(warm))
+        lookups += sum(len(set(r)) for r in last[:, layer].tolist())
+    return 1 - misses / lookups
 
 
 def belady_misses_per_step(trace: Trace, batch: int, cache: int) -> float:

@@ -8,6 +8,9 @@ Per case, per token: ms (CUDA events around the profiled steps); "copying": the 
 kernels' spans (the link is busy); "compute only": kernels running while no copy runs; "idle": neither. The
 copies' speed in the step is bytes / copying, against the copy engine's (pinned `copy_`, same run). The kernels
 that fill "compute only" are listed by their share of it: what a longer prefetch would have to hide.
+With the hybrid on (`--hybrid on`, compile's default `auto` decides by itself), "waiting for the CPU" is the
+receive kernels' time (they spin until the CPU's rows are in), and the CPU's own figures come from its worker: ms
+computing a token and the weights it read per second of that, against what the link moved per second of copying.
 Routing as the latency suite's (`trace`: the embedded model's, `oracle`: its gate arrays nominate each layer's
 own experts, benchmarks/oracle.py; `router`: the random-weight model's own); `--budgets 0` is no prefetch.
 `--out` keeps each case's figures and its last three steps' GPU events, to read offline.
@@ -32,6 +35,10 @@ from harness import gpu_events, h2d_bandwidth, prompt, trace_for
 from shapes import random_model
 
 COPY_KERNEL = "_gather_copy_kernel"
+RECEIVE_KERNEL = (
+    "_receive"  # the hybrid's and cache=0's receive kernels: they spin until the CPU's rows are in
+)
+HYBRID = {"off": False, "on": True, "auto": None}
 SHORT_GAP_US = (
     20.0  # a hole between two copies shorter than this is a kernel boundary, not compute waited for
 )
@@ -110,7 +117,9 @@ def timeline(model, steps: int, ids: torch.Tensor) -> dict:
             exposed[n[:60]] += outside((a, b), copying)
     holes = gaps(copying)
     short = [g for g in holes if g < SHORT_GAP_US]
-    moved = asyncmoe.stats(model).totals["bytes_h2d"]
+    totals = asyncmoe.stats(model).totals
+    moved = totals["bytes_h2d"]
+    receiving = union([(a, b) for n, a, b in ks if RECEIVE_KERNEL in n])
     return {
         "ms_per_token": ms,
         "MB_per_token": moved / steps / 1e6,
@@ -124,7 +133,12 @@ def timeline(model, steps: int, ids: torch.Tensor) -> dict:
         "largest_gaps_ms": sum(sorted(holes)[-steps:]) / steps / 1e3,
         "long_holes": long_holes(holes, steps),  # between copies: waiting for compute
         "copy_GB_per_s": moved / (copy_us / 1e6) / 1e9 if copy_us else None,
-        "hit_rate": asyncmoe.stats(model).totals["hit_rate"],
+        "hit_rate": totals["hit_rate"],
+        "cpu_wait_ms": sum(b - a for a, b in receiving) / steps / 1e3,
+        "cpu_experts": totals["cpu_experts"] / steps,
+        "cpu_ms": totals["cpu_ns"] / steps / 1e6,
+        "cpu_GB_per_s": totals["cpu_bytes"] / totals["cpu_ns"] if totals["cpu_ns"] else None,
+        "cost_model_ms": totals["cost_ns"] / steps / 1e6,
         "exposed_top": [(n, us / steps / 1e3) for n, us in exposed.most_common(12)],
         "last_events": events[
             -len(events) // steps * 3 :
@@ -145,6 +159,9 @@ def main():
         default=None,
         help="the experts' format (bf16)",
     )
+    p.add_argument(
+        "--hybrid", choices=sorted(HYBRID), default="auto", help="the CPU computing some misses"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     base = random_model(args.shape, torch.bfloat16, "cuda")
@@ -163,6 +180,7 @@ def main():
                 quantize=args.quantize,
                 prefetch=asyncmoe.Prefetch(budget=budget) if budget else False,
                 replay=None if routing == "router" else trace_for(args.shape, routing),
+                hybrid=HYBRID[args.hybrid],
             )
             r = {"routing": routing, "budget": budget, **timeline(model, args.steps, ids)}
             r["copy_share_of_engine"] = r["copy_GB_per_s"] / engine if r["copy_GB_per_s"] else None
@@ -181,6 +199,13 @@ def main():
                 f"    between copies: {r['short_gaps']:.0f} holes under {SHORT_GAP_US:.0f} us, "
                 f"{r['short_gaps_ms']:.3f} ms; {r['copy_launches']:.0f} copy launches"
             )
+            if r["cpu_ms"]:
+                print(
+                    f"    CPU: {r['cpu_experts']:.1f} experts, computing {r['cpu_ms']:.2f} ms at"
+                    f" {r['cpu_GB_per_s']:.1f} GB/s of weights; the GPU waiting for it {r['cpu_wait_ms']:.2f} ms;"
+                    f" the cost model's misses"
+                    f" {r['cost_model_ms']:.2f} ms"
+                )
             h = r["long_holes"]
             print(
                 f"    longer holes a step: {h['partial']:.1f} under {WHOLE_LAYER_US:.0f} us, {h['partial_ms']:.3f} ms; "
