@@ -4,14 +4,18 @@ alone, since other processes' threads would be timed too. Exits 1 if any test fa
 
 A process per file also keeps a trapped CUDA context (the CPU executor's loud timeout) from failing
 the files after it. Each process side by side runs on cores of its own (its CPU executor's threads
-follow its affinity), so that the processes' thread pools do not crowd one another.
+follow its affinity), so that the processes' thread pools do not crowd one another. The longest
+processes start first, by the seconds each took in the last run recorded in `tests/cuda_durations.json`
+(`--record` rewrites it; a process it does not know starts before every known one), so that no long
+one starts last and runs alone.
 
-usage: python scripts/cuda_tests.py [--jobs N] [--shard N] [--logs DIR] [pytest args...]
+usage: python scripts/cuda_tests.py [--jobs N] [--shard N] [--logs DIR] [--record] [pytest args...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import subprocess
@@ -23,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+DURATIONS = (
+    ROOT / "tests" / "cuda_durations.json"
+)  # {process name: seconds} of the last recorded run
 
 
 def collect(marks: str) -> list[str]:
@@ -36,8 +43,11 @@ def collect(marks: str) -> list[str]:
     return [line for line in run.stdout.splitlines() if "::" in line]
 
 
-def shards(ids: list[str], size: int) -> list[tuple[str, list[str]]]:
-    """(name, node ids): each file's tests, in runs of at most `size`, the largest first."""
+def shards(
+    ids: list[str], size: int, seconds: dict[str, float] | None = None
+) -> list[tuple[str, list[str]]]:
+    """(name, node ids): each file's tests, in runs of at most `size`, the longest first by `seconds`
+    (those it does not name first, the most tests first among them)."""
     files = defaultdict(list)
     for i in ids:
         files[i.split("::")[0]].append(i)
@@ -46,7 +56,8 @@ def shards(ids: list[str], size: int) -> list[tuple[str, list[str]]]:
         n = -(-len(tests) // size)
         for s in range(n):
             out.append((f if n == 1 else f"{f} [{s + 1}/{n}]", tests[s::n]))
-    return sorted(out, key=lambda job: -len(job[1]))
+    known = seconds or {}
+    return sorted(out, key=lambda job: (job[0] in known, -known.get(job[0], 0), -len(job[1])))
 
 
 def core_sets(jobs: int) -> queue.Queue:
@@ -97,12 +108,16 @@ def main() -> int:
     parser.add_argument(
         "--logs", type=Path, default=Path("/tmp/cuda-tests"), help="each process's log"
     )
+    parser.add_argument(
+        "--record", action="store_true", help=f"write each process's seconds to {DURATIONS.name}"
+    )
     opts, pytest_args = parser.parse_known_args()
     opts.logs.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
         side_by_side, alone = pool.map(collect, ["cuda and not timing", "cuda and timing"])
-    jobs = shards(side_by_side, opts.shard)
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    jobs = shards(side_by_side, opts.shard, known)
     print(
         f"{len(side_by_side)} tests in {len(jobs)} processes, {opts.jobs} at a time; {len(alone)} timed alone"
     )
@@ -110,8 +125,13 @@ def main() -> int:
     with ThreadPoolExecutor(opts.jobs) as pool:
         cores = core_sets(opts.jobs)
         futures = [pool.submit(run, name, ids, pytest_args, opts.logs, cores) for name, ids in jobs]
+        took = {}
         for f in as_completed(futures):
-            ok &= report(*f.result())
+            name, *rest = f.result()
+            ok &= report(name, *rest)
+            took[name] = round(rest[-1])
+    if opts.record:
+        DURATIONS.write_text(json.dumps(dict(sorted(took.items())), indent=1) + "\n")
     if alone:
         ok &= report(*run("timing", alone, pytest_args, opts.logs))
     print(f"{'passed' if ok else 'FAILED'}: {time.perf_counter() - start:.0f} s wall in all")

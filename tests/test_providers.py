@@ -68,7 +68,9 @@ def test_an_eager_call_stops_after_the_waves_its_experts_fill(
     only wave 0. A capture or a compile trace (`_fixed_shapes`) runs all 4. All give the model's own output.
     On CUDA the count reaches the host through pinned memory and an event."""
     ref = tiny("olmoe")
-    model = asyncmoe.compile(copy.deepcopy(ref), cache=4, device=device, prefetch=True)
+    model = asyncmoe.compile(
+        copy.deepcopy(ref), cache=4, device=device, prefetch=True, hybrid=False
+    )
     experts, original = experts_of(model), experts_of(ref)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, ref.config.hidden_size, generator=g)
