@@ -141,7 +141,8 @@ if triton is not None:
                     other=0,
                 )
                 seen += tl.sum(table.to(tl.int64), axis=0)
-            n = tl.maximum(tl.sum((tokens > 0).to(tl.int64)), 1)
+            # the experts routed: not the padding pairs' id E, whose row is no expert's
+            n = tl.maximum(tl.sum(((tokens > 0) & (e < E)).to(tl.int64)), 1)
             likely = tl.minimum(seen // n, _LIKELY - 1)
         return likely
 
