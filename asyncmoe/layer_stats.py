@@ -141,6 +141,24 @@ class Stats:
         self.totals["prefetch_recall"] = (
             self.totals["prefetch_hits"] / looked_up if looked_up else float("nan")
         )
+        self.totals.update(self._bandwidths())
+
+    def _bandwidths(self) -> dict:
+        """GB/s of expert weights each side moved while working, beside what each reached alone at
+        compile (the hybrid's calibration): the link's an expert's copy in the step (the pace's) against
+        an isolated one; the CPU's its compute time's, against an expert of one token. None: unmeasured."""
+        t, costs = self.totals, self.hybrid_costs
+        nbytes = self.layers[0].expert_bytes if self.layers else 0
+
+        def rate(num: int, ns: int | None) -> float | None:
+            return num / ns if num and ns else None
+
+        return {
+            "link_GB_per_s": rate(nbytes, self.copy_ns),
+            "link_alone_GB_per_s": rate(nbytes, costs and costs.copy),
+            "cpu_GB_per_s": rate(t["cpu_bytes"], t["cpu_ns"]),
+            "cpu_alone_GB_per_s": rate(nbytes, costs and costs.per_expert + costs.per_pair),
+        }
 
     def __str__(self) -> str:
         if not self.layers:
@@ -224,6 +242,15 @@ class Stats:
             notes.append(
                 "misses: copied into slots; cpu miss: computed by the CPU instead (hybrid); model "
                 "us: the cost model's time for a call's misses"
+            )
+        if t["cpu_misses"] and self.hybrid_costs is not None:
+            gb = {
+                k: "-" if v is None else f"{v:.1f}" for k, v in t.items() if k.endswith("GB_per_s")
+            }
+            notes.append(
+                f"GB/s of expert weights: the link {gb['link_GB_per_s']} a copy in the step, "
+                f"{gb['link_alone_GB_per_s']} alone at compile; the CPU {gb['cpu_GB_per_s']} while "
+                f"computing, {gb['cpu_alone_GB_per_s']} alone at compile"
             )
         if self.resident_layers:
             notes.append(f"{self.resident_layers} more MoE layers fully resident")
