@@ -205,6 +205,11 @@ def _hybrid_split():
 
     cost = torch.tensor([15_000, 200_000, 1_000, 300_000])[: len(Cost)]
     split(torch.tensor([[1, 3], [4, 5]]), cache_with(16, [1], [5]), cost, use_kernel=True)
+    # the Markov policy's history orders the misses too
+    s = cache_with(16, [1], [5])._replace(
+        follows=torch.randint(0, 999, (16, 16), dtype=torch.int32)
+    )
+    split(torch.tensor([[1, 3], [4, 5]]), s, cost, use_kernel=True)
 
 
 def _hybrid_split_send():
@@ -221,7 +226,9 @@ def _hybrid_split_send():
         check_request=lambda x, ids: None,
     )  # fmt: skip
     x = torch.randn(2, 32, dtype=torch.bfloat16)
-    s = cache_with(16, [1], [5])
+    s = cache_with(16, [1], [5])._replace(
+        follows=torch.randint(0, 999, (16, 16), dtype=torch.int32)
+    )
     split.split_and_send(x, torch.tensor([[1, 3], [4, 5]]), s, cost, executor, 1)
 
 
