@@ -23,7 +23,8 @@ nothing of the trace (as in the latency suite's synthetic traces; the prefetch g
 `--replay trace`, `oracle` or `oracle-q0.8` routes as the latency suite's case of that name (harness.trace_for).
 `--quantize fp8` (mxfp4, int4) keeps asyncmoe's experts in that format; the unmodified model stays bf16.
 `--hybrid off on` runs each cached case with and without the CPU computing some misses (compile's `hybrid`), and
-says how the step compares with what the hybrid's cost model predicts (resident + its misses' time).
+says how the step compares with what the hybrid's cost model predicts (resident + its misses' time); `--hybrid-costs`
+gives that model's costs in place of compile's timing them.
 `--compile` runs every row's steps (the unmodified model's too) through torch.compile: Decoder(compile=True).
 `--caches 0` has the host's CPU compute every routed expert, once per `--cpu-threads` value; a cache may also be a
 GPU-memory budget for every layer's slots (`--caches 0 8GiB`).
@@ -284,6 +285,14 @@ def main():
         default=["off"],
         help="cached rows: the CPU computing some misses (on), none (off), or as compile's default decides (auto)",
     )
+    p.add_argument(
+        "--hybrid-costs",
+        type=int,
+        nargs=4,
+        metavar=("ROUND_TRIP", "PER_EXPERT", "PER_PAIR", "COPY"),
+        default=None,
+        help="hybrid rows: split by these costs in ns (asyncmoe.HybridCosts) instead of timing them at compile",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.random_mxfp4 and args.quantize not in (None, "mxfp4"):
@@ -363,6 +372,9 @@ def main():
                 time_stalls=args.time_stalls and cached,
                 cpu_threads=threads,
                 hybrid=HYBRID[hybrid] if cached else None,
+                hybrid_costs=asyncmoe.HybridCosts(*args.hybrid_costs)
+                if args.hybrid_costs and cached and hybrid != "off"
+                else None,
             )
             label = (
                 f"asyncmoe cache={cache}"
