@@ -363,24 +363,11 @@ def test_cli_simulate_says_what_it_does_before_the_work_and_shows_progress(
     random_trace(0).save(tmp_path / "t.npz")
     real, said = simulator.simulate, []
 
-    def slow_to_compile(
-        trace, cache, policy, prefetch, budget, expert_bytes, compiled, pace_us, progress, hybrid_us
-    ):
+    def slow_to_compile(*args, **kwargs):  # as the command calls it: `compiled` 7th
         said.append(capsys.readouterr().err)
-        assert compiled
+        assert args[6]
         time.sleep(0.3)  # as torch.compile works on the first token
-        return real(
-            trace,
-            cache,
-            policy,
-            prefetch,
-            budget,
-            expert_bytes,
-            False,
-            pace_us,
-            progress,
-            hybrid_us,
-        )
+        return real(*args[:6], False, *args[7:], **kwargs)
 
     monkeypatch.setattr(simulator, "simulate", slow_to_compile)
     monkeypatch.setattr(cli.simulate, "PROGRESS_EVERY_S", {True: 0.05, False: 0.05})
@@ -412,23 +399,9 @@ def test_the_step_compiles_only_where_the_trace_wins_its_wait_back(tmp_path, cap
     )  # the command on a short "long" trace
     long, compiled = tokens(200), []
 
-    def spy(
-        trace, cache, policy, prefetch, budget, expert_bytes, step_compiled, pace_us, progress,
-        hybrid_us,
-    ):  # fmt: skip
-        compiled.append(step_compiled)
-        return simulate(
-            trace,
-            cache,
-            policy,
-            prefetch,
-            budget,
-            expert_bytes,
-            False,
-            pace_us,
-            progress,
-            hybrid_us,
-        )
+    def spy(*args, **kwargs):  # as the command calls it: `compiled` 7th
+        compiled.append(args[6])
+        return simulate(*args[:6], False, *args[7:], **kwargs)
 
     monkeypatch.setattr(simulator, "simulate", spy)
     for trace, name in ((random_trace(0), "short.npz"), (long, "long.npz")):
