@@ -70,8 +70,8 @@ def add_options(s) -> None:
         nargs=4,
         metavar=("ROUND_TRIP_US", "PER_EXPERT_US", "PER_PAIR_US", "COPY_US"),
         default=None,
-        help="split each call's misses between the link and the CPU by these costs, in us, as "
-        "asyncmoe.compile prints them (hybrid=True); default: GPU-only",
+        help="split each call's misses between the link and the CPU by these costs, in us "
+        "(asyncmoe.compile prints a model's in ns, hybrid=True); default: GPU-only",
     )
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument(

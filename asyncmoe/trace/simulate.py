@@ -7,7 +7,7 @@ prediction and `prefetch` for layer l+1. On a long trace the per-token step over
 compiled once with torch.compile: its tokens run 4-8x faster, after a wait of seconds a layer that a
 short trace would not win back (`compiles`).
 
-With hybrid costs (`hybrid_us`, as `compile` prints them), each call's misses split between the link and the
+With hybrid costs (`hybrid_us`: `compile` prints a model's, in ns), each call's misses split between the link and the
 CPU first, as `hybrid/split.py` decides them on the GPU: the CPU's are routed but never copied, and count as
 misses beside the link's in the hit rate.
 
@@ -187,7 +187,7 @@ def check(
     if hybrid_us is not None and not (len(hybrid_us) == len(split.Cost) and min(hybrid_us) > 0):
         raise ValueError(
             "hybrid_us is (a request's round trip, an expert's CPU time, a token's, an expert's copy) in µs, "
-            f"each > 0, as asyncmoe.compile prints them; got {hybrid_us}"
+            f"each > 0 (asyncmoe.compile prints a model's, in ns); got {hybrid_us}"
         )
     if not trace.top_k <= cache:
         raise ValueError(

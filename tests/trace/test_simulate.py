@@ -229,7 +229,10 @@ def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_withi
             r"unknown predictors \['oracle'\]; simulable: gate, temporal, transition",
         ),
         (dict(cache=1), r"cache=1 is below the trace's top_k=2; use cache>=2"),
-        (dict(hybrid_us=(50, 0, 10, 300)), r"hybrid_us is .* each > 0, as asyncmoe.compile prints"),
+        (
+            dict(hybrid_us=(50, 0, 10, 300)),
+            r"hybrid_us is .* each > 0 \(asyncmoe.compile prints a model's, in ns\)",
+        ),
         (dict(hybrid_us=(50, 200)), r"hybrid_us is \(a request's round trip"),
     ],
 )
