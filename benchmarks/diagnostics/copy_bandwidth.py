@@ -26,12 +26,15 @@ E = 64
 _keep = []  # the compute graphs' tensors, alive as long as their graphs
 
 
-def host_experts(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """E random OLMoE-size experts [E, EXPERT_ELEMS] in pinned memory, and their UVA view on `dev`."""
-    spec = [(torch.Size([E, EXPERT_ELEMS]), torch.bfloat16)]
-    block = PinnedBlock(E * EXPERT_ELEMS * 2)
+def host_experts(
+    dev: torch.device, n: int = E, elems: int = EXPERT_ELEMS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` random bf16 experts [n, elems] (OLMoE-size by default) in pinned memory, and their UVA view on
+    `dev`; the memory stays pinned for the process."""
+    spec = [(torch.Size([n, elems]), torch.bfloat16)]
+    block = PinnedBlock(n * elems * 2)
     (host,) = carve(block.data, spec)
-    host.copy_(torch.randn(E, EXPERT_ELEMS, dtype=torch.bfloat16))
+    host.copy_(torch.randn(n, elems, dtype=torch.bfloat16))
     (view,) = carve(uva_view(block, dev), spec)
     _keep.append(block)
     return host, view

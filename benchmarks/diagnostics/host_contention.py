@@ -23,11 +23,11 @@ import time
 import torch
 
 from asyncmoe.cache.gather_copy import gather_copy_triton
-from asyncmoe.cache.host import PinnedBlock, carve, uva_view
 from asyncmoe.compute.cpu import Pool, experts_mlp
 from asyncmoe.compute.cpu.kernels import default_threads
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
+from copy_bandwidth import host_experts
 from host_probe import cpu_layer, read_bandwidth
 
 from shapes import expert_dims
@@ -95,11 +95,7 @@ def main():
     threads = args.threads or default_threads(beside_gpu=True)
     n, c = args.experts, args.copies
     elems = 3 * I * D  # gate_up [2I, D] and down [D, I]
-    block = PinnedBlock(n * elems * 2)
-    spec = [(torch.Size([n, elems]), torch.bfloat16)]
-    (host,) = carve(block.data, spec)
-    host.copy_(torch.randn(n, elems, dtype=torch.bfloat16))
-    (view,) = carve(uva_view(block, dev), spec)
+    host, view = host_experts(dev, n, elems)
     slots = torch.empty(c, elems, dtype=torch.bfloat16, device=dev)
     turns = [torch.arange(i * c, i * c + c) % n for i in range(n)]
     turns_dev = [t.to(dev) for t in turns]
