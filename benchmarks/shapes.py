@@ -165,10 +165,11 @@ SHAPES = {  # (config class, config); random weights, real shapes
 }
 
 
-def config(shape: str) -> transformers.PretrainedConfig:
+def config(shape: str, **overrides) -> transformers.PretrainedConfig:
+    """`shape`'s config; `overrides` replace its fields (a test's fewer layers of the same shape)."""
     config_cls, kw = SHAPES[shape]
     return getattr(transformers, config_cls)(
-        **kw, pad_token_id=0, bos_token_id=None, eos_token_id=None
+        **(kw | overrides), pad_token_id=0, bos_token_id=None, eos_token_id=None
     )
 
 
@@ -194,13 +195,18 @@ def expert_dims(shape: str) -> tuple[int, int]:
     return kw["hidden_size"], kw.get("moe_intermediate_size", kw["intermediate_size"])
 
 
-def random_model(shape: str, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+def random_model(
+    shape: str, dtype: torch.dtype, device: torch.device | str, **overrides
+) -> torch.nn.Module:
     """The same weights every time (seeded init on `device`), built as a checkpoint load builds a model
     (`from_config(dtype=...)` keeps the rotary tables fp32; `.to(bf16)` would not). Random routers send
-    every token to the same few experts, so they are widened (std 1) to spread tokens."""
+    every token to the same few experts, so they are widened (std 1) to spread tokens. `overrides`: the
+    config's fields to replace."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config(shape), dtype=dtype).eval()
+        model = transformers.AutoModelForCausalLM.from_config(
+            config(shape, **overrides), dtype=dtype
+        ).eval()
     with torch.no_grad():
         for name, m in find_experts(model):
             find_router(model, name, m)[0].normal_(0, 1.0)
