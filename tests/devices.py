@@ -27,6 +27,13 @@ def devices() -> list:
     ]
 
 
+def examples(n: int) -> int:
+    """A kernel-against-reference property test's examples: `n` interpreted; on a GPU a third (at
+    least 4), as each new shape compiles the kernels there (about a second each) and the interpreted
+    run covers the breadth of the same code."""
+    return n if os.environ.get("TRITON_INTERPRET") == "1" else max(4, n // 3)
+
+
 def cache_with(
     E: int,
     resident: list[int],

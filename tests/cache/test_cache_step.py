@@ -14,7 +14,7 @@ from asyncmoe.cache.expert_cache import ExpertCache, expert_bytes, num_waves
 from asyncmoe.cache.policies import POLICIES, get_policy
 from asyncmoe.cache.state import WAVE_ELSEWHERE, Counter
 
-from devices import assert_same, devices
+from devices import assert_same, devices, examples
 
 
 def pair(E, C, policy, device):
@@ -64,7 +64,7 @@ def script(draw_seed: int, E: int, C: int, k: int, calls: list[tuple[str, int]])
             yield "prefetch", (scores, sources, min(k, C))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     st.integers(0, 2**31 - 1),
     st.integers(3, 40),

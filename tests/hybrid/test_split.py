@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from asyncmoe.cache.state import Counter
 from asyncmoe.hybrid.split import LIKELY, Cost, split
 
-from devices import cache_with, devices
+from devices import cache_with, devices, examples
 
 
 def costs(round_trip: int, per_expert: int, per_pair: int, copy: int) -> torch.Tensor:
@@ -144,7 +144,7 @@ def test_the_kernel_counts_no_padding_pair_among_the_routed(device):
 
 
 @pytest.mark.parametrize("device", devices())
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     st.integers(0, 2**31 - 1), st.integers(2, 70), st.integers(1, 6), st.integers(1, 5), st.data()
 )
