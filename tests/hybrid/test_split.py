@@ -137,7 +137,10 @@ def test_the_kernel_counts_no_padding_pair_among_the_routed(device):
         for use_kernel in (True, False):
             s = cache_with(51, [], [], 0, device, 1)._replace(follows=follows.to(device))
             out.append(
-                [t.cpu() for t in (*split(ids, s, costs(0, 0, 0, 0), use_kernel), s.counters)]
+                [
+                    t.cpu()
+                    for t in (*split(ids, s, costs(0, 0, 0, 0).to(device), use_kernel), s.counters)
+                ]
             )
         for a, b in zip(*out):
             assert torch.equal(a, b), seed
