@@ -144,9 +144,10 @@ class Stats:
         self.totals.update(self._bandwidths())
 
     def _bandwidths(self) -> dict:
-        """GB/s of expert weights each side moved while working, beside what each reached alone at
-        compile (the hybrid's calibration): the link's an expert's copy in the step (the pace's) against
-        an isolated one; the CPU's its compute time's, against an expert of one token. None: unmeasured."""
+        """GB/s of expert weights: the CPU's while it computed the step's misses (its own clock),
+        beside an expert of one token alone at compile (the hybrid's calibration); the link's an
+        expert's copy at compile, alone (the pace's) and while the CPU serves a request (the
+        calibration's). None: unmeasured."""
         t, costs = self.totals, self.hybrid_costs
         nbytes = self.layers[0].expert_bytes if self.layers else 0
 
@@ -154,8 +155,8 @@ class Stats:
             return num / ns if num and ns else None
 
         return {
-            "link_GB_per_s": rate(nbytes, self.copy_ns),
-            "link_alone_GB_per_s": rate(nbytes, costs and costs.copy),
+            "link_alone_GB_per_s": rate(nbytes, self.copy_ns),
+            "link_beside_cpu_GB_per_s": rate(nbytes, costs and costs.copy),
             "cpu_GB_per_s": rate(t["cpu_bytes"], t["cpu_ns"]),
             "cpu_alone_GB_per_s": rate(nbytes, costs and costs.per_expert + costs.per_pair),
         }
@@ -248,9 +249,9 @@ class Stats:
                 k: "-" if v is None else f"{v:.1f}" for k, v in t.items() if k.endswith("GB_per_s")
             }
             notes.append(
-                f"GB/s of expert weights: the link {gb['link_GB_per_s']} a copy in the step, "
-                f"{gb['link_alone_GB_per_s']} alone at compile; the CPU {gb['cpu_GB_per_s']} while "
-                f"computing, {gb['cpu_alone_GB_per_s']} alone at compile"
+                f"GB/s of expert weights: the CPU {gb['cpu_GB_per_s']} in the step, "
+                f"{gb['cpu_alone_GB_per_s']} alone; the link {gb['link_alone_GB_per_s']} alone, "
+                f"{gb['link_beside_cpu_GB_per_s']} beside the CPU (at compile)"
             )
         if self.resident_layers:
             notes.append(f"{self.resident_layers} more MoE layers fully resident")

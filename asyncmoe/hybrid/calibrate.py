@@ -9,7 +9,8 @@ executor's counters) gives an expert's and a token's cost, which n experts make 
 noise however small they are; the round trip is the pair's time end to end as a layer's call meets
 it (on CUDA through the channel, with CUDA events; on the CPU in-line), less its work's costs. Eager,
 it counts the host's launches too: that larger fixed cost splits better than a captured request's
-(docs/decisions.md#tried-and-dropped).
+(docs/decisions.md#tried-and-dropped). A copy is timed while the CPU serves the second request, as
+in a step, where the two read host memory at once.
 
 The requests repeat until every cost is above zero and known within `BOUND` of the smallest time it
 enters (the medians' 95% notches, McGill et al. 1978, carried through the fit), and the costs
@@ -31,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache.expert_cache import ExpertCache
-from ..cache.gather_copy import copy_ns, gather_copy
+from ..cache.gather_copy import gather_copy
 from ..compute.cpu.executor import CpuExecutor
 from ..compute.cpu.kernels import STATS
 from ..settings import HybridCosts
@@ -58,18 +59,18 @@ def calibrate(executor: CpuExecutor, cache: ExpertCache) -> HybridCosts:
     shapes = {"one": (1, 1), "spread": (n, 1), "stacked": (n, TOKENS), "check": (max(2, n // 2), 2)}
     turn = iter(range(10**9))
 
-    def request(experts: int, each: int) -> Callable[[], tuple[float, float]]:
-        def once() -> tuple[float, float]:
-            r, tokens = next(turn), experts * each
-            ids = (torch.arange(tokens) % experts + r * experts) % E
-            x = torch.zeros(tokens, executor.hidden, dtype=executor.x_dtype, device=executor.device)
-            ids = ids.view(tokens, 1).to(executor.device)
-            return _request_ns(executor, x, ids, r % len(executor.layers))
+    def payload(experts: int, each: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A request's hidden rows, expert ids and layer, on other experts than the last's."""
+        r, tokens = next(turn), experts * each
+        ids = (torch.arange(tokens) % experts + r * experts) % E
+        x = torch.zeros(tokens, executor.hidden, dtype=executor.x_dtype, device=executor.device)
+        return x, ids.view(tokens, 1).to(executor.device), r % len(executor.layers)
 
-        return once
+    def request(experts: int, each: int) -> Callable[[], tuple[float, float]]:
+        return lambda: _request_ns(executor, *payload(experts, each))
 
     samplers = {name: request(*shape) for name, shape in shapes.items()}
-    samplers["copy"] = lambda: (_copy_ns(cache),)
+    samplers["copy"] = lambda: (_copy_ns(cache, executor, *payload(n, 1)),)
     for sample in samplers.values():
         sample()  # first use: kernels compiled, threads woken
     times: dict[str, list[tuple[float, ...]]] = {name: [] for name in samplers}
@@ -172,13 +173,36 @@ def _request_ns(
     return total, float(counts[layer, STATS.index("ns")])
 
 
-def _copy_ns(cache: ExpertCache) -> float:
-    if cache.expert_to_slot.is_cuda:
-        return float(copy_ns(cache.hosts, cache.slots))
-    one = torch.ones(1, dtype=torch.int64)
-    start = time.perf_counter_ns()
-    gather_copy(cache.hosts, cache.slots, one - 1, one - 1, one)
-    return float(time.perf_counter_ns() - start)
+def _copy_ns(
+    cache: ExpertCache,
+    executor: CpuExecutor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    layer: int,
+    repeats: int = 5,
+) -> float:
+    """One expert's copy, in ns. On CUDA it is timed while the CPU serves a request (`x`, `ids`) of
+    the layer's, as in a hybrid step, where the link and the CPU read host memory at once and each
+    copy takes longer than alone (docs/decisions.md#the-hybrids-cost-model); over `repeats` copies
+    queued behind a first, as `copy_ns`. On the CPU, one copy in-line: there it cannot overlap."""
+    one = torch.ones(1, dtype=torch.int64, device=cache.expert_to_slot.device)
+    src = dst = one - 1  # slot 0: at compile no table points at it
+    if not one.is_cuda:
+        start = time.perf_counter_ns()
+        gather_copy(cache.hosts, cache.slots, src, dst, one)
+        return float(time.perf_counter_ns() - start)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(one.device)  # at compile only, as every sync here
+    executor.send(x, ids, layer)
+    gather_copy(cache.hosts, cache.slots, src, dst, one)  # the copy the timed ones queue behind
+    start.record()
+    for _ in range(repeats):
+        gather_copy(cache.hosts, cache.slots, src, dst, one)
+    end.record()
+    executor.receive(layer, ids.numel())
+    torch.cuda.synchronize(one.device)
+    executor.stats(reset=True)  # the model's stats count its own calls only
+    return start.elapsed_time(end) / repeats * 1e6
 
 
 def cost_tensor(costs: HybridCosts, device: torch.device) -> torch.Tensor:
