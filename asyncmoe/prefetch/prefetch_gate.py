@@ -32,9 +32,7 @@ from .state import PAID, PREFETCHES, RUNNERS_UP, SEEN_PAID, SEEN_WASTED, WASTED,
 
 # a wasted copy costs about what a used one saves where a copy fits the window (#gate-precision)
 MIN_PRECISION = 0.5
-OUTCOME_DECAY = (
-    0.98  # per call: the estimate follows the last ~50 calls (docs/decisions.md#gate-precision)
-)
+OUTCOME_DECAY = 0.98  # per call: the estimate follows the last ~50 calls (#gate-precision)
 LOG2_DECAY = math.log2(OUTCOME_DECAY)
 # a gated layer still scores its likeliest expert every 32nd call, times the stride (#exploring)
 EXPLORE_EVERY = 32
