@@ -62,7 +62,7 @@ def shards(
         cost = {i: known.get(i, UNKNOWN_S) for i in tests}
         n = min(len(tests), max(1, round(sum(cost.values()) / target_s)))
         loads = [(0.0, s, []) for s in range(n)]  # (seconds, shard, its tests)
-        for i in sorted(tests, key=lambda i: (-cost[i], tests.index(i))):
+        for i in sorted(tests, key=lambda i: -cost[i]):  # stable: file order among equals
             load, s, part = heapq.heappop(loads)
             heapq.heappush(loads, (load + cost[i], s, part + [i]))
         for load, s, part in sorted(loads, key=lambda x: x[1]):
