@@ -108,7 +108,7 @@ class Links:
 class CachedProvider(ExpertWeightProvider):
     """Experts in host memory, C of them in GPU slots; calls with more than C distinct experts run
     in waves, but captured or compiled ones with `hybrid`, whose CPU takes the excess (calls of at
-    most one CPU request)."""
+    most one CPU request); eager ones with `hybrid` split their misses with the CPU first."""
 
     def __init__(
         self,
@@ -160,23 +160,19 @@ class CachedProvider(ExpertWeightProvider):
                 f"needs its top-{k} experts resident at once; use cache>={k}"
             )
         weights = self.cache.slot_weights()
-        # A captured or compiled call of one CPU request goes hybrid whatever its experts: the split
-        # leaves the GPU no more than the slots hold, one wave, where its shapes would fix the worst
-        # case's waves. Eager calls over the slots (prompts, whose experts carry many tokens each)
-        # keep their waves on the GPU: the forced split would hand the CPU such experts.
-        hybrid, waves = self.hybrid, num_waves(T * k, C, E)
-        if hybrid is not None and (
-            T > hybrid.executor.settings.max_tokens
-            or (waves > 1 and not _fixed_shapes(hidden_states))
-        ):
+        # A call of one CPU request goes hybrid. Captured or compiled, whose shapes would fix the
+        # worst case's waves, the split leaves the GPU no more than the slots hold: one wave. Eager,
+        # the GPU serves its share in the waves it fills, read as below.
+        hybrid, waves, fixed = self.hybrid, num_waves(T * k, C, E), _fixed_shapes(hidden_states)
+        if hybrid is not None and T > hybrid.executor.settings.max_tokens:
             hybrid = None
-        waves = 1 if hybrid is not None else waves
+        waves = 1 if hybrid is not None and fixed else waves
         out, wave, filled, gated = None, 0, None, []
         linked = not self.paused
         elsewhere = None
         if hybrid is not None:
             elsewhere, cpu_ids = hybrid_ops.hybrid_send(
-                hidden_states, top_k_index, self.wait and linked, self.cache, hybrid
+                hidden_states, top_k_index, self.wait and linked, not fixed, self.cache, hybrid
             )  # [E], [T, k]
         while wave < waves:
             first = wave == 0 and linked
@@ -193,7 +189,7 @@ class CachedProvider(ExpertWeightProvider):
                 waves, filled = filled(), None
                 if wave == waves:
                     break  # wave 0 held every expert the call needs: this plan has nothing to copy
-            if wave == 0 and waves > 1 and not _fixed_shapes(hidden_states):
+            if wave == 0 and waves > 1 and not fixed:
                 filled = self._waves_filled()
             if first and self.plan is not None:
                 # after this layer's misses, so it overlaps its compute

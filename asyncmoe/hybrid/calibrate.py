@@ -36,14 +36,13 @@ from ..cache.gather_copy import gather_copy
 from ..compute.cpu.executor import CpuExecutor
 from ..compute.cpu.kernels import STATS
 from ..settings import HybridCosts
-from .split import Cost
+from .split import TOKENS, Cost
 
 BOUND = 0.2  # a cost's 95% confidence half-width, at most this share of the smallest time it enters
 FIT = 0.25  # the fourth request's work, as the costs predict it, off by at most this share
 BUDGET_S = 3.0  # for all the requests together
 MIN_REPEATS = 5
 HOPELESS_AFTER = 40  # rounds before the spread so far may end the calibration ahead of its budget
-TOKENS = 4  # an expert's tokens in the request that times a token
 
 
 class CalibrationError(RuntimeError):

@@ -36,26 +36,27 @@ class Hybrid:
 
 @torch.library.custom_op("asyncmoe::hybrid_send", mutates_args=("state",))
 def _hybrid_send(
-    x: Tensor, top_k_index: Tensor, wait: bool, state: list[Tensor], cost: Tensor,
+    x: Tensor, top_k_index: Tensor, wait: bool, waves: bool, state: list[Tensor], cost: Tensor,
     executor_id: int, layer: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Split this call's misses between the link and the CPU (hybrid/split.py) and send the CPU's
     pairs of rows `x` to the worker, on CUDA in one kernel; returns (elsewhere [E] bool: the CPU's
     experts, which `ensure` counts as routed but does not copy; cpu_ids [T, k]: the pairs the CPU
     computes, -1 the GPU's). `wait`: a prefetch into this layer was issued earlier in the forward,
-    so decide once it has decided (its experts count as resident)."""
+    so decide once it has decided (its experts count as resident). `waves`: the GPU may serve its
+    share in waves (an eager call); else it must fit the slots."""
     s, ex = CacheState._make(state), executor(executor_id)
     if ex.device.type == "cuda":
         if wait:
             torch.cuda.current_stream().wait_event(SIDE.planned(s.expert_to_slot))
-        return split.split_and_send(x, top_k_index, s, cost, ex, layer)
-    elsewhere, cpu_ids = split.split(top_k_index, s, cost)
+        return split.split_and_send(x, top_k_index, s, cost, ex, layer, waves)
+    elsewhere, cpu_ids = split.split(top_k_index, s, cost, waves=waves)
     ex.send(x, cpu_ids, layer)
     return elsewhere, cpu_ids
 
 
 @_hybrid_send.register_fake
-def _(x, top_k_index, wait, state, cost, executor_id, layer):
+def _(x, top_k_index, wait, waves, state, cost, executor_id, layer):
     s = check_state(state)
     torch._check(
         top_k_index.dim() == 2 and x.dim() == 2 and x.shape[0] == top_k_index.shape[0],
@@ -97,11 +98,12 @@ def _(gpu_out, cpu_ids, top_k_weights, dtype, executor_id, layer):
 
 
 def hybrid_send(
-    x: Tensor, top_k_index: Tensor, wait: bool, cache: ExpertCache, hybrid: Hybrid
+    x: Tensor, top_k_index: Tensor, wait: bool, waves: bool, cache: ExpertCache, hybrid: Hybrid
 ) -> tuple[Tensor, Tensor]:
     return torch.ops.asyncmoe.hybrid_send(
-        x, top_k_index, wait, list(cache.state), hybrid.cost, hybrid.executor.id, hybrid.layer
-    )
+        x, top_k_index, wait, waves, list(cache.state), hybrid.cost, hybrid.executor.id,
+        hybrid.layer,
+    )  # fmt: skip
 
 
 def hybrid_receive(

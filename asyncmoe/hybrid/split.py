@@ -5,17 +5,22 @@ A call's misses are its routed experts that are not resident (m of them; h route
 CPU takes them in the order of its cost (fewest tokens first: its time grows with each token, a
 copy's does not), among equals the least likely to be routed again next call first (the Markov
 policy's `follows`: `likely`), n of them; the link copies the other m - n one after another, so the
-experts the slots keep are the ones worth keeping. The GPU's experts
-must fit the C slots at once, so that `ensure` serves them in one wave: h + m - n <= C. Among those
-n, the one that finishes both soonest:
+experts the slots keep are the ones worth keeping. Where the call's shapes fix its waves (a
+CUDA graph capture, a torch.compile trace: `waves` False), the GPU's experts must fit the C slots at
+once, so that `ensure` serves them in one wave: n >= h + m - C. Eager, the GPU may serve its experts
+in waves, and the CPU takes only experts of at most `TOKENS` tokens each, the most the calibration
+timed (past them its kernels' time grows faster than the costs say). Among those n, the one that
+finishes both soonest:
 
     cpu(n) = round_trip + sum over the first n of (per_expert + tokens * per_pair)   (0 when n = 0)
     link(n) = busy + (m - n) * copy
-    n = argmin over max(0, h + m - C) <= n <= m of max(cpu(n), link(n)), the fewest on the CPU
-    among equals
+    n = argmin over least <= n <= most of max(cpu(n), link(n)), the fewest on the CPU among equals
+    least, most = max(0, h + m - C), m                  (waves False)
+                  0, the misses of at most TOKENS tokens (waves True)
 
-So a call of more distinct experts than slots (a batch) has the CPU compute the excess, and the
-GPU the rest in one wave; the caller sends a call of at most one CPU request (`max_tokens`).
+So a captured call of more distinct experts than slots (a batch) has the CPU compute the excess, and
+the GPU the rest in one wave; an eager one splits by cost alone, the GPU's share in as many waves as
+it fills. The caller sends a call of at most one CPU request (`max_tokens`).
 
 `busy` is what the link still owes this call's prefetch: the experts a predictor admitted to this
 layer for this call (slots born at its clock with a `source`), a copy each, less the compute they
@@ -54,6 +59,7 @@ except ImportError:  # non-Linux
 # what the split kernels take of a `CacheState`: which experts are resident, which slots this call's
 # prefetch filled, and the counters; their parameters `<field>_ptr`, bound by name
 LIKELY = LIKELY_MAX + 1  # a sort key's factor: the likelihoods below it
+TOKENS = 4  # an expert's most tokens in the calibration's requests: the costs hold up to there
 CACHE_STATE = (
     "expert_to_slot", "slot_to_expert", "born", "source", "clock", "pace", "follows", "counters",
 )  # fmt: skip
@@ -84,10 +90,10 @@ def likely(routed: torch.Tensor, s: CacheState) -> torch.Tensor:
 
 
 def split_reference(
-    ids: torch.Tensor, s: CacheState, cost: torch.Tensor
+    ids: torch.Tensor, s: CacheState, cost: torch.Tensor, waves: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ids` [P] -> (elsewhere [E] bool: the experts the CPU computes, cpu_ids [P]: -1 for the pairs
-    it does not)."""
+    it does not); `waves`: the GPU may serve its experts in waves."""
     expert_to_slot, counters = s.expert_to_slot, s.counters
     E = expert_to_slot.numel() - 1
     experts = torch.arange(E, device=ids.device)
@@ -104,8 +110,11 @@ def split_reference(
     cpu = torch.cat([work.new_zeros(1), cost[Cost.ROUND_TRIP] + torch.cumsum(work, 0)])  # [E+1]
     m, n, C = miss.sum(), torch.arange(E + 1, device=ids.device), s.slot_to_expert.numel()
     finish = torch.maximum(cpu, _busy(s, cost) + (m - n).clamp(min=0) * cost[Cost.COPY])
-    # the GPU's experts fit the slots: h + m - n <= C
-    allowed = (n <= m) & (n >= hits + m - C)
+    if waves:  # the CPU's experts within the costs' timed tokens (first in the order)
+        least, most = 0, (miss & (tokens <= TOKENS)).sum()
+    else:  # the GPU's experts fit the slots: h + m - n <= C
+        least, most = hits + m - C, m
+    allowed = (n <= most) & (n >= least)
     finish = finish.masked_fill(~allowed, torch.iinfo(torch.int64).max)
     n_cpu = torch.argmin(finish)  # the first of equal minima: the fewest on the CPU
     elsewhere = miss & (rank < n_cpu)
@@ -121,6 +130,7 @@ if triton is not None:
     _CPU_MISSES, _COST_NS = tl.constexpr(Counter.CPU_MISSES), tl.constexpr(Counter.COST_NS)
     _WINDOW = tl.constexpr(PACE_WINDOW)
     _LIKELY, _ROWS = tl.constexpr(LIKELY), tl.constexpr(16)  # `follows` rows a block
+    _TOKENS = tl.constexpr(TOKENS)
 
     from ..compute.cpu.request import BLOCK, SENT, publish
 
@@ -150,7 +160,7 @@ if triton is not None:
     def _decide(
         ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
         follows_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C,
-        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr, WAVES: tl.constexpr,
     ):  # fmt: skip
         """The split, stored; returns the CPU's pair ids [BP] (-1: the GPU's) and their offsets."""
         p, e = tl.arange(0, BP), tl.arange(0, BE)
@@ -183,9 +193,12 @@ if triton is not None:
         finish = tl.maximum(
             tl.load(cost_ptr + _ROUND_TRIP) + tl.cumsum(work, 0), busy + (m - n) * copy
         )
-        # the GPU's experts fit the slots: n >= h + m - C
-        least = hits + m - C
-        finish = tl.where((n <= m) & (n >= least), finish, 0x7FFFFFFFFFFFFFFF)
+        if WAVES:  # the CPU's experts within the costs' timed tokens (first in the order)
+            least = tl.full([], 0, tl.int64)
+            most = tl.sum((miss & (tokens <= _TOKENS)).to(tl.int64))
+        else:  # the GPU's experts fit the slots: n >= h + m - C
+            least, most = hits + m - C, m
+        finish = tl.where((n <= most) & (n >= least), finish, 0x7FFFFFFFFFFFFFFF)
         best = tl.min(finish, 0)
         none = tl.where(least <= 0, busy + m * copy, 0x7FFFFFFFFFFFFFFF)  # n = 0
         n_cpu = tl.where(best < none, tl.min(tl.where(finish == best, n, BE + 1), 0), 0)
@@ -207,11 +220,12 @@ if triton is not None:
         # the cache's state (CACHE_STATE, by name)
         expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr, follows_ptr,
         counters_ptr,
-        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr, WAVES: tl.constexpr,
     ):  # fmt: skip
         _decide(
             ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
             follows_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC, FOLLOWS,
+            WAVES,
         )  # fmt: skip
 
     @triton.jit
@@ -222,11 +236,13 @@ if triton is not None:
         counters_ptr,
         # the channel's (request.SENT, by name)
         chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr, chan_expert_ids_ptr, chan_x_ptr,
-        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr, BLOCK: tl.constexpr,
+        BP: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, FOLLOWS: tl.constexpr, WAVES: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):  # fmt: skip
         cpu_ids, p = _decide(
             ids_ptr, expert_to_slot_ptr, slot_to_expert_ptr, born_ptr, source_ptr, clock_ptr, pace_ptr,
             follows_ptr, cost_ptr, counters_ptr, elsewhere_ptr, cpu_ids_ptr, P, E, C, BP, BE, BC, FOLLOWS,
+            WAVES,
         )  # fmt: skip
         publish(
             x_ptr, cpu_ids, p, seq_ptr, chan_request_ptr, chan_awake_ptr, chan_layer_ptr, chan_token_ids_ptr,
@@ -235,26 +251,28 @@ if triton is not None:
 
 
 def split(
-    top_k_index: torch.Tensor, s: CacheState, cost: torch.Tensor, use_kernel: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k_index: torch.Tensor, s: CacheState, cost: torch.Tensor, use_kernel: bool | None = None,
+    waves: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`top_k_index` [T, k] -> (elsewhere [E] bool, cpu_ids [T, k]): the experts the CPU computes,
     which the cache counts as routed but does not copy, and each pair's expert where the CPU computes
-    it (-1 elsewhere, which the CPU worker skips). Adds to `s.counters`."""
+    it (-1 elsewhere, which the CPU worker skips). Adds to `s.counters`. `waves`: the GPU may serve
+    its experts in waves (an eager call)."""
     ids = top_k_index.long().reshape(-1)
     if not (gpu.available(ids) if use_kernel is None else use_kernel):
-        elsewhere, cpu_ids = split_reference(ids, s, cost)
+        elsewhere, cpu_ids = split_reference(ids, s, cost, waves)
         return elsewhere, cpu_ids.view(top_k_index.shape)
     elsewhere, cpu_ids, sizes, (BP, BE, BC) = _outputs(ids, s)
     _split_kernel[(1,)](
         ids, cost, elsewhere, cpu_ids, *sizes, **pointers(s, CACHE_STATE), BP=BP, BE=BE, BC=BC,
-        FOLLOWS=s.follows.numel() > 0,
+        FOLLOWS=s.follows.numel() > 0, WAVES=waves,
     )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
 
 
 def split_and_send(
     x: torch.Tensor, top_k_index: torch.Tensor, s: CacheState, cost: torch.Tensor,
-    executor: CpuExecutor, layer: int,
+    executor: CpuExecutor, layer: int, waves: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`split`, and the CPU's pairs of rows `x` [T, H] sent to the worker of `executor` (on CUDA) as
     a request of `layer`, in the same kernel."""
@@ -265,7 +283,7 @@ def split_and_send(
     _split_send_kernel[(1,)](
         ids, cost, elsewhere, cpu_ids, *sizes, x.contiguous(), executor.seq, layer, T, k, x.shape[1],
         **pointers(s, CACHE_STATE), **pointers(executor.gpu, SENT, "chan_"),
-        BP=BP, BE=BE, BC=BC, FOLLOWS=s.follows.numel() > 0, BLOCK=BLOCK, num_warps=8,
+        BP=BP, BE=BE, BC=BC, FOLLOWS=s.follows.numel() > 0, WAVES=waves, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     return elsewhere, cpu_ids.view(top_k_index.shape)
 

@@ -20,7 +20,7 @@ import asyncmoe
 from asyncmoe.cache.state import COUNTERS, Counter
 from asyncmoe.hybrid import calibrate
 from asyncmoe.hybrid.calibrate import decode_miss_ns, pays
-from asyncmoe.hybrid.split import Cost
+from asyncmoe.hybrid.split import TOKENS, Cost
 from asyncmoe.integrations import install
 from asyncmoe.integrations.install import _calibrated
 from asyncmoe.integrations.transformers import PROVIDER, find_experts
@@ -47,14 +47,14 @@ def providers(model):
 EVEN = asyncmoe.HybridCosts(round_trip=1, per_expert=10, per_pair=1, copy=10)
 
 
-def hybrid(model, quantize=None, device="cpu", **kw):
+def hybrid(model, quantize=None, device="cpu", hybrid_costs=EVEN, **kw):
     return asyncmoe.compile(
         copy.deepcopy(model),
         cache=4,
         quantize=quantize,
         device=device,
         hybrid=True,
-        hybrid_costs=EVEN,
+        hybrid_costs=hybrid_costs,
         cpu_threads=2,
         **kw,
     )
@@ -129,14 +129,8 @@ def batch(size=4, length=6) -> torch.Tensor:
 def test_a_batch_over_the_slots_runs_one_wave_the_cpu_taking_the_excess():
     """Batch 4 at cache 4 (8 pairs > 4 slots) under torch.compile(fullgraph=True), whose shapes fix
     the waves: the CPU takes the misses the slots cannot hold, so each layer's call is one wave, and
-    the logits are the model's. Eager, the same calls keep their waves on the GPU."""
+    the logits are the model's."""
     model = tiny("olmoe")
-    ours = hybrid(model)
-    over = 0  # layer calls of more distinct experts than slots
-    for ids in batch(length=3).split(1, dim=1):  # decode-sized calls, [4, 1] each
-        torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
-        over += sum(int(p.cache.routed.sum()) > 4 for p in providers(ours))
-    assert over > 0 and not one_wave_a_call(ours)
     ours = hybrid(model)
     torch._dynamo.reset()
     compiled = torch.compile(ours, fullgraph=True)
@@ -147,9 +141,54 @@ def test_a_batch_over_the_slots_runs_one_wave_the_cpu_taking_the_excess():
 
 
 @torch.no_grad()
+def test_eager_calls_over_the_slots_split_by_cost_in_the_waves_they_fill():
+    """Eager, a call of more distinct experts than slots splits by cost alone: a CPU slower than the
+    link takes none and the GPU runs waves; at even costs both take some, the GPU's share in as
+    many waves as it fills. Batch 4 at cache 4, decode-sized calls: the logits are the model's."""
+    model = tiny("olmoe")
+    slow_cpu = dataclasses.replace(EVEN, round_trip=10**6)
+    for costs in (slow_cpu, EVEN):
+        ours = hybrid(model, hybrid_costs=costs)
+        over = 0  # layer calls of more distinct experts than slots
+        for ids in batch(length=3).split(1, dim=1):  # [4, 1] each
+            torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+            over += sum(int(p.cache.routed.sum()) > 4 for p in providers(ours))
+        t = asyncmoe.stats(ours).totals
+        assert over > 0 and not one_wave_a_call(ours)
+        assert (t["cpu_misses"] > 0) == (costs is EVEN) and t["misses"] > 0, t
+
+
+@torch.no_grad()
+def test_eager_the_cpu_takes_no_expert_of_more_tokens_than_the_costs_timed():
+    """A prompt whose experts carry many tokens each: the CPU, however fast the costs say it is, takes
+    only experts of at most `split.TOKENS` tokens, those the calibration timed; the rest go to the
+    GPU in waves."""
+    model = tiny("olmoe")
+    fast_cpu = asyncmoe.HybridCosts(round_trip=1, per_expert=1, per_pair=1, copy=10**6)
+    ours = hybrid(model, hybrid_costs=fast_cpu)
+    routed = {}  # each experts module's top_k_index
+
+    def record(module, args, kwargs):
+        routed[module] = args[1] if len(args) > 1 else kwargs["top_k_index"]
+
+    for _, m in find_experts(ours):
+        m.register_forward_pre_hook(record, with_kwargs=True)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(ours(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    assert len(routed) == len(providers(ours))
+    for m, ids in routed.items():
+        p = getattr(m, PROVIDER)
+        tokens = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
+        few = int(((tokens > 0) & (tokens <= TOKENS)).sum())
+        many = int((tokens > TOKENS).sum())
+        c = dict(zip(COUNTERS, p.cache.counters.tolist(), strict=True))
+        assert c["cpu_misses"] == few and c["misses"] == many and few > 0 and many > 0
+
+
+@torch.no_grad()
 def test_a_batch_over_the_slots_decodes_the_models_tokens():
     """Greedy tokens of batch 4 at cache 4 through the eager Decoder equal the unmodified model's
-    (its calls over the slots in waves on the GPU)."""
+    (its calls over the slots split, the GPU's share in waves)."""
     model = tiny("olmoe")
     ours = hybrid(model)
     ids, steps = batch(), 16
@@ -280,7 +319,7 @@ def test_the_ops_pass_opcheck():
     ids = torch.tensor([[0, 1], [2, 3], [1, 5]])
     torch.library.opcheck(
         torch.ops.asyncmoe.hybrid_send,
-        (x, ids, False, list(p.cache.state), p.hybrid.cost, p.hybrid.executor.id, 0),
+        (x, ids, False, True, list(p.cache.state), p.hybrid.cost, p.hybrid.executor.id, 0),
         test_utils=("test_schema", "test_faketensor"),
     )
 

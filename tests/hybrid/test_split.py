@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncmoe.cache.state import Counter
-from asyncmoe.hybrid.split import LIKELY, Cost, split
+from asyncmoe.hybrid.split import LIKELY, TOKENS, Cost, split
 
 from devices import cache_with, devices, examples
 
@@ -62,6 +62,24 @@ def test_the_gpus_experts_fit_the_slots():
             assert torch.equal(cpu_ids, torch.where(elsewhere[ids], ids, -1))
             assert s.counters[Counter.CPU_MISSES] == len(cpu)
             assert s.counters[Counter.COST_NS] == cost_ns
+
+
+def test_eager_the_split_is_free_of_the_slots_and_within_the_timed_tokens():
+    """The first case's call at 3 slots, eager (the GPU may run waves): the cost's choice stands,
+    n = 2, max(21, 20), though the GPU's four experts need two waves. With the costs free of the
+    tokens (per_pair 0) and a copy dear, the CPU would take every miss; it takes those of at most
+    TOKENS tokens only: of a call where expert 1 has TOKENS + 1, all but 1."""
+    ids = torch.tensor([[1, 2], [3, 4], [5, 1], [7, 5]])
+    many = torch.tensor([[1, 3]] + [[1, 5]] * TOKENS)
+    for use_kernel in (False, True):
+        s = cache_with(8, [2, 4], slots=3)
+        elsewhere, _ = split(ids, s, costs(5, 8, 0, 10), use_kernel=use_kernel, waves=True)
+        assert elsewhere.nonzero().flatten().tolist() == [3, 7], use_kernel
+        assert s.counters[Counter.CPU_MISSES] == 2 and s.counters[Counter.COST_NS] == 21
+        s = cache_with(8, [], slots=3)
+        elsewhere, _ = split(many, s, costs(5, 8, 0, 1000), use_kernel=use_kernel, waves=True)
+        assert elsewhere.nonzero().flatten().tolist() == [3, 5], use_kernel
+        assert s.counters[Counter.COST_NS] == 1000  # the link's one copy outlasts the CPU
 
 
 def test_the_fit_overrides_a_slow_cpu():
@@ -165,15 +183,19 @@ def test_the_kernel_equals_the_reference(device, seed, E, T, k, data):
     follows = torch.randint(0, 2 * LIKELY, (E, E), generator=g, dtype=torch.int32)
     if not data.draw(st.booleans()):
         follows = follows[:0, :0]
+    waves = data.draw(st.booleans())
     out = []
     for use_kernel in (True, False):
         s = cache_with(E, held[: len(held) - n], held[len(held) - n :], window, device, slots)
         s = s._replace(follows=follows.to(device))
         s.counters.fill_(7)
-        out.append([t.cpu() for t in (*split(ids.to(device), s, cost, use_kernel), s.counters)])
+        got = split(ids.to(device), s, cost, use_kernel, waves=waves)
+        out.append([t.cpu() for t in (*got, s.counters)])
     for a, b in zip(*out):
         assert torch.equal(a, b)
-    # the GPU's experts fit the slots
     elsewhere = out[1][0]
-    routed = torch.zeros(E, dtype=torch.bool).index_fill_(0, ids.flatten(), True)
-    assert int((routed & ~elsewhere).sum()) <= slots
+    tokens = torch.bincount(ids.flatten(), minlength=E)
+    if waves:  # the CPU's experts within the tokens the costs timed
+        assert (tokens[elsewhere] <= TOKENS).all()
+    else:  # the GPU's experts fit the slots
+        assert int(((tokens > 0) & ~elsewhere).sum()) <= slots
