@@ -366,7 +366,7 @@ def test_hybrid_on_the_gpu_equals_the_gpu_only_cache(quantize):
 @torch.no_grad()
 def test_a_batch_over_the_slots_captures_without_waves():
     """Batch 4 at cache 4 (8 pairs > 4 slots) captured in the Decoder's graph without waves=True: the
-    CPU takes the excess, every step one wave a layer (the eager prompt keeps its waves), and 64
+    CPU takes the excess, every step one wave a layer (the eager prompt may run waves), and 64
     greedy tokens equal the GPU-only cache's (which needs waves=True) in float32."""
     model = tiny("olmoe")
     gpu_only = asyncmoe.compile(copy.deepcopy(model), cache=4, device="cuda", hybrid=False)
