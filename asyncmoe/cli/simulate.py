@@ -73,6 +73,14 @@ def add_options(s) -> None:
         help="split each call's misses between the link and the CPU by these costs, in us "
         "(asyncmoe.compile prints a model's in ns, hybrid=True); default: GPU-only",
     )
+    s.add_argument(
+        "--batch",
+        type=options.at_least(1),
+        default=1,
+        help="tokens a decode step: consecutive tokens of the trace, each call of a step as a "
+        "captured step serves it (every wave its shapes allow; with --hybrid, the CPU taking any "
+        "excess over the slots)",
+    )
     s.add_argument("--json", action="store_true", help="print the totals as one JSON object")
     s.add_argument(
         "--compile",
@@ -199,7 +207,7 @@ def run(args) -> int:
         else simulator.budget_slots(trace, args.cache, expert_bytes)
     )
     budget = PREFETCH_BUDGET if args.budget is None else args.budget
-    simulator.check(trace, slots, args.prefetch, budget, args.pace, args.hybrid)
+    simulator.check(trace, slots, args.prefetch, budget, args.pace, args.hybrid, args.batch)
     compiled = {"on": True, "off": False, "auto": simulator.compiles(trace)}[args.compile]
     say = [
         f"asyncmoe simulate: {args.trace}: {trace.tokens} tokens x {trace.layers} MoE layers, "
@@ -207,6 +215,7 @@ def run(args) -> int:
         f"{trace.num_experts} experts; cache {slots} slots per layer, policy {args.policy}, "
         f"prefetch {'+'.join(args.prefetch) or 'off'}"
         + (", misses split with the CPU" if args.hybrid else "")
+        + (f", {args.batch} tokens a step" if args.batch > 1 else "")
     ]
     if sized:
         say.append(sized)
@@ -229,6 +238,7 @@ def run(args) -> int:
             args.pace,
             progress=report,
             hybrid_us=args.hybrid,
+            batch=args.batch,
         )
     print(result.to_json() if args.json else result)
     return 0

@@ -1,15 +1,18 @@
 """Replay a routing trace through the runtime's own cache and predictor code, on the CPU, without
 weights.
 
-Each token is one call per layer, in layer order, as in decoding: `ensure` of layer l (the same
-function the `asyncmoe::ensure` op runs), then, with prefetch, the transition update and the
-prediction and `prefetch` for layer l+1. On a long trace the per-token step over all layers is
-compiled once with torch.compile: its tokens run 4-8x faster, after a wait of seconds a layer that a
-short trace would not win back (`compiles`).
+Each step is one call per layer, in layer order, as in a captured decode step: `ensure` of layer l
+(the same function the `asyncmoe::ensure` op runs), then, with prefetch, the transition update and the
+prediction and `prefetch` for layer l+1. A step decodes `batch` consecutive tokens of the trace, as
+routing replayed into a batch does: a call of more distinct experts than slots runs every wave its
+shapes allow, as a captured step does, and the gate predictor scores a call by its tokens' mean. On a
+long trace the step over all layers is compiled once with torch.compile: its tokens run 4-8x faster,
+after a wait of seconds a layer that a short trace would not win back (`compiles`).
 
 With hybrid costs (`hybrid_us`: `compile` prints a model's, in ns), each call's misses split between the link and the
-CPU first, as `hybrid/split.py` decides them on the GPU: the CPU's are routed but never copied, and count as
-misses beside the link's in the hit rate.
+CPU first, as `hybrid/split.py` decides them on the GPU for a captured call (the CPU taking any excess over the
+slots, one wave): the CPU's are routed but never copied, and count as misses beside the link's in the hit rate; the
+time the cost model gives the misses is `miss_ms_per_token`.
 
 The Belady bound: per layer, the fewest misses any cache of the same size can have on the trace:
 on a miss, evict the resident expert (not needed by this token) whose next use is furthest away.
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from ..cache import algorithm
-from ..cache.expert_cache import ExpertCache
+from ..cache.expert_cache import ExpertCache, num_waves
 from ..cache.host import human_bytes
 from ..cache.policies import DEFAULT_POLICY
 from ..cache.state import COUNTERS, GATE, PACE_COPY, PACE_WINDOW, TEMPORAL, TRANSITION
@@ -54,6 +57,7 @@ class LayerResult:
     prefetch_hits: int
     belady_misses: int
     cpu_misses: int = 0  # the hybrid's: misses the CPU computed, not copied
+    cost_ns: int = 0  # the hybrid's: the cost model's time for the misses
 
     @property
     def lookups(self) -> int:
@@ -68,6 +72,8 @@ class Simulation:
     tokens: int
     expert_bytes: int
     layers: list[LayerResult]
+    batch: int = 1
+    hybrid: bool = False  # misses split with the CPU by given costs
     totals: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -92,12 +98,16 @@ class Simulation:
             else float("nan"),
             "bytes_per_token": moved * self.expert_bytes * per_token,
             "belady_bytes_per_token": belady * self.expert_bytes * per_token,
+            "miss_ms_per_token": sum(r.cost_ns for r in self.layers) * per_token / 1e6
+            if self.hybrid
+            else None,
         }
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "cache": self.cache,
+                "batch": self.batch,
                 "policy": self.policy,
                 "prefetch": list(self.prefetch),
                 **self.totals,
@@ -109,7 +119,7 @@ class Simulation:
         rows = [
             f"cache {self.cache} slots, policy {self.policy}, prefetch "
             f"{'+'.join(self.prefetch) or 'off'}, "
-            f"{self.tokens} tokens",
+            f"{self.tokens} tokens" + (f" in steps of {self.batch}" if self.batch > 1 else ""),
             head,
             "-" * len(head),
         ]
@@ -129,6 +139,10 @@ class Simulation:
         ]
         if t["cpu_misses_per_token"]:
             rows.append(f"misses the CPU computed per token: {t['cpu_misses_per_token']:.2f}")
+        if self.hybrid:
+            rows.append(
+                f"the cost model's time for the misses: {t['miss_ms_per_token']:.3f} ms a token"
+            )
         if self.expert_bytes:
             rows.append(
                 f"bytes per token: {t['bytes_per_token'] / 1e6:.1f} MB "
@@ -138,14 +152,21 @@ class Simulation:
 
 
 def _step(ids_t, gate_t, caches, targets, prefetch: tuple[str, ...], budget: int, cost):
-    """One token through every layer: what the providers do in a forward, minus the weights. gate_t
-    [L, E]: the recorded gate predictor's scores for each layer (with "gate"); `targets`: each
-    layer's prefetch buffers; `cost`: the hybrid's costs (split.Cost), or None."""
+    """One step's tokens ids_t [B, L, k] through every layer: what the providers do in a captured
+    forward, minus the weights. gate_t [L, E]: the recorded gate predictor's scores for each layer
+    (with "gate"); `targets`: each layer's prefetch buffers; `cost`: the hybrid's costs (split.Cost),
+    or None."""
     bits = (GATE if "gate" in prefetch else 0) | (TEMPORAL if "temporal" in prefetch else 0)
     bits |= TRANSITION if "transition" in prefetch else 0
+    B, _, k = ids_t.shape
     for l, c in enumerate(caches):
-        elsewhere = None if cost is None else split.split_reference(ids_t[l], c.state, cost)[0]
-        algorithm.ensure(ids_t[l : l + 1], 0, c.policy, c.state, [], [], elsewhere=elsewhere)
+        ids = ids_t[:, l]  # [B, k]
+        if cost is None:
+            elsewhere, waves = None, num_waves(B * k, c.num_slots, c.num_experts)
+        else:
+            elsewhere, waves = split.split_reference(ids.reshape(-1), c.state, cost)[0], 1
+        for wave in range(waves):
+            algorithm.ensure(ids, wave, c.policy, c.state, [], [], elsewhere=elsewhere)
         if "transition" in prefetch and l > 0:
             predictors.observe(caches[l - 1].routed, c.routed, targets[l].transitions)
         if prefetch and l + 1 < len(caches):
@@ -163,10 +184,16 @@ def check(
     budget: int = 1,
     pace_us: tuple | None = None,
     hybrid_us: tuple | None = None,
+    batch: int = 1,
 ) -> None:
     """What `simulate` refuses, checked before it compiles or runs anything: a ValueError saying
     what is wrong."""
     trace.validate()  # again: a trace's arrays may have changed since it was built
+    if not 1 <= batch <= trace.tokens:
+        raise ValueError(
+            f"batch={batch}: a step decodes 1 to the trace's {trace.tokens} tokens; give a batch "
+            "in that range"
+        )
     if "gate" in prefetch and trace.gate_ids is None:
         raise ValueError(
             "the gate predictor needs hidden states, and this trace did not record what it "
@@ -206,6 +233,7 @@ def simulate(
     pace_us: tuple[float, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
     hybrid_us: tuple[float, float, float, float] | None = None,
+    batch: int = 1,
 ) -> Simulation:
     """Hit rates, misses and bytes per token of asyncmoe's cache on `trace`, beside the Belady
     bound. `expert_bytes`: one expert's bytes for bytes per token (default: the trace's recorded
@@ -214,13 +242,14 @@ def simulate(
     both), so the prefetch gate decides as it does there; None: unmeasured, as on the CPU. `cache`:
     slots per MoE layer, or a GPU-memory budget for every layer's slots ("6GiB", `budget_slots`).
     `compiled`: the step through torch.compile (None: where it pays, `compiles`). `progress(done,
-    total)`: called after each token (the first one, compiled, waits for torch.compile). `hybrid_us`:
-    the hybrid's costs in µs, in `split.Cost`'s order; None: GPU-only."""
+    total)`: called after each step (the first one, compiled, waits for torch.compile). `hybrid_us`:
+    the hybrid's costs in µs, in `split.Cost`'s order; None: GPU-only. `batch`: tokens a step (the
+    trace's last tokens short of a step are left out)."""
     if expert_bytes is None:
         expert_bytes = trace.expert_bytes or 0
     if isinstance(cache, str):
         cache = budget_slots(trace, cache, expert_bytes)[0]
-    check(trace, cache, prefetch, budget, pace_us, hybrid_us)
+    check(trace, cache, prefetch, budget, pace_us, hybrid_us, batch)
     E, L = trace.num_experts, trace.layers
     budget = min(budget, cache)
     # shared by the layers, as the runtime's linked ones share theirs
@@ -234,19 +263,24 @@ def simulate(
     cost = None if hybrid_us is None else torch.tensor([round(us * 1e3) for us in hybrid_us])
     compiled = compiles(trace) if compiled is None else compiled
     step = torch.compile(_step, fullgraph=True, dynamic=False) if compiled else _step
-    ids = torch.from_numpy(np.ascontiguousarray(trace.ids)).long()
-    gate = gate_scores(trace) if "gate" in prefetch else None
+    steps = trace.tokens // batch
+    tokens = steps * batch
+    ids = torch.from_numpy(np.ascontiguousarray(trace.ids[:tokens])).long()
+    ids = ids.view(steps, batch, L, trace.top_k)
+    gate = None
+    if "gate" in prefetch:  # a call's tokens' mean, as the live gate scores a call
+        gate = gate_scores(trace)[:tokens].view(steps, batch, L, E).mean(1)
     # each configuration (slots, layers, policy, predictors, budget) compiles its own graph of
     # `_step`; a sweep in one process needs more of them than dynamo's default recompile limit of 8,
     # a hard error under fullgraph
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILES):
-        for t in range(trace.tokens):
+        for t in range(steps):
             step(
                 ids[t], None if gate is None else gate[t], caches, targets, tuple(prefetch), budget,
                 cost,
             )  # fmt: skip
             if progress is not None:
-                progress(t + 1, trace.tokens)
+                progress((t + 1) * batch, tokens)
     index = {name: i for i, name in enumerate(COUNTERS)}
     layers = []
     for l, c in enumerate(caches):
@@ -257,11 +291,14 @@ def simulate(
                 n[index["misses"]],
                 n[index["prefetched"]],
                 n[index["prefetch_hits"]],
-                belady_misses(trace.ids[:, l], min(cache, E)),
+                belady_misses(trace.ids[:tokens, l].reshape(steps, -1), min(cache, E)),
                 n[index["cpu_misses"]],
+                n[index["cost_ns"]],
             )
         )
-    return Simulation(cache, policy, tuple(prefetch), trace.tokens, expert_bytes, layers)
+    return Simulation(
+        cache, policy, tuple(prefetch), tokens, expert_bytes, layers, batch, cost is not None
+    )
 
 
 def compiles(trace: Trace) -> bool:

@@ -234,6 +234,8 @@ def test_a_measured_pace_admits_a_second_expert_only_where_its_copy_starts_withi
             r"hybrid_us is .* each > 0 \(asyncmoe.compile prints a model's, in ns\)",
         ),
         (dict(hybrid_us=(50, 200)), r"hybrid_us is \(a request's round trip"),
+        (dict(batch=6), r"batch=6: a step decodes 1 to the trace's 5 tokens"),
+        (dict(batch=0), r"batch=0: a step decodes 1 to"),
     ],
 )
 def test_simulate_refuses_what_it_cannot_run(bad, message):
@@ -477,6 +479,8 @@ def test_the_hybrid_splits_the_misses_by_the_runtimes_own_decision():
     trace = random_trace(3, N=60)
     gpu = simulate(trace, cache=4, compiled=False).totals
     slow = simulate(trace, cache=4, compiled=False, hybrid_us=(50, 10**6, 10**6, 1)).totals
+    assert slow.pop("miss_ms_per_token") == pytest.approx(gpu["misses_per_token"] * 1e-3)
+    assert gpu.pop("miss_ms_per_token") is None
     assert slow == gpu and slow["cpu_misses_per_token"] == 0
     fast = simulate(trace, cache=4, compiled=False, hybrid_us=(1, 1, 1, 10**6)).totals
     assert fast["hit_rate"] == 0 and fast["bytes_per_token"] == 0
@@ -484,6 +488,37 @@ def test_the_hybrid_splits_the_misses_by_the_runtimes_own_decision():
     both = simulate(trace, cache=4, compiled=False, hybrid_us=(1, 90, 10, 100)).totals
     assert 0 < both["cpu_misses_per_token"] < both["misses_per_token"]
     assert both["lookups"] == gpu["lookups"] and both["belady_hit_rate"] == gpu["belady_hit_rate"]
+
+
+def test_batched_steps_give_the_runtimes_own_counters(tmp_path):
+    """Decode calls of 3 tokens, top-2 at 4 slots (6 pairs: waves), recorded and simulated in steps
+    of 3: each layer's hits and misses are the runtime's. LRU, which the waves the eager runtime
+    skips (they tick every slot's clock alike) cannot reorder."""
+    ref = tiny("qwen3_moe")
+    model = asyncmoe.compile(copy.deepcopy(ref), cache=4, policy="lru", prefetch=False)
+    tokens = torch.randint(0, 128, (20, 3), generator=torch.Generator().manual_seed(1))
+    with asyncmoe.record(model) as rec, torch.no_grad():
+        rec.new_sequence()
+        for step in tokens:
+            model(step.view(3, 1), use_cache=False)
+    trace = rec.trace
+    assert trace.ids.shape == (60, 2, 2)
+    sim = simulate(trace, cache=4, policy="lru", compiled=False, batch=3)
+    runtime = asyncmoe.stats(model)
+    assert [(r.hits, r.misses) for r in sim.layers] == [(r.hits, r.misses) for r in runtime.layers]
+    assert sim.totals["tokens"] == 60 and json.loads(sim.to_json())["batch"] == 3
+    assert sum(r.belady_misses for r in sim.layers) <= sum(r.misses for r in sim.layers)
+
+
+def test_the_hybrid_takes_a_steps_excess_over_the_slots_however_slow_the_cpu():
+    """Steps of 4 tokens, top-2, at 4 slots: a captured step's split leaves the GPU no more experts
+    than slots, so a CPU too slow to take any miss of one token still takes the excess."""
+    trace = random_trace(3, N=60)
+    slow = (50, 10**6, 10**6, 1)
+    one = simulate(trace, cache=4, compiled=False, hybrid_us=slow).totals
+    four = simulate(trace, cache=4, compiled=False, hybrid_us=slow, batch=4).totals
+    assert one["cpu_misses_per_token"] == 0 < four["cpu_misses_per_token"]
+    assert four["miss_ms_per_token"] > 0
 
 
 def test_cli_simulate_takes_hybrid_costs(tmp_path, capsys):
@@ -510,3 +545,8 @@ def test_cli_simulate_takes_hybrid_costs(tmp_path, capsys):
     out = capsys.readouterr()
     assert "misses split with the CPU" in out.err
     assert re.search(r"misses the CPU computed per token: (0\.[1-9]|[1-9])", out.out)
+    assert re.search(r"the cost model's time for the misses: 0\.\d{3} ms a token", out.out)
+    args = ["simulate", str(path), "--cache", "4", "--compile", "off", "--batch", "3", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "3 tokens a step" in out.err and json.loads(out.out)["batch"] == 3
