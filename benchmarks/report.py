@@ -9,7 +9,8 @@ finished case: a run cut short keeps them), <profile>.md and, with matplotlib
 (`pip install -e ".[bench]"`), ...-ms.png (ms/token against cache size per system) and ...-hits.png (hit rate
 per layer). Per case: median ms/token and its spread over rounds, tokens/s, hit rate, prefetch recall, MB moved
 per token, the host->GPU bandwidth measured right after the case (GPU only), floor = max(resident ms/token, bytes moved
-/ that bandwidth), the Belady floor (the same with the fewest bytes any cache of that size must move on the trace),
+/ that bandwidth; where the CPU computed misses, the bytes it read too, over that bandwidth and the CPU's own at once:
+`transfer_ms`), the Belady floor (the same with the fewest bytes any cache of that size must move on the trace),
 limit ratio = time / Belady floor (trace routing) or time / floor, the speedups over accelerate and the seed, and
 beside the latter the most any cache of that size could gain over the seed: the seed's time / the Belady floor.
 Then where each batch-1 decode case's time goes: copies, compute and their overlap (`split_rows`). Below the
@@ -86,11 +87,13 @@ def rows(data: dict) -> list[dict]:
         )
         resident = same[0]["ms_per_token"] if same else None
         c = dict(c, tokens_per_s=1e3 * c["batch"] / c["ms_per_token"])
-        bw = c.get("h2d_GB_per_s")
+        bw, cpu_bw = c.get("h2d_GB_per_s"), c.get("cpu_GB_per_s")
         if resident and bw and "bytes_per_token" in c:
-            c["floor_ms"] = max(resident, c["bytes_per_token"] / (bw * 1e6))
+            moved = transfer_ms(c["bytes_per_token"], bw, c.get("cpu_bytes_per_token", 0), cpu_bw)
+            c["floor_ms"] = max(resident, moved)
             if "belady_bytes_per_token" in c:
-                c["belady_floor_ms"] = max(resident, c["belady_bytes_per_token"] / (bw * 1e6))
+                least = transfer_ms(c["belady_bytes_per_token"], bw, cpu_GB_per_s=cpu_bw)
+                c["belady_floor_ms"] = max(resident, least)
             c["limit_ratio"] = c["ms_per_token"] / c.get("belady_floor_ms", c["floor_ms"])
         for base, other in baselines(c, group):
             c[f"speedup_vs_{base}"] = other["ms_per_token"] / c["ms_per_token"]
@@ -318,9 +321,21 @@ def split_targets(split: list[dict]) -> list[str]:
     return out
 
 
+def transfer_ms(
+    link_bytes: float, link_GB_per_s: float, cpu_bytes: float = 0, cpu_GB_per_s: float | None = None
+) -> float:
+    """The least time the experts' bytes take: over the link at its measured speed, or, where the CPU
+    computes misses and its speed is known, over the link and the CPU reading at once, the bytes
+    shared between them as best they can be (an unknown speed leaves the CPU's bytes out)."""
+    if not cpu_GB_per_s:
+        return link_bytes / (link_GB_per_s * 1e6)
+    return (link_bytes + cpu_bytes) / ((link_GB_per_s + cpu_GB_per_s) * 1e6)
+
+
 def prefill_rows(data: dict) -> list[dict]:
     """One row per prefill case, with the speedups over accelerate and the seed at the same cache size, and
-    floor = max(resident prefill ms, bytes moved / H2D bandwidth) with limit ratio = ms / floor where known.
+    floor = max(resident prefill ms, `transfer_ms` of the bytes moved and the CPU's) with limit ratio = ms / floor
+    where known.
     A prompt of this length routes to every expert of every layer, so what asyncmoe moves (each expert not
     resident once, in its wave; the resident ones first, without a copy) is also the least any cache
     smaller than the experts must move: no Belady column."""
@@ -346,7 +361,11 @@ def prefill_rows(data: dict) -> list[dict]:
             None,
         )
         if resident and "bytes_per_prefill" in c and c.get("h2d_GB_per_s"):
-            c["floor_ms"] = max(resident, c["bytes_per_prefill"] / (c["h2d_GB_per_s"] * 1e6))
+            moved = transfer_ms(
+                c["bytes_per_prefill"], c["h2d_GB_per_s"], c.get("cpu_bytes_per_prefill", 0),
+                c.get("cpu_GB_per_s"),
+            )  # fmt: skip
+            c["floor_ms"] = max(resident, moved)
             c["limit_ratio"] = c["ms_per_prefill"] / c["floor_ms"]
         out.append(c)
     return sorted(

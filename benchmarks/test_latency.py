@@ -598,11 +598,12 @@ def test_decode(benchmark, case, request):
         )  # a cache smaller than one step's experts must miss
     if system == "seed":
         info["hit_rate"] = seed_lru.hit_rate(model)
-    if cached and cache == 0:
+    if cached and s.totals["cpu_experts"]:  # cache=0, or the hybrid's CPU took misses
         info.update(
             cpu_bytes_per_token=s.totals["cpu_bytes"] / steps,
             cpu_ms_per_token=s.totals["cpu_ns"] / 1e6 / steps,
             gpu_wait_ms_per_token=(s.totals["cpu_wait_ns"] or 0) / 1e6 / steps,
+            cpu_GB_per_s=s.totals["cpu_alone_GB_per_s"],  # the hybrid's, at compile
         )
     if routing != "router" and 0 < cache < experts:
         info["belady_bytes_per_token"] = (
@@ -653,7 +654,8 @@ def test_prefill(benchmark, prefill_case, request):
     first = benchmark.pedantic(
         prefill, setup=setup, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds(system, True)
     )
-    bytes_moved = asyncmoe.stats(model).totals["bytes_h2d"] if cached else None
+    totals = asyncmoe.stats(model).totals if cached else None
+    bytes_moved = totals and totals["bytes_h2d"]
     ms = statistics.median(benchmark.stats.stats.data) * 1e3
     benchmark.extra_info.update(
         shape=shape,
@@ -676,7 +678,12 @@ def test_prefill(benchmark, prefill_case, request):
         benchmark.extra_info["h2d_GB_per_s"] = h2d_bandwidth()
     if cached:
         benchmark.extra_info["bytes_per_prefill"] = bytes_moved
-        assert bytes_moved > 0  # a prompt routes to more experts than the cache holds: it must copy
+        if totals["cpu_experts"]:  # the hybrid's CPU took some of the prompt's experts
+            benchmark.extra_info.update(
+                cpu_bytes_per_prefill=totals["cpu_bytes"], cpu_GB_per_s=totals["cpu_alone_GB_per_s"]
+            )
+        # a prompt routes to more experts than the cache holds: they must cross
+        assert bytes_moved + totals["cpu_bytes"] > 0
     benchmark.extra_info["wall_s"] = time.perf_counter() - start
     if DTYPE == torch.float32 and split_format(system)[1] is None:
         assert torch.equal(first.cpu(), want), (

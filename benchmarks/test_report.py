@@ -157,6 +157,23 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
     )
     assert cached["speedup_vs_seed"] == pytest.approx(100_000 / 300)
     assert "floor_ms" not in rows[("asyncmoe-eager", 64)]
+    # the hybrid's CPU read 3 GB at 25 GB/s beside the link's 9 GB at 50: 12 GB at 75 GB/s at best
+    data["benchmarks"].append(
+        case(
+            "asyncmoe-eager-hybrid",
+            16,
+            200.0,
+            bytes_per_prefill=9e9,
+            h2d_GB_per_s=50.0,
+            cpu_bytes_per_prefill=3e9,
+            cpu_GB_per_s=25.0,
+        )  # fmt: skip
+    )
+    hybrid = [r for r in report.prefill_rows(data) if r["system"] == "asyncmoe-eager-hybrid"][0]
+    assert hybrid["floor_ms"] == pytest.approx(160.0) and hybrid["limit_ratio"] == pytest.approx(
+        1.25
+    )
+    data["benchmarks"].pop()
     path = tmp_path / "prefill.json"
     path.write_text(json.dumps(data))
     assert report.write(path) == [tmp_path / "prefill.md"]  # no decode rows: no plots
@@ -220,6 +237,33 @@ def test_targets_met_and_missed():
         "benchmarks": data["benchmarks"][3:4]
     }  # no resident model, accelerate or seed in the run
     assert report.targets(report.rows(alone), []) == []
+
+
+def test_the_floor_counts_the_bytes_the_cpu_read_beside_the_links():
+    """A decode case whose CPU computed misses: its floor shares the copies' and the CPU's bytes between
+    the link and the CPU at their measured speeds; a CPU of unknown speed (cache=0 gives none) leaves
+    its bytes out; the Belady floor shares the fewest bytes alike."""
+    link = dict(bytes_per_token=0.5e9, belady_bytes_per_token=0.6e9, h2d_GB_per_s=50.0)
+    data = {
+        "benchmarks": [
+            decode_case("unmodified", 64, 4.0),
+            decode_case(
+                "asyncmoe-graph-hybrid",
+                16,
+                30.0,
+                cpu_bytes_per_token=1e9,
+                cpu_GB_per_s=100.0,
+                **link,
+            ),  # fmt: skip
+            decode_case("asyncmoe-graph", 16, 40.0, cpu_bytes_per_token=1e9, **link),
+        ]
+    }
+    rows = {r["system"]: r for r in report.rows(data)}
+    hybrid, unknown = rows["asyncmoe-graph-hybrid"], rows["asyncmoe-graph"]
+    assert hybrid["floor_ms"] == pytest.approx(10.0)  # 1.5 GB at 150 GB/s
+    assert hybrid["belady_floor_ms"] == pytest.approx(4.0)  # 0.6 GB at 150: the resident step
+    assert unknown["floor_ms"] == pytest.approx(10.0)  # 0.5 GB at 50
+    assert unknown["belady_floor_ms"] == pytest.approx(12.0)
 
 
 def test_every_cache_compares_with_the_one_accelerate_run():
