@@ -2,7 +2,8 @@
 
     python benchmarks/decode_step.py --shape olmoe-1b-7b --caches 64 32 16 --out decode_step.json
 
-Systems, greedy decode of `--batch` sequences (1), the same prompt (16 random tokens a sequence) for all:
+Systems, greedy decode of `--batch` sequences (1; several values: each case at each, one build), the same prompt (16
+random tokens a sequence) for all:
   unmodified            the transformers model fully resident (a: CUDA graph; and eager)
   asyncmoe cache=C      asyncmoe with C slots per layer, with and without prefetch, graph and eager (and each of
                         `--policies`, the default policy unless given)
@@ -26,6 +27,9 @@ nothing of the trace (as in the latency suite's synthetic traces; the prefetch g
 says how the step compares with what the hybrid's cost model predicts (resident + its misses' time); `--hybrid-costs`
 gives that model's costs in place of compile's timing them.
 `--compile` runs every row's steps (the unmodified model's too) through torch.compile: Decoder(compile=True).
+`--prompt N` also times each case's prefill of one N-token prompt (eager, as the Decoder runs prompts), beside the
+bytes it moved, the CPU's, and the floor: the unmodified model's prefill, or those bytes over the link and the CPU at
+their measured speeds, whichever is longer.
 `--caches 0` has the host's CPU compute every routed expert, once per `--cpu-threads` value; a cache may also be a
 GPU-memory budget for every layer's slots (`--caches 0 8GiB`).
 `--random-mxfp4` builds every asyncmoe model afresh with random MXFP4 experts made straight in host memory
@@ -73,6 +77,49 @@ def timed_round(model, dec, ids: torch.Tensor, steps: int, cached: bool) -> floa
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / steps
+
+
+def prefill_row(model, label: str, shape: str, n: int, rounds: int) -> dict:
+    """`model`'s median ms over `rounds` eager prefills of one `n`-token prompt (CUDA events), printed as one line; a
+    cached model's bytes copied and the CPU's in the last, and the CPU's speed alone (compile's)."""
+    ids = prompt(shape, 1, n, seed=n)
+    dec = asyncmoe.Decoder(model, batch_size=1, max_length=n + 1, graph=False)
+    cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
+    times = []
+    for _ in range(rounds):
+        if cached:
+            asyncmoe.stats(model, reset=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        dec.prefill(ids)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    row = {
+        "system": label,
+        "prompt": n,
+        "ms_per_prefill": statistics.median(times),
+        "rounds": times,
+    }
+    if cached:
+        t = asyncmoe.stats(model).totals
+        row.update(
+            bytes_per_prefill=t["bytes_h2d"],
+            cpu_bytes_per_prefill=t["cpu_bytes"],
+            cpu_GB_per_s=t["cpu_alone_GB_per_s"],
+        )
+    print(
+        f"{label:<72} prefill {n} tokens {row['ms_per_prefill']:9.1f} ms ({n / row['ms_per_prefill'] * 1e3:.0f} "
+        "tokens/s)"
+        + (
+            f"  {row['bytes_per_prefill'] / 1e9:.2f} GB copied, {row['cpu_bytes_per_prefill'] / 1e9:.2f} GB on the CPU"
+            if cached
+            else ""
+        ),
+        flush=True,
+    )
+    return row
 
 
 def measure(
@@ -211,7 +258,19 @@ def main():
         default=[64, 32, 16],
         help="slots per MoE layer (0: every routed expert on the CPU) or GPU-memory budgets (8GiB)",
     )
-    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="sequences decoded together; several: each case at each, from one build",
+    )
+    p.add_argument(
+        "--prompt",
+        type=int,
+        default=None,
+        help="also time each case's prefill of one prompt of this many tokens",
+    )
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--eager-steps", type=int, default=16)
@@ -308,7 +367,6 @@ def main():
     reset_host_peak()
     base = None if args.random_mxfp4 else random_model(args.shape, torch.bfloat16, "cuda")
     experts = routing_shape(args.shape)[0]
-    ids = prompt(args.shape, args.batch, seed=0)
 
     timings = [(True, args.steps, args.rounds)]
     if not args.no_eager:
@@ -316,14 +374,19 @@ def main():
 
     def run(model, label, memory):
         out = []
-        for graph, steps, rounds in timings:
-            torch.cuda.reset_peak_memory_stats()
-            row = measure(model, label, graph, steps, rounds, ids, args.compile, trace)
-            peaks = dict(
-                host_peak_bytes=host_status("VmHWM"),
-                gpu_peak_bytes=torch.cuda.max_memory_allocated(),
-            )
-            out.append({**row, **memory, **peaks})
+        for batch in args.batch:
+            ids = prompt(args.shape, batch, seed=0)
+            name = label + (f" batch={batch}" if len(args.batch) > 1 else "")
+            for graph, steps, rounds in timings:
+                torch.cuda.reset_peak_memory_stats()
+                row = measure(model, name, graph, steps, rounds, ids, args.compile, trace)
+                peaks = dict(
+                    host_peak_bytes=host_status("VmHWM"),
+                    gpu_peak_bytes=torch.cuda.max_memory_allocated(),
+                )
+                out.append({**row, "batch": batch, **memory, **peaks})
+        if args.prompt:
+            prefills.append(prefill_row(model, label, args.shape, args.prompt, args.rounds))
         r = out[0]
         print(
             f"{'':<72} host {r['host_rss_bytes'] / 1e9:.1f} GB (peak {r['host_peak_bytes'] / 1e9:.1f}),"
@@ -333,8 +396,11 @@ def main():
         )
         return out
 
+    prefills = []  # `--prompt`'s rows, one a case
     rows = [] if base is None else run(base, "unmodified", memory_after_build(base))
-    resident_ms = rows[0]["ms_per_token"] if rows else None
+    # each batch's resident step (graph), and the resident prefill
+    resident_ms = {r["batch"]: r["ms_per_token"] for r in rows if r["graph"]}
+    resident_prefill = prefills[0]["ms_per_prefill"] if prefills else None
     source_sets = args.sources or ["+".join(asyncmoe.Prefetch().sources)]
     for cache in args.caches:
         # slots, fewer than the experts
@@ -387,23 +453,27 @@ def main():
                     else (" no prefetch" if cached else "")
                 )
             )
-            rows += run(model, label, memory_after_build(model))
+            new = run(model, label, memory_after_build(model))
+            rows += new
             # a random model's resident twin: every expert in its slots
-            if resident_ms is None and not cached and cache != 0:
-                resident_ms = rows[-len(timings)]["ms_per_token"]
+            if not resident_ms and not cached and cache != 0:
+                resident_ms = {r["batch"]: r["ms_per_token"] for r in new if r["graph"]}
+                resident_prefill = prefills[-1]["ms_per_prefill"] if prefills else None
             del model
             gc.collect()  # transformers models hold cycles: the next case's host store must not meet this one's
             torch.cuda.empty_cache()
     for r in rows:
+        resident = resident_ms.get(r["batch"])
         if "bytes_per_token" in r:
-            r["floor_ms"] = max(resident_ms or 0.0, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
+            r["floor_ms"] = max(resident or 0.0, r["bytes_per_token"] / (bandwidth * 1e9) * 1e3)
             # no unmodified row and nothing copied: no floor to compare with
             r["limit_ratio"] = r["ms_per_token"] / r["floor_ms"] if r["floor_ms"] else float("nan")
         # the step as the hybrid's cost model predicts it
-        if "model_ms_per_token" in r and resident_ms:
-            r["predicted_ms"] = resident_ms + r["model_ms_per_token"]
+        if "model_ms_per_token" in r and resident:
+            r["predicted_ms"] = resident + r["model_ms_per_token"]
     print(
-        f"\n{'system':<72} {'mode':<6} {'ms/token':>9} {'MB/token':>9} {'floor ms':>9} {'ratio':>6} {'vs resident':>11}"
+        f"\n{'system':<72} {'mode':<6} {'batch':>5} {'ms/step':>9} {'tokens/s':>9} {'MB/step':>9} {'floor ms':>9}"
+        f" {'ratio':>6} {'vs resident':>11}"
     )
     for r in rows:
         extra = (
@@ -411,10 +481,22 @@ def main():
             if "floor_ms" in r
             else f"{'':>9} {'':>9} {'':>6}"
         )
-        vs = f"{r['ms_per_token'] / resident_ms:>10.3f}x" if resident_ms else ""
+        resident = resident_ms.get(r["batch"])
+        vs = f"{r['ms_per_token'] / resident:>10.3f}x" if resident else ""
         print(
-            f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['ms_per_token']:>9.3f} {extra} {vs}"
+            f"{r['system']:<72} {'graph' if r['graph'] else 'eager':<6} {r['batch']:>5} {r['ms_per_token']:>9.3f}"
+            f" {r['batch'] / r['ms_per_token'] * 1e3:>9.1f} {extra} {vs}"
         )
+    for r in prefills:
+        if "bytes_per_prefill" in r and resident_prefill:
+            cpu = r["cpu_GB_per_s"] if r["cpu_bytes_per_prefill"] else None
+            moved = r["bytes_per_prefill"] + (r["cpu_bytes_per_prefill"] if cpu else 0)
+            r["floor_ms"] = max(resident_prefill, moved / ((bandwidth + (cpu or 0)) * 1e6))
+            print(
+                f"{r['system']}: prefill of {r['prompt']} tokens {r['ms_per_prefill']:.1f} ms, floor"
+                f" {r['floor_ms']:.1f} ms (the resident prefill, or its bytes over the link and the CPU),"
+                f" {r['ms_per_prefill'] / r['floor_ms']:.2f}x"
+            )
     for r in rows:
         if "predicted_ms" in r:
             print(
@@ -435,6 +517,7 @@ def main():
         "batch": args.batch,
         "time_stalls": args.time_stalls,
         "rows": rows,
+        "prefills": prefills,
     }
     if args.out:
         with open(args.out, "w") as f:
