@@ -210,6 +210,8 @@ def _hybrid_split():
         follows=torch.randint(0, 999, (16, 16), dtype=torch.int32)
     )
     split(torch.tensor([[1, 3], [4, 5]]), s, cost, use_kernel=True)
+    # an eager call's: the GPU may run waves
+    split(torch.tensor([[1, 3], [4, 5]]), s, cost, use_kernel=True, waves=True)
 
 
 def _hybrid_split_send():
@@ -230,6 +232,7 @@ def _hybrid_split_send():
         follows=torch.randint(0, 999, (16, 16), dtype=torch.int32)
     )
     split.split_and_send(x, torch.tensor([[1, 3], [4, 5]]), s, cost, executor, 1)
+    split.split_and_send(x, torch.tensor([[1, 3], [4, 5]]), s, cost, executor, 1, waves=True)
 
 
 SOURCES = [
