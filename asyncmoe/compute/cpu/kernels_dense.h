@@ -89,6 +89,13 @@ static inline void dot16_pairs(const uint16_t *row, const uint16_t *x, int64_t l
         out[t] = total;
     }
 }
+
+/* dot16_pairs of two rows */
+static inline void dot16_pairs2(const uint16_t *r0, const uint16_t *r1, const uint16_t *x, int64_t ldx, int64_t K,
+                                int tb, float *out0, float *out1) {
+    dot16_pairs(r0, x, ldx, K, tb, out0);
+    dot16_pairs(r1, x, ldx, K, tb, out1);
+}
 #elif defined(AMC_BF16_PAIRS)
 /* a bf16 row against bf16 inputs in their own order: 32 weights a load, no decoding, into float32 by VDPBF16PS;
  * `u` chains for one or two tokens; the last K % 32 inputs one by one */
@@ -115,6 +122,32 @@ static inline __attribute__((always_inline)) void dot16_pairs(const uint16_t *ro
         float s = _mm512_reduce_add_ps(acc[0][t]);
         for (int64_t i = k; i < K; i++) s += bf16_to_f32(row[i]) * bf16_to_f32(x[t * ldx + i]);
         out[t] = s;
+    }
+}
+
+/* dot16_pairs of two rows at once, for tb >= 3 (one chain a token, as there): every input vector loaded once for
+ * both rows, so that a token block's loads feed twice the products; each row's sums bit for bit dot16_pairs' */
+static inline __attribute__((always_inline)) void dot16_pairs2(const uint16_t *r0, const uint16_t *r1,
+                                                               const uint16_t *x, int64_t ldx, int64_t K, int tb,
+                                                               float *out0, float *out1) {
+    __m512 a0[TOKENS_PER_READ], a1[TOKENS_PER_READ];
+    for (int t = 0; t < tb; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(r0 + k), w1 = (__m512bh)_mm512_loadu_si512(r1 + k);
+        for (int t = 0; t < tb; t++) {
+            __m512bh xt = (__m512bh)_mm512_loadu_si512(x + t * ldx + k);
+            a0[t] = _mm512_dpbf16_ps(a0[t], w0, xt);
+            a1[t] = _mm512_dpbf16_ps(a1[t], w1, xt);
+        }
+    }
+    for (int t = 0; t < tb; t++) {
+        float s0 = _mm512_reduce_add_ps(a0[t]), s1 = _mm512_reduce_add_ps(a1[t]);
+        for (int64_t i = k; i < K; i++) {
+            s0 += bf16_to_f32(r0[i]) * bf16_to_f32(x[t * ldx + i]);
+            s1 += bf16_to_f32(r1[i]) * bf16_to_f32(x[t * ldx + i]);
+        }
+        out0[t] = s0, out1[t] = s1;
     }
 }
 #endif

@@ -187,6 +187,31 @@ static inline void axpy_rows(float *y, const float *a, const float *const *w, in
         for (int r = 0; r < rows; r++) y[i] += a[r] * w[r][i];
 }
 
+#if defined(AMC_BF16_PAIRS)
+#define PAIRED_ROWS_FROM 16 /* tokens from which bf16 rows in pairs take two rows a pass over the inputs */
+
+/* rows n and n + 1 of a bf16 matrix in pairs, every token: dot16_pairs2 a block of tokens. Not inlined, so that
+ * project_rows' other paths compile as they would without it. */
+static __attribute__((noinline)) void two_rows_pairs(const amc_matrix *m, int64_t e, int64_t n, const uint16_t *xb,
+                                                     int64_t tokens, float *y, int64_t ldy) {
+    const int64_t K = m->k;
+    const uint16_t *r0 = (const uint16_t *)(expert_weight(m, e) + n * row_bytes(m)), *r1 = r0 + K;
+    for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {
+        float p0[TOKENS_PER_READ], p1[TOKENS_PER_READ];
+        int tb = (int)min64(TOKENS_PER_READ, tokens - t0);
+        if (tb >= 3) {
+#define PAIRS16X2(TB) dot16_pairs2(r0, r1, xb + t0 * K, K, K, TB, p0, p1)
+            DISPATCH_TOKENS(PAIRS16X2)
+#undef PAIRS16X2
+        } else {
+            dot_row_pairs(m, e, n, xb + t0 * K, K, tb, p0);
+            dot_row_pairs(m, e, n + 1, xb + t0 * K, K, tb, p1);
+        }
+        for (int t = 0; t < tb; t++) y[(t0 + t) * ldy + n] = p0[t], y[(t0 + t) * ldy + n + 1] = p1[t];
+    }
+}
+#endif
+
 /* [N, K] rows per output: rows n0..n1 of an expert are one contiguous stream, each row decoded once (a segment at a
  * time) and multiplied by every token, TOKENS_PER_READ at a time. */
 static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1, const float *x, const uint16_t *xb,
@@ -196,6 +221,15 @@ static void project_rows(const amc_matrix *m, int64_t e, int64_t n0, int64_t n1,
     const int in_registers = xb || fused(m);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *ahead = first + (n - n0) * stride + PREFETCH_BYTES;
+#if defined(AMC_BF16_PAIRS)
+        if (xb && m->format == AMC_BF16 && tokens >= PAIRED_ROWS_FROM && n + 1 < n1) {
+            ahead += stride; /* as far ahead of the second row */
+            if (ahead < end) prefetch(ahead, min64(2 * stride, end - ahead));
+            two_rows_pairs(m, e, n, xb, tokens, y, ldy);
+            n++;
+            continue;
+        }
+#endif
         if (ahead < end) prefetch(ahead, min64(stride, end - ahead));
         if (in_registers) {
             for (int64_t t0 = 0; t0 < tokens; t0 += TOKENS_PER_READ) {

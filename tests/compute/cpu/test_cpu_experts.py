@@ -235,6 +235,20 @@ def test_pairs_tails(isa, fmt):
         check(layer, x, token_ids, expert_ids, pool(isa, 2))
 
 
+def test_bf16_rows_in_twos_for_many_tokens(isa):
+    """bf16 projections of an expert of 16 tokens or more take two rows a pass over the inputs where the host
+    multiplies in pairs: an odd share of rows (its last alone), token blocks ending in one and in three, and experts
+    of fewer tokens beside them."""
+    gen = torch.Generator().manual_seed(10)
+    E, H, I = 3, 99, 96
+    up, down = (stored("bf16", E, n, k, False, True, gen) for n, k in ((2 * I, H), (H, I)))
+    layer = CpuExperts(up, down)
+    for counts in ((17, 19, 5), (16, 0, 27)):
+        expert_ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+        x = torch.randn(len(expert_ids), H, generator=gen).bfloat16()
+        check(layer, x, torch.arange(len(expert_ids)), expert_ids, pool(isa, 2))
+
+
 def test_builds_take_their_paths(isa):
     """Each build is the instruction set it is named for (the emulated pairs path among them)."""
     name = library(isa).amc_isa().decode()
