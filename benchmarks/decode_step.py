@@ -137,7 +137,7 @@ def measure(
     Belady bound's hit rate on the tokens its last round decoded. `compile`: the Decoder's."""
     dec = asyncmoe.Decoder(
         model, batch_size=ids.shape[0], max_length=ids.shape[1] + steps + 1, graph=graph,
-        compile=compile,
+        compile=compile, waves=True,  # a GPU-only batch over the slots: its waves, captured
     )  # fmt: skip
     per_round, moved = [], 0
     cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
