@@ -4,6 +4,7 @@ the same kernels; the profiler times them in eager steps, where it can name them
 
     python benchmarks/diagnostics/profile_step.py --shape olmoe-1b-7b --cache 32 --steps 16
     python benchmarks/diagnostics/profile_step.py --shape qwen3-30b-a3b --cache 32 --prompt 2048 --no-prefetch
+    python benchmarks/diagnostics/profile_step.py --shape gpt-oss-120b --random-mxfp4 --cache 18 --prompt 2048
 
 Prints, per kernel name: launches per token, mean µs per launch and µs per token, sorted by the
 last. With `--prompt N` the unit is one prompt, and a line before the table gives its wall time
@@ -26,7 +27,7 @@ import asyncmoe
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the suite's helpers, in ../
 from harness import PROMPT, cuda_ms, prompt
-from shapes import SHAPES, random_model
+from shapes import SHAPES, random_model, random_mxfp4_model
 
 
 def main():
@@ -39,13 +40,20 @@ def main():
     p.add_argument(
         "--prompt", type=int, help="profile one prompt of this many tokens instead of decode steps"
     )
+    p.add_argument(
+        "--random-mxfp4",
+        action="store_true",
+        help="random MXFP4 experts made in host memory (shapes.random_mxfp4_model: gpt-oss-120b)",
+    )
     args = p.parse_args()
 
+    build = random_mxfp4_model if args.random_mxfp4 else random_model
     model = asyncmoe.compile(
-        random_model(args.shape, torch.bfloat16, "cuda"),
+        build(args.shape, torch.bfloat16, "cuda"),
         cache=args.cache,
         prefetch=not args.no_prefetch,
         time_stalls=bool(args.prompt),
+        quantize="mxfp4" if args.random_mxfp4 else None,
     )
     if args.prompt:
         return profile_prompt(model, args)
