@@ -59,8 +59,9 @@ from asyncmoe.integrations.transformers import PROVIDER, find_experts
 from asyncmoe.settings import parse_budget
 from asyncmoe.trace import Trace
 
-from harness import belady_hit_rate, h2d_bandwidth, prompt, trace_for
+from harness import belady_hit_rate, cuda_ms, h2d_bandwidth, prompt, trace_for
 from oracle import parse as parse_oracle
+from report import transfer_ms
 from shapes import SHAPES, random_model, random_mxfp4_model, routing_shape
 
 
@@ -79,34 +80,29 @@ def timed_round(model, dec, ids: torch.Tensor, steps: int, cached: bool) -> floa
     return start.elapsed_time(end) / steps
 
 
+def is_cached(model) -> bool:
+    return any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
+
+
 def prefill_row(model, label: str, shape: str, n: int, rounds: int) -> dict:
-    """`model`'s median ms over `rounds` eager prefills of one `n`-token prompt (CUDA events), printed as one line; a
-    cached model's bytes copied and the CPU's in the last, and the CPU's speed alone (compile's)."""
+    """`model`'s median ms over `rounds` eager prefills of one `n`-token prompt (`cuda_ms`, after one untimed),
+    printed as one line; a cached model's bytes copied and the CPU's a prefill (the mean over its calls), and the
+    CPU's speed alone (compile's)."""
     ids = prompt(shape, 1, n, seed=n)
     dec = asyncmoe.Decoder(model, batch_size=1, max_length=n + 1, graph=False)
-    cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
-    times = []
-    for _ in range(rounds):
-        if cached:
-            asyncmoe.stats(model, reset=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        dec.prefill(ids)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    cached = is_cached(model)
+    if cached:
+        asyncmoe.stats(model, reset=True)
     row = {
         "system": label,
         "prompt": n,
-        "ms_per_prefill": statistics.median(times),
-        "rounds": times,
+        "ms_per_prefill": cuda_ms(lambda: dec.prefill(ids), rounds),
     }
     if cached:
-        t = asyncmoe.stats(model).totals
+        t, calls = asyncmoe.stats(model).totals, rounds + 1
         row.update(
-            bytes_per_prefill=t["bytes_h2d"],
-            cpu_bytes_per_prefill=t["cpu_bytes"],
+            bytes_per_prefill=t["bytes_h2d"] / calls,
+            cpu_bytes_per_prefill=t["cpu_bytes"] / calls,
             cpu_GB_per_s=t["cpu_alone_GB_per_s"],
         )
     print(
@@ -140,7 +136,7 @@ def measure(
         compile=compile, waves=True,  # a GPU-only batch over the slots: its waves, captured
     )  # fmt: skip
     per_round, moved = [], 0
-    cached = any(hasattr(m, "asyncmoe") and hasattr(m.asyncmoe, "cache") for m in model.modules())
+    cached = is_cached(model)
     for _ in range(rounds):
         per_round.append(timed_round(model, dec, ids, steps, cached))
         if cached:
@@ -489,9 +485,10 @@ def main():
         )
     for r in prefills:
         if "bytes_per_prefill" in r and resident_prefill:
-            cpu = r["cpu_GB_per_s"] if r["cpu_bytes_per_prefill"] else None
-            moved = r["bytes_per_prefill"] + (r["cpu_bytes_per_prefill"] if cpu else 0)
-            r["floor_ms"] = max(resident_prefill, moved / ((bandwidth + (cpu or 0)) * 1e6))
+            moved = transfer_ms(
+                r["bytes_per_prefill"], bandwidth, r["cpu_bytes_per_prefill"], r["cpu_GB_per_s"]
+            )
+            r["floor_ms"] = max(resident_prefill, moved)
             print(
                 f"{r['system']}: prefill of {r['prompt']} tokens {r['ms_per_prefill']:.1f} ms, floor"
                 f" {r['floor_ms']:.1f} ms (the resident prefill, or its bytes over the link and the CPU),"
