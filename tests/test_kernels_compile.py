@@ -148,6 +148,15 @@ def _dequant_mm(kind: str, dtype: torch.dtype):
     dequant_mm_triton(torch.randn(82, 256, dtype=dtype), w, scales, offs, kind)
 
 
+def _dequantize(kind: str, dtype: torch.dtype):
+    from asyncmoe.compute.dequantize import dequantize_triton
+    from asyncmoe.formats import Fp8
+
+    fmt = Fp8((128, 128)) if kind == "fp8" else _formats(kind)
+    w, scales = fmt.quantize(torch.randn(3, 96, 256), transposed=False)
+    dequantize_triton(fmt, w, scales, dtype)
+
+
 def _gather_copy():
     from asyncmoe.cache.gather_copy import gather_copy_triton
 
@@ -263,6 +272,9 @@ CASES: dict[str, Callable[[], None]] = {
     "dequant_mm-int4-fp32": lambda: _dequant_mm(
         "int4", torch.float32
     ),  # float32 activations: tl.dot in ieee
+    "dequantize-mxfp4-bf16": lambda: _dequantize("mxfp4", torch.bfloat16),
+    "dequantize-int4-bf16": lambda: _dequantize("int4", torch.bfloat16),
+    "dequantize-fp8-bf16": lambda: _dequantize("fp8", torch.bfloat16),
     "gather_copy": _gather_copy,
     "clock": _clock,
     "cpu_request": _cpu_request,

@@ -34,7 +34,6 @@ from . import ops
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # the gather path copies each pair's expert weights; bound that per chunk
 GATHER_BYTES = 256 * 2**20
-DEQUANT_BYTES = 128 * 2**20  # float32 temporaries of the prompt path's dequantization, per step
 # pairs per slot up to which a path is the fastest
 # (docs/decisions.md#quantized-matmul-by-pairs-per-slot)
 GEMV_PAIRS_PER_SLOT = {"fp8": 16, "mxfp4": 4, "int4": 4}
@@ -159,15 +158,10 @@ def _fused(experts, x, slots, weights, fmt: Format):
 def _dequantized(
     fmt: Format, w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, transposed: bool
 ):
-    """Every slot of w in `dtype`, in the module's layout, a few slots at a time: float32
-    temporaries stay small."""
-    per_slot = w[0].numel() * (2 if w.dtype == torch.uint8 else 1) * 4
-    step = max(1, DEQUANT_BYTES // per_slot)
-    parts = [
-        fmt.dequantize([w[i : i + step], scales[i : i + step]], dtype, transposed)
-        for i in range(0, len(w), step)
-    ]
-    return torch.cat(parts)
+    """Every slot of w in `dtype` (`asyncmoe::dequantize`: one launch on CUDA), in the module's
+    layout: 4-bit slots are stored [C, N, K/2] whatever it is."""
+    dense = ops.dequantized(fmt, w, scales, dtype)
+    return dense.transpose(-2, -1) if transposed and not isinstance(fmt, Fp8) else dense
 
 
 def _activate(experts, h: torch.Tensor) -> torch.Tensor:

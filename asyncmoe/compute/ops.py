@@ -1,6 +1,7 @@
 """The expert compute's custom ops with their fakes: each pair's matmul from the slots, dense
-(`slot_gemv`), fp8 (`fp8_gemv`) or 4-bit (`gemv4`, and `dequant_mm` for prompts). Ops so that
-torch.compile need not trace the Triton kernels, and a CUDA graph captures one launch each.
+(`slot_gemv`), fp8 (`fp8_gemv`) or 4-bit (`gemv4`, and `dequant_mm` for prompts), and quantized
+slots to the compute dtype (`dequantize`, for long prompts). Ops so that torch.compile need not
+trace the Triton kernels, and a CUDA graph captures one launch each.
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..formats import FP8, scale_shape
-from . import dequant_mm, fp8_gemv, gemv4, slot_gemv
+from ..formats import FP8, Format, Fp8, Int4, Mxfp4, scale_shape
+from . import dequant_mm, dequantize, fp8_gemv, gemv4, slot_gemv
 
 
 @torch.library.custom_op("asyncmoe::slot_gemv", mutates_args=())
@@ -151,3 +152,59 @@ def _(x, packed, scales, slots, kind):
         ),
     )
     return x.new_empty(S, packed.shape[1])
+
+
+@torch.library.custom_op("asyncmoe::dequantize", mutates_args=())
+def _dequantize(
+    w: Tensor, scales: Tensor, kind: str, block_rows: int, block_cols: int, dtype: torch.dtype
+) -> Tensor:
+    """Every slot of quantized weights in `dtype`, in stored order (compute/dequantize.py): 4-bit
+    (`kind` "mxfp4" or "int4") [C, N, K/2] -> [C, N, K]; fp8 (its bytes, uint8, in blocks of
+    block_rows x block_cols) [C, R, Q] -> [C, R, Q]."""
+    fmt = _format(kind, block_rows, block_cols)
+    return dequantize.dequantize(fmt, w.view(FP8) if kind == "fp8" else w, scales, dtype)
+
+
+@_dequantize.register_fake
+def _(w, scales, kind, block_rows, block_cols, dtype):
+    torch._check(
+        kind in dequantize.KINDS,
+        lambda: f"dequantize kind must be one of {dequantize.KINDS}, got {kind!r}",
+    )
+    torch._check(
+        w.dtype == torch.uint8,
+        lambda: f"dequantize takes packed 4-bit weights or fp8's bytes (uint8), got {w.dtype}",
+    )
+    C, rows, cols = w.shape
+    if kind == "fp8":
+        torch._check(
+            scales.shape == (C, *scale_shape(w.shape[1:], (block_rows, block_cols))),
+            lambda: (
+                f"scales {tuple(scales.shape)} do not tile weights {tuple(w.shape)} in blocks of "
+                f"{block_rows}x{block_cols}"
+            ),
+        )
+        return w.new_empty(C, rows, cols, dtype=dtype)
+    torch._check(
+        scales.shape[:2] == (C, rows) and (2 * cols) == scales.shape[2] * block_cols,
+        lambda: (
+            f"packed weights {tuple(w.shape)} and scales {tuple(scales.shape)} must be "
+            f"[C, N, K/2] and [C, N, K/{block_cols}]"
+        ),
+    )
+    return w.new_empty(C, rows, 2 * cols, dtype=dtype)
+
+
+def _format(kind: str, block_rows: int, block_cols: int) -> Format:
+    if kind == "fp8":
+        return Fp8((block_rows, block_cols))
+    return Mxfp4() if kind == "mxfp4" else Int4(block_cols)
+
+
+def dequantized(fmt: Format, w: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """`asyncmoe::dequantize` of a format's slots: the stored order's dense weights in `dtype`."""
+    if isinstance(fmt, Fp8):
+        return torch.ops.asyncmoe.dequantize(
+            w.view(torch.uint8), scales, "fp8", fmt.block[0], fmt.block[1], dtype
+        )
+    return torch.ops.asyncmoe.dequantize(w, scales, fmt.name, 1, fmt.group, dtype)
