@@ -302,7 +302,7 @@ def link(providers: list[CachedProvider], plan: Prefetch | None, top_k: int) -> 
     # GPU clock: Triton
     if plan is not None and len(providers) > 1 and gpu.available(providers[0].cache.pace):
         first = providers[0].cache
-        first.pace[PACE_COPY] = copy_ns(first.hosts, first.slots)
+        first.pace[PACE_COPY] = int(copy_ns(first.hosts, first.slots))
         providers[0].stamps, providers[1].laps = True, True
     for i, p in enumerate(providers):
         targets = tuple(providers[i + 1 : i + 1 + plan.depth]) if plan is not None else ()

@@ -21,6 +21,8 @@ Dims: E experts, C slots, M planned copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 try:
@@ -143,21 +145,30 @@ def gather_copy(hosts, slots, src, dst, count, programs: int | None = None) -> N
             gather_copy_reference(host, slot, src, dst, count)
 
 
-def copy_ns(hosts: list[torch.Tensor], slots: list[torch.Tensor], repeats: int = 5) -> int:
+def copy_ns(
+    hosts: list[torch.Tensor],
+    slots: list[torch.Tensor],
+    repeats: int = 5,
+    beside: Callable[[], None] | None = None,
+) -> float:
     """One expert's host -> slot copy on this GPU, in ns: what a wasted prefetch holds the link for,
     and what the hybrid's cost model charges a miss the link copies. Timed over `repeats` copies
     queued behind a first one, so each launch's host time hides behind the copy before it (an event
-    pair around one launch counts that too: docs/decisions.md#runners-up-within-the-window). CUDA
-    events and a sync, at compile only. Slot 0 is written: at compile no table points at it."""
+    pair around one launch counts that too: docs/decisions.md#runners-up-within-the-window);
+    `beside` starts other work first (the hybrid's calibration: a CPU request reading host memory
+    too). CUDA events and a sync, at compile only. Slot 0 is written: at compile no table points at
+    it."""
     one = torch.ones(1, dtype=torch.int64, device=slots[0].device)
     src, dst = one - 1, one - 1
     gather_copy(hosts, slots, src, dst, one)  # compiles the kernel for these tensors
     torch.cuda.synchronize(one.device)  # at compile only, as the event's below
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if beside is not None:
+        beside()
     gather_copy(hosts, slots, src, dst, one)  # the copy the timed ones queue behind
     start.record()
     for _ in range(repeats):
         gather_copy(hosts, slots, src, dst, one)
     end.record()
     end.synchronize()  # at compile only
-    return int(start.elapsed_time(end) / repeats * 1e6)
+    return start.elapsed_time(end) / repeats * 1e6

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from ..cache.expert_cache import ExpertCache
-from ..cache.gather_copy import gather_copy
+from ..cache.gather_copy import copy_ns, gather_copy
 from ..compute.cpu.executor import CpuExecutor
 from ..compute.cpu.kernels import STATS
 from ..settings import HybridCosts
@@ -178,30 +178,21 @@ def _copy_ns(
     x: torch.Tensor,
     ids: torch.Tensor,
     layer: int,
-    repeats: int = 5,
 ) -> float:
     """One expert's copy, in ns. On CUDA it is timed while the CPU serves a request (`x`, `ids`) of
     the layer's, as in a hybrid step, where the link and the CPU read host memory at once and each
-    copy takes longer than alone (docs/decisions.md#the-hybrids-cost-model); over `repeats` copies
-    queued behind a first, as `copy_ns`. On the CPU, one copy in-line: there it cannot overlap."""
+    copy takes longer than alone (docs/decisions.md#the-hybrids-cost-model). On the CPU, one copy
+    in-line: there it cannot overlap."""
     one = torch.ones(1, dtype=torch.int64, device=cache.expert_to_slot.device)
-    src = dst = one - 1  # slot 0: at compile no table points at it
     if not one.is_cuda:
         start = time.perf_counter_ns()
-        gather_copy(cache.hosts, cache.slots, src, dst, one)
+        gather_copy(cache.hosts, cache.slots, one - 1, one - 1, one)
         return float(time.perf_counter_ns() - start)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(one.device)  # at compile only, as every sync here
-    executor.send(x, ids, layer)
-    gather_copy(cache.hosts, cache.slots, src, dst, one)  # the copy the timed ones queue behind
-    start.record()
-    for _ in range(repeats):
-        gather_copy(cache.hosts, cache.slots, src, dst, one)
-    end.record()
+    ns = copy_ns(cache.hosts, cache.slots, beside=lambda: executor.send(x, ids, layer))
     executor.receive(layer, ids.numel())
     torch.cuda.synchronize(one.device)  # at compile only: the request done
     executor.stats(reset=True)  # the model's stats count its own calls only
-    return start.elapsed_time(end) / repeats * 1e6
+    return ns
 
 
 def cost_tensor(costs: HybridCosts, device: torch.device) -> torch.Tensor:
