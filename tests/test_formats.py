@@ -235,7 +235,7 @@ def test_quantized_on_the_gpu_graph_eager_and_generate_agree(quantize, family, c
     w = torch.rand(3, 2, device="cuda", dtype=torch.bfloat16)
     got, want = mine(x, idx, w).float(), theirs(x, idx, w).float()
     assert (got - want).abs().max() / want.pow(2).mean().sqrt() < 1e-2
-    # a prompt's many pairs a slot: the fused grouped kernel (4-bit) or the dequantized dense path (fp8)
+    # a prompt's many pairs a slot: the slots dequantized, the dense path
     x, idx = (
         torch.randn(96, 32, device="cuda", dtype=torch.bfloat16),
         torch.randint(0, 16, (96, 2), device="cuda"),

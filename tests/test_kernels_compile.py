@@ -140,14 +140,6 @@ def _gemv4(kind: str):
     )
 
 
-def _dequant_mm(kind: str, dtype: torch.dtype):
-    from asyncmoe.compute.dequant_mm import dequant_mm_triton
-
-    w, scales = _formats(kind).quantize(torch.randn(3, 128, 256), transposed=False)
-    offs = torch.tensor([5, 70, 79], dtype=torch.int32)
-    dequant_mm_triton(torch.randn(82, 256, dtype=dtype), w, scales, offs, kind)
-
-
 def _dequantize(kind: str, dtype: torch.dtype):
     from asyncmoe.compute.dequantize import dequantize_triton
     from asyncmoe.formats import Fp8
@@ -267,11 +259,6 @@ CASES: dict[str, Callable[[], None]] = {
     "fp8_gemv-scale-a-weight": lambda: _fp8_gemv(False, (24, 24)),  # a block not dividing a step
     "gemv4-mxfp4": lambda: _gemv4("mxfp4"),
     "gemv4-int4": lambda: _gemv4("int4"),
-    "dequant_mm-mxfp4-bf16": lambda: _dequant_mm("mxfp4", torch.bfloat16),
-    "dequant_mm-int4-bf16": lambda: _dequant_mm("int4", torch.bfloat16),
-    "dequant_mm-int4-fp32": lambda: _dequant_mm(
-        "int4", torch.float32
-    ),  # float32 activations: tl.dot in ieee
     "dequantize-mxfp4-bf16": lambda: _dequantize("mxfp4", torch.bfloat16),
     "dequantize-int4-bf16": lambda: _dequantize("int4", torch.bfloat16),
     "dequantize-fp8-bf16": lambda: _dequantize("fp8", torch.bfloat16),

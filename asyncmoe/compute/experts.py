@@ -13,10 +13,8 @@ take one GEMV per projection over the routed slots (`asyncmoe::slot_gemv`), with
 GEMM's sort; larger calls, transposed experts, and the CPU, the grouped GEMM (bf16) or the gathered
 bmm. Quantized slots (formats: fp8, mxfp4, int4), by pairs per slot, each path the fastest measured
 there (docs/decisions.md#quantized-matmul-by-pairs-per-slot): few pairs (decode), one fused
-dequantizing GEMV per projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, 4-bit
-slots go through the fused grouped kernel (`asyncmoe::dequant_mm`: pairs sorted by slot, weights
-dequantized tile by tile in registers), and fp8 slots, or 4-bit ones at a long prompt's hundreds of
-pairs a slot, are dequantized to the compute dtype once and take the dense path.
+dequantizing GEMV per projection over the routed slots (`ops.fp8_matmul`, `ops.gemv4`); more, every
+slot dequantized to the compute dtype in one launch (`asyncmoe::dequantize`) and the dense path.
 
 Dims: T tokens, H hidden, k top-k, S = T*k (token, expert) pairs, C slots. Slot id -1 marks a pair
 served by another wave: its output row is garbage, to be masked by the caller.
@@ -36,10 +34,8 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 GATHER_BYTES = 256 * 2**20
 # pairs per slot up to which a path is the fastest
 # (docs/decisions.md#quantized-matmul-by-pairs-per-slot)
-GEMV_PAIRS_PER_SLOT = {"fp8": 16, "mxfp4": 4, "int4": 4}
+GEMV_PAIRS_PER_SLOT = 4  # quantized slots: dequantize + the dense path above
 DENSE_GEMV_PAIRS_PER_SLOT = 4  # dense slots on CUDA (docs/decisions.md#dense-decode-gemv)
-# 4-bit: the fused grouped kernel up to here, dequantize + the dense path above
-FUSED_PAIRS_PER_SLOT = 128
 
 
 def layer_weight_names(experts) -> tuple[str, str | None, str, str | None]:
@@ -102,10 +98,8 @@ def _quantized(experts, x, slots, weights, fmt: Format):
     t = experts.is_transposed
     # shapes only: the path is fixed under capture and tracing
     pairs, C = slots.numel(), weights[up].shape[0]
-    if pairs <= GEMV_PAIRS_PER_SLOT[fmt.name] * C:
+    if pairs <= GEMV_PAIRS_PER_SLOT * C:
         return _gemv(experts, x, slots, weights, fmt)
-    if not isinstance(fmt, Fp8) and pairs <= FUSED_PAIRS_PER_SLOT * C:
-        return _fused(experts, x, slots, weights, fmt)
     dense = {
         n: _dequantized(fmt, weights[n], weights[n + fmt.suffix], x.dtype, t) for n in (up, down)
     }
@@ -134,25 +128,6 @@ def _gemv(experts, x, slots, weights, fmt: Format | None):
     h = linear(x.repeat_interleave(slots.shape[1], dim=0), up, up_bias)
     h = linear(_activate(experts, h), down, down_bias)
     return _finish(experts, h)
-
-
-def _fused(experts, x, slots, weights, fmt: Format):
-    """Pairs sorted by slot, one fused grouped dequantizing matmul per projection
-    (`asyncmoe::dequant_mm`): each weight tile is read once per tile of its slot's rows and no
-    dequantized copy of the slots is written."""
-    up, up_bias, down, down_bias = layer_weight_names(experts)
-    perm, offs, row_slot = _by_slot(slots, weights[up].shape[0])
-
-    def linear(inp, name, bias):
-        out = torch.ops.asyncmoe.dequant_mm(
-            inp, weights[name], weights[name + fmt.suffix], offs, fmt.name
-        )
-        return out if bias is None else out + weights[bias][row_slot]
-
-    h = linear(x[perm // slots.shape[1]], up, up_bias)
-    h = linear(_activate(experts, h), down, down_bias)
-    h = _finish(experts, h)
-    return torch.empty_like(h).index_copy_(0, perm, h)
 
 
 def _dequantized(

@@ -1,6 +1,6 @@
 """The expert compute's custom ops with their fakes: each pair's matmul from the slots, dense
-(`slot_gemv`), fp8 (`fp8_gemv`) or 4-bit (`gemv4`, and `dequant_mm` for prompts), and quantized
-slots to the compute dtype (`dequantize`, for long prompts). Ops so that torch.compile need not
+(`slot_gemv`), fp8 (`fp8_gemv`) or 4-bit (`gemv4`), and quantized slots to the compute dtype
+(`dequantize`, for larger calls). Ops so that torch.compile need not
 trace the Triton kernels, and a CUDA graph captures one launch each.
 """
 
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ..formats import FP8, Format, Fp8, Int4, Mxfp4, scale_shape
-from . import dequant_mm, dequantize, fp8_gemv, gemv4, slot_gemv
+from . import dequantize, fp8_gemv, gemv4, slot_gemv
 
 
 @torch.library.custom_op("asyncmoe::slot_gemv", mutates_args=())
@@ -90,36 +90,6 @@ def fp8_matmul(
     return torch.ops.asyncmoe.fp8_gemv(
         x, w.view(torch.uint8), scale, slots, block[0], block[1], transposed
     )
-
-
-@torch.library.custom_op("asyncmoe::dequant_mm", mutates_args=())
-def _dequant_mm(x: Tensor, w: Tensor, scales: Tensor, offs: Tensor, kind: str) -> Tensor:
-    """A prompt's expert matmul from 4-bit slots (`kind` "mxfp4" or "int4"), rows sorted by slot
-    (compute/dequant_mm.py): out [S, N], row r = x[r] @ dequantize(w[its slot])^T, the slot's rows
-    ending at `offs`."""
-    return dequant_mm.dequant_mm(x, w, scales, offs, kind)
-
-
-@_dequant_mm.register_fake
-def _(x, w, scales, offs, kind):
-    S, K = x.shape
-    torch._check(
-        kind in dequant_mm.KINDS,
-        lambda: f"dequant_mm kind must be one of {dequant_mm.KINDS}, got {kind!r}",
-    )
-    torch._check(
-        w.dtype == torch.uint8,
-        lambda: f"dequant_mm takes packed 4-bit weights (uint8), got {w.dtype}",
-    )
-    torch._check(
-        offs.shape == (w.shape[0],),
-        lambda: f"offs must be [{w.shape[0]}] (one per slot), got {offs.shape}",
-    )
-    torch._check(
-        K == 2 * w.shape[2],
-        lambda: f"x has {K} inputs, the weights {tuple(w.shape)} take {2 * w.shape[2]}",
-    )
-    return x.new_empty(S, w.shape[1])
 
 
 @torch.library.custom_op("asyncmoe::gemv4", mutates_args=())

@@ -1,6 +1,6 @@
-"""A quantized layer's expert matmul three ways, to place each path's range (`experts.GEMV_PAIRS_PER_SLOT`,
-`experts.FUSED_PAIRS_PER_SLOT`): the decode GEMV (each pair reads its expert), the fused grouped dequantizing
-kernel (`asyncmoe/compute/dequant_mm.py`, 4-bit), and every slot dequantized to bf16 then the dense grouped GEMM.
+"""A quantized layer's expert matmul two ways, to place each path's range (`experts.GEMV_PAIRS_PER_SLOT`): the
+decode GEMV (each pair reads its expert) and every slot dequantized to bf16 in one launch
+(`asyncmoe/compute/dequantize.py`) then the dense grouped GEMM.
 
     python benchmarks/diagnostics/prompt_matmul.py --out prompt_matmul.json     # GPU
 
@@ -57,10 +57,7 @@ def variants(x, w, scales, offs, fmt, transposed: bool) -> dict:
             return ops.fp8_matmul(x, w, scales, slot_of_row, fmt.block, transposed)
         return torch.ops.asyncmoe.gemv4(x, w, scales, slot_of_row, fmt.name)
 
-    ways = {"dequantize+grouped_mm": dense, "gemv": gemv}
-    if fmt.name != "fp8":
-        ways["fused"] = lambda: torch.ops.asyncmoe.dequant_mm(x, w, scales, offs, fmt.name)
-    return ways
+    return {"dequantize+grouped_mm": dense, "gemv": gemv}
 
 
 def main():
