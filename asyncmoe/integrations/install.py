@@ -166,9 +166,20 @@ def _slots(
         return sum(min(slots, E) * size for E, size in sizes)
 
     budget, why = settings.budget, ""
+    # one slot dequantized: a call of more pairs a slot than the GEMV takes dequantizes a layer's
+    # slots at once (compute/experts.py), room a Decoder's prompt needs
+    dense = 0
     if settings.auto is not None:
         budget, why = auto_budget(settings.auto, model, experts, device)
-    slots = max((s for s in range(1, max(E for E, _ in sizes) + 1) if need(s) <= budget), default=0)
+        if fmt is not None and settings.auto.max_length is not None:  # the Decoder's room
+            dense = max(expert_size(m, None) for _, m in experts)
+
+    def room(slots: int) -> int:  # the slots, and one layer's dequantized for a prompt
+        return need(slots) + max(min(slots, E) for E, _ in sizes) * dense
+
+    slots = max((s for s in range(1, max(E for E, _ in sizes) + 1) if room(s) <= budget), default=0)
+    if dense and slots:
+        why += f", and {human_bytes(room(slots) - need(slots))} to dequantize one layer's slots"
     what = f"{len(sizes)} MoE layers, {fmt.name if fmt else 'dense'} experts of {human_bytes(sizes[0][1])}"
     if slots < top_k:
         raise ValueError(

@@ -307,3 +307,29 @@ def test_auto_fits_free_gpu_memory(capsys):
     assert all(isinstance(m.asyncmoe, ResidentProvider) for _, m in find_experts(model))
     with torch.no_grad():
         torch.testing.assert_close(model(ids.cuda()).logits, want)
+
+
+def test_auto_leaves_room_to_dequantize_one_layers_slots(monkeypatch, capsys):
+    """AutoCache(max_length=...) with quantized experts keeps, beside the slots, one layer's slots in the compute
+    dtype: a prompt dequantizes them at once (compute/experts.py). The budget auto_budget finds is given: no GPU."""
+    import asyncmoe.integrations.install as install_module
+    from asyncmoe.formats import Int4
+    from asyncmoe.integrations.offload import expert_size
+
+    model = tiny("mixtral", dtype=torch.bfloat16)
+    experts = find_experts(model)
+    L, E = len(experts), 16
+    packed, dense = expert_size(experts[0][1], Int4()), expert_size(experts[0][1], None)
+    budget = 6 * (L * packed + dense)  # 6 slots a layer and one layer's 6 dequantized
+    monkeypatch.setattr(install_module, "auto_budget", lambda *a: (budget, ""))
+    auto, cuda = asyncmoe.AutoCache(max_length=8), torch.device("cuda")
+    assert install_module._slots(Settings(cache=auto), model, experts, Int4(), cuda) == 6
+    assert "to dequantize one layer's slots" in capsys.readouterr().out
+    # without the room the same budget holds more slots; dense slots need none
+    no_room = asyncmoe.AutoCache(share=0.5)
+    assert install_module._slots(Settings(cache=no_room), model, experts, Int4(), cuda) == min(
+        E, budget // (L * packed)
+    )
+    assert install_module._slots(Settings(cache=auto), model, experts, None, cuda) == min(
+        E, budget // (L * dense)
+    )
