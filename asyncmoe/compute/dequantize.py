@@ -6,15 +6,15 @@ One program per tile of one slot: 4-bit tiles decode both nibbles of each byte w
 take their block's scale. Each product is taken in float32 and rounded once to the output dtype, as
 the formats' plain-torch definitions (`formats.py`) do; those are the reference, run a few slots at a
 time so their float32 temporaries stay small. Dims: C slots; 4-bit weights [C, N, K/2] with scales
-[C, N, K/G] (G inputs a scale) give [C, N, K]; fp8 weights [C, R, Q] in the module's layout with
-float32 scales [C, ceil(R/br), ceil(Q/bq)] give [C, R, Q].
+[C, N, K/G] (G inputs a scale) give [C, N, K]; fp8 weights (float8_e4m3fn) [C, R, Q] in the module's
+layout with float32 scales [C, ceil(R/br), ceil(Q/bq)] give [C, R, Q].
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..formats import FP8, Format, Fp8
+from ..formats import Format, Fp8
 
 try:
     import triton
@@ -124,7 +124,7 @@ def dequantize_triton(
     if isinstance(fmt, Fp8):
         out = torch.empty(C, rows, cols, dtype=dtype, device=w.device)
         _dequantize8[(triton.cdiv(rows, BR8), triton.cdiv(cols, BQ8), C)](
-            w.view(FP8),
+            w,
             scales,
             out,
             rows,

@@ -1,7 +1,7 @@
 """The expert compute's custom ops with their fakes: each pair's matmul from the slots, dense
 (`slot_gemv`), fp8 (`fp8_gemv`) or 4-bit (`gemv4`), and quantized slots to the compute dtype
-(`dequantize`, for larger calls). Ops so that torch.compile need not
-trace the Triton kernels, and a CUDA graph captures one launch each.
+(`dequantize`, for larger calls). Ops so that torch.compile need not trace the Triton kernels, and a
+CUDA graph captures one launch each.
 """
 
 from __future__ import annotations
