@@ -238,17 +238,30 @@ class Gates:
     costs its side streams' dependencies all the same
     (docs/decisions.md#a-step-without-prefetch-while-every-gate-is-closed). One step in
     EXPLORE_EVERY still runs the predictors, on which closed gates explore as they would every
-    step."""
+    step.
 
-    def __init__(self, providers: list[CachedProvider]):
+    A step of `batch_size` tokens whose pairs exceed every layer's slots, each layer's excess taken by
+    the CPU (the hybrid), never prefetches (`off`): the CPU takes at least the excess whatever the
+    slots hold, so a prefetch cannot shorten its share, and a copy beside it takes host memory the
+    CPU reads (docs/decisions.md#no-prefetch-where-the-cpu-takes-a-batchs-excess)."""
+
+    def __init__(self, providers: list[CachedProvider], batch_size: int, top_k: int):
         targets = {id(t): t for p in providers for t in p.links.targets}.values()
         self.flags = [t.prefetch.gate_open_host.numpy() for t in targets]
         self.closed = 0  # steps since a gate was last seen open
+        self.off = bool(self.flags) and all(
+            p.hybrid is not None
+            and batch_size <= p.hybrid.executor.settings.max_tokens
+            and batch_size * top_k > p.cache.num_slots
+            for p in providers
+        )
 
     def __bool__(self) -> bool:
         return bool(self.flags)
 
     def prefetch(self) -> bool:
+        if self.off:
+            return False
         if any(flag[0] for flag in self.flags):
             self.closed = 0
             return True
@@ -363,7 +376,7 @@ class Decoder:
         # (do_sample, top_k, prefetch)
         self._graphs: dict[tuple[bool, int, bool], torch.cuda.CUDAGraph] = {}
         self.cached = cached_providers(model)
-        self.gates = Gates(self.cached)
+        self.gates = Gates(self.cached, batch_size, top_k_of(model.config) or 1)
         # replayed layers' host counts, which graph and compiled steps do not run the hook of
         self.replays = replays(model) if self.graphed or compile else []
         # one a graph step the GPU may not have run yet
@@ -407,7 +420,7 @@ class Decoder:
     def _capture(self, sampling: tuple[bool, int]) -> None:
         """Capture a step with prefetch and, where the gates may close, one without. Warm-up and
         capture run on whatever state is there; `prefill` resets it after."""
-        for prefetch in (True, False) if self.gates else (True,):
+        for prefetch in (False,) if self.gates.off else (True, False) if self.gates else (True,):
             key = (*sampling, prefetch)
             if key in self._graphs:
                 continue

@@ -867,3 +867,33 @@ def test_a_compiled_step_decodes_as_the_uncompiled_one(device, graph, steps):
 def test_compile_must_be_a_bool():
     with pytest.raises(ValueError, match="compile must be True or False"):
         asyncmoe.Decoder(tiny("olmoe"), 1, 8, graph=False, compile="max-autotune")
+
+
+def test_no_prefetch_where_the_cpu_takes_a_batchs_excess():
+    """A batch whose pairs exceed every hybrid layer's slots never prefetches; one that fits, a layer without the
+    hybrid, or a batch past the CPU's request, prefetches as the gates say."""
+    from types import SimpleNamespace
+
+    from asyncmoe.runtime.decoder import Gates
+
+    open_gate = SimpleNamespace(
+        prefetch=SimpleNamespace(gate_open_host=torch.ones(1, dtype=torch.bool))
+    )
+
+    def layer(slots, hybrid=True):
+        executor = SimpleNamespace(settings=SimpleNamespace(max_tokens=256))
+        return SimpleNamespace(
+            links=SimpleNamespace(targets=[open_gate]),
+            hybrid=SimpleNamespace(executor=executor) if hybrid else None,
+            cache=SimpleNamespace(num_slots=slots),
+        )
+
+    def prefetches(providers, batch, top_k=6):
+        gates = Gates(providers, batch, top_k)
+        return gates.off, [gates.prefetch() for _ in range(3)]
+
+    assert prefetches([layer(16), layer(16)], 8) == (True, [False] * 3)  # 48 pairs over 16 slots
+    assert prefetches([layer(16), layer(16)], 2) == (False, [True] * 3)  # 12 pairs fit
+    assert prefetches([layer(16), layer(64)], 8) == (False, [True] * 3)  # a layer holds them
+    assert prefetches([layer(16), layer(16, hybrid=False)], 8) == (False, [True] * 3)  # waves there
+    assert prefetches([layer(16)], 300) == (False, [True] * 3)  # past one CPU request: waves
