@@ -86,6 +86,11 @@ class LayerStats:
     def wasted_bytes(self) -> int:
         return self.wasted * self.expert_bytes
 
+    @property
+    def miss_bytes(self) -> int:
+        """The routed experts the slots lacked, the GPU's share: what had to cross the link."""
+        return self.misses * self.expert_bytes
+
 
 @dataclass
 class Stats:
@@ -122,6 +127,7 @@ class Stats:
             "runners_up_paid",
             "prefetch_bytes",
             "wasted_bytes",
+            "miss_bytes",
             "gpu_bytes",
             "host_bytes",
             "cpu_experts",

@@ -334,11 +334,10 @@ def transfer_ms(
 
 def prefill_rows(data: dict) -> list[dict]:
     """One row per prefill case, with the speedups over accelerate and the seed at the same cache size, and
-    floor = max(resident prefill ms, `transfer_ms` of the bytes moved and the CPU's) with limit ratio = ms / floor
-    where known.
-    A prompt of this length routes to every expert of every layer, so what asyncmoe moves (each expert not
-    resident once, in its wave; the resident ones first, without a copy) is also the least any cache
-    smaller than the experts must move: no Belady column."""
+    floor = max(resident prefill ms, `transfer_ms` of the bytes that had to cross, the routed experts the slots
+    lacked (the bytes moved where a result predates that count), and the CPU's) with limit ratio = ms / floor
+    where known. The least any cache of this size must move is what the slots lacked when the prompt came: no
+    Belady column."""
     cases = [b["extra_info"] for b in data["benchmarks"] if "prompt" in b["extra_info"]]
     out = []
     for c in cases:
@@ -362,8 +361,8 @@ def prefill_rows(data: dict) -> list[dict]:
         )
         if resident and "bytes_per_prefill" in c and c.get("h2d_GB_per_s"):
             moved = transfer_ms(
-                c["bytes_per_prefill"], c["h2d_GB_per_s"], c.get("cpu_bytes_per_prefill", 0),
-                c.get("cpu_GB_per_s"),
+                c.get("bytes_to_cross", c["bytes_per_prefill"]), c["h2d_GB_per_s"],
+                c.get("cpu_bytes_per_prefill", 0), c.get("cpu_GB_per_s"),
             )  # fmt: skip
             c["floor_ms"] = max(resident, moved)
             c["limit_ratio"] = c["ms_per_prefill"] / c["floor_ms"]

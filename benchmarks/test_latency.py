@@ -678,6 +678,8 @@ def test_prefill(benchmark, prefill_case, request):
         benchmark.extra_info["h2d_GB_per_s"] = h2d_bandwidth()
     if cached:
         benchmark.extra_info["bytes_per_prefill"] = bytes_moved
+        # the routed experts the slots lacked: what the prompt had to move, its floor's bytes
+        benchmark.extra_info["bytes_to_cross"] = totals["miss_bytes"]
         if totals["cpu_experts"]:  # the hybrid's CPU took some of the prompt's experts
             benchmark.extra_info.update(
                 cpu_bytes_per_prefill=totals["cpu_bytes"], cpu_GB_per_s=totals["cpu_alone_GB_per_s"]

@@ -174,6 +174,20 @@ def test_prefill_floor_and_limit_ratio(tmp_path):
         1.25
     )
     data["benchmarks"].pop()
+    # a prompt that moved more than it had to (copies made ahead and not routed): the floor is what had to cross
+    data["benchmarks"].append(
+        case(
+            "asyncmoe-eager-ahead",
+            16,
+            300.0,
+            bytes_per_prefill=12e9,
+            bytes_to_cross=10e9,
+            h2d_GB_per_s=50.0,
+        )  # fmt: skip
+    )
+    ahead = [r for r in report.prefill_rows(data) if r["system"] == "asyncmoe-eager-ahead"][0]
+    assert ahead["floor_ms"] == pytest.approx(200.0) and ahead["limit_ratio"] == pytest.approx(1.5)
+    data["benchmarks"].pop()
     path = tmp_path / "prefill.json"
     path.write_text(json.dumps(data))
     assert report.write(path) == [tmp_path / "prefill.md"]  # no decode rows: no plots

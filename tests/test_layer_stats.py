@@ -37,9 +37,11 @@ def test_stats_rows_totals_and_table():
             r.calls >= 1
             and r.misses >= 2
             and r.bytes_h2d == (r.misses + r.prefetched) * r.expert_bytes
+            and r.miss_bytes == r.misses * r.expert_bytes
         )
         assert r.expert_bytes * r.experts == r.host_bytes
     assert s.totals["misses"] == sum(r.misses for r in s.layers)
+    assert s.totals["miss_bytes"] == sum(r.misses * r.expert_bytes for r in s.layers)
     assert 0 <= s.totals["hit_rate"] <= 1
     table = str(s)
     assert "hit%" in table and "all" in table and "device slots+tables" in table
