@@ -115,6 +115,25 @@ def test_the_cpus_experts_are_routed_but_not_copied():
     assert split > 0
 
 
+@torch.no_grad()
+def test_the_next_call_finds_the_cpus_experts_prefetched():
+    """The cache learns from what the CPU computed: a layer's `routed` holds the CPU's experts, so the
+    temporal predictor nominates them for the layer's next call and the prefetch copies them in the
+    background; a next call that routes them again finds them resident, not computed on the CPU."""
+    ours = hybrid(tiny("olmoe"), prefetch=asyncmoe.Prefetch(sources=("temporal",), budget=4))
+    ids = prompt()[:, :2]  # 2 tokens x top-2 <= 4 slots: one wave, split
+    ours(ids)
+    target = providers(ours)[1]  # the first layer has no layer before it to prefetch into it
+    first = dict(zip(COUNTERS, target.cache.counters.tolist(), strict=True))
+    on_cpu = target.cache.routed & (target.cache.expert_to_slot[:NUM_EXPERTS] < 0)
+    assert first["cpu_misses"] > 0 and int(on_cpu.sum()) == first["cpu_misses"]
+    asyncmoe.stats(ours, reset=True)
+    ours(ids)  # the same tokens route the same experts
+    again = dict(zip(COUNTERS, target.cache.counters.tolist(), strict=True))
+    assert bool((target.cache.expert_to_slot[:NUM_EXPERTS][on_cpu] >= 0).all())
+    assert again["prefetch_hits"] == first["cpu_misses"] and again["cpu_misses"] == 0
+
+
 def one_wave_a_call(model) -> bool:
     """Whether every layer served each of its calls in one wave: its clock counts waves, `calls`
     the calls."""
