@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
-from .cache.state import COUNTERS, TIMER_ENSURE_NS, TIMER_WAIT_NS
+from .cache.state import COUNTERS, TIMER_COPY_NS, TIMER_ENSURE_NS, TIMER_WAIT_NS
 from .compute.cpu.kernels import STATS
 from .compute.cpu.request import WAITED_NS
 from .hybrid.calibrate import costs_of
@@ -51,6 +51,7 @@ class LayerStats:
     # None):
     wait_ns: int | None = None  # waiting for the prefetch into this layer to finish its copies
     ensure_ns: int | None = None  # `ensure`'s decision and its copies of the misses
+    miss_copy_ns: int | None = None  # ... those copies alone
     # experts computed by the host's CPU (cache=0: every routed expert, once per call that routes
     # to it), the bytes of weights it read, its compute time, and the GPU's wait for it (CUDA only)
     cpu_experts: int = 0
@@ -138,7 +139,7 @@ class Stats:
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]
-        for k in ("wait_ns", "ensure_ns", "stall_ns"):
+        for k in ("wait_ns", "ensure_ns", "miss_copy_ns", "stall_ns"):
             self.totals[k] = sum(getattr(r, k) for r in timed) if timed else None
         waited = [r.cpu_wait_ns for r in self.layers if r.cpu_wait_ns is not None]
         self.totals["cpu_wait_ns"] = sum(waited) if waited else None
@@ -151,9 +152,10 @@ class Stats:
 
     def _bandwidths(self) -> dict:
         """GB/s of expert weights: the CPU's while it computed the step's misses (its own clock),
-        beside an expert of one token alone at compile (the hybrid's calibration); the link's an
-        expert's copy at compile, alone (the pace's) and while the CPU serves a request (the
-        calibration's). None: unmeasured."""
+        beside an expert of one token alone at compile (the hybrid's calibration); the link's while
+        it copied the misses (`ensure`'s copies on the GPU clock, stall timing), beside an expert's
+        copy at compile, alone (the pace's) and while the CPU serves a request (the calibration's).
+        None: unmeasured."""
         t, costs = self.totals, self.hybrid_costs
         nbytes = self.layers[0].expert_bytes if self.layers else 0
 
@@ -161,6 +163,7 @@ class Stats:
             return num / ns if num and ns else None
 
         return {
+            "link_GB_per_s": rate(t["miss_bytes"], t["miss_copy_ns"]),
             "link_alone_GB_per_s": rate(nbytes, self.copy_ns),
             "link_beside_cpu_GB_per_s": rate(nbytes, costs and costs.copy),
             "cpu_GB_per_s": rate(t["cpu_bytes"], t["cpu_ns"]),
@@ -256,8 +259,15 @@ class Stats:
             }
             notes.append(
                 f"GB/s of expert weights: the CPU {gb['cpu_GB_per_s']} in the step, "
-                f"{gb['cpu_alone_GB_per_s']} alone; the link {gb['link_alone_GB_per_s']} alone, "
-                f"{gb['link_beside_cpu_GB_per_s']} beside the CPU (at compile)"
+                f"{gb['cpu_alone_GB_per_s']} alone; the link {gb['link_GB_per_s']} in the step, "
+                f"{gb['link_alone_GB_per_s']} alone, {gb['link_beside_cpu_GB_per_s']} beside the CPU "
+                "(at compile)"
+            )
+        elif t["link_GB_per_s"] is not None:
+            alone = t["link_alone_GB_per_s"]
+            notes.append(
+                f"GB/s of expert weights: the link {t['link_GB_per_s']:.1f} copying the misses"
+                + (f", {alone:.1f} alone (at compile)" if alone else "")
             )
         if self.resident_layers:
             notes.append(f"{self.resident_layers} more MoE layers fully resident")
@@ -362,9 +372,9 @@ def read_stats(
             torch.cat(
                 [
                     c.counters,
-                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS]]
+                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_COPY_NS]]
                     if c.timer.numel()
-                    else c.counters.new_zeros(2),
+                    else c.counters.new_zeros(3),
                     c.counters.new_tensor(
                         [c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]
                     ),
@@ -386,8 +396,8 @@ def read_stats(
     for i, ((name, c), row, hybrid) in enumerate(zip(caches, rows, hybrids)):
         cpu = {} if hybrid is None else cpu_fields(hybrid.executor, hybrid.layer, reset, read)[0]
         vals = dict(zip(COUNTERS, row))
-        wait, ensure = row[n : n + 2] if c.timer.numel() else (None, None)
-        slots, experts, gpu, host = row[n + 2 :]
+        wait, ensure, copies = row[n : n + 3] if c.timer.numel() else (None, None, None)
+        slots, experts, gpu, host = row[n + 3 :]
         layers.append(
             LayerStats(
                 layer=i,
@@ -400,6 +410,7 @@ def read_stats(
                 host_bytes=host,
                 wait_ns=wait,
                 ensure_ns=ensure,
+                miss_copy_ns=copies,
                 **cpu,
             )
         )

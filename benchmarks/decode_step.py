@@ -173,7 +173,8 @@ def measure(
                 {
                     f"{k[:-3]}_ms_per_token": s.totals[k] / 1e6 / steps
                     for k in ("wait_ns", "ensure_ns", "stall_ns")
-                }
+                },
+                link_GB_per_s=s.totals["link_GB_per_s"],
             )
     print(
         f"{label:<72} {'graph' if graph else 'eager':<6} {row['ms_per_token']:8.3f} ms/token"
@@ -186,6 +187,11 @@ def measure(
         )
         + (
             f"  stalls/token: wait {row['wait_ms_per_token']:.3f} ms, ensure {row['ensure_ms_per_token']:.3f} ms"
+            + (
+                f", the link {row['link_GB_per_s']:.1f} GB/s copying misses"
+                if row["link_GB_per_s"]
+                else ""
+            )
             if "stall_ms_per_token" in row
             else ""
         )

@@ -170,6 +170,7 @@ EVERY_COLUMN = "\n".join(
         " gpu wait us: the GPU's wait for it",
         "misses: copied into slots; cpu miss: computed by the CPU instead (hybrid); model us: the cost"
         " model's time for a call's misses",
+        "GB/s of expert weights: the link 20.0 copying the misses, 3.9 alone (at compile)",
         "1 more MoE layers fully resident",
     ]
 )
@@ -184,7 +185,13 @@ def test_the_table_is_pinned_column_by_column():
     every |= dict(ensure_ns=23_000, cpu_experts=7, cpu_bytes=7_000_000, cpu_ns=410_000)
     every |= dict(cpu_misses=2, cost_ns=55_000)
     layers = [
-        layer_stats(i, **every, wait_ns=1500 * (i + 1), cpu_wait_ns=None if i else 90_000)
+        layer_stats(
+            i,
+            **every,
+            wait_ns=1500 * (i + 1),
+            miss_copy_ns=50_000 * (10 - i),
+            cpu_wait_ns=None if i else 90_000,
+        )
         for i in range(2)
     ]
     full = Stats(layers, 1, copy_ns=254_000, window_ns=210_000, min_precision=0.5)
@@ -196,17 +203,39 @@ def test_the_table_is_pinned_column_by_column():
 
 def test_the_hybrid_reports_each_sides_speed_beside_its_own_alone():
     """Each side's GB/s of expert weights: 1 MB experts; the CPU 14 MB in 820 us in the step, and an
-    expert of one token 40 + 10 us at compile; a copy 200 us alone and 250 beside the CPU."""
+    expert of one token 40 + 10 us at compile; the link 19 misses copied in 1,900 us in the step (stall
+    timing), a copy 200 us alone and 250 beside the CPU at compile."""
     every = dict(cpu_experts=7, cpu_bytes=7_000_000, cpu_ns=410_000, cpu_misses=2, cost_ns=55_000)
     costs = HybridCosts(round_trip=30_000, per_expert=40_000, per_pair=10_000, copy=250_000)
-    s = Stats([layer_stats(i, **every) for i in range(2)], copy_ns=200_000, hybrid_costs=costs)
+    timed = [
+        layer_stats(i, **every, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000 * (10 - i))
+        for i in range(2)
+    ]
+    s = Stats(timed, copy_ns=200_000, hybrid_costs=costs)
     t = s.totals
-    assert (t["link_alone_GB_per_s"], t["link_beside_cpu_GB_per_s"]) == (5.0, 4.0)
+    assert (t["link_GB_per_s"], t["link_alone_GB_per_s"], t["link_beside_cpu_GB_per_s"]) == (
+        10.0,
+        5.0,
+        4.0,
+    )
     assert (round(t["cpu_GB_per_s"], 3), t["cpu_alone_GB_per_s"]) == (17.073, 20.0)
     assert (
-        "GB/s of expert weights: the CPU 17.1 in the step, 20.0 alone; the link 5.0 alone, 4.0 "
-        "beside the CPU (at compile)"
+        "GB/s of expert weights: the CPU 17.1 in the step, 20.0 alone; the link 10.0 in the step, 5.0 "
+        "alone, 4.0 beside the CPU (at compile)"
     ) in str(s).splitlines()
-    # GPU-only: nothing measured, no line
+    # not timed: the link's speed in the step unmeasured
+    untimed = Stats(
+        [layer_stats(i, **every) for i in range(2)], copy_ns=200_000, hybrid_costs=costs
+    )
+    assert untimed.totals["link_GB_per_s"] is None and "the link - in the step" in str(untimed)
+    # GPU-only, timed: the link's line alone; untimed: nothing measured, no line
+    gpu_only = Stats(
+        [layer_stats(i, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000 * (10 - i)) for i in range(2)],
+        copy_ns=200_000,
+    )
+    assert (
+        "GB/s of expert weights: the link 10.0 copying the misses, 5.0 alone (at compile)"
+        in str(gpu_only).splitlines()
+    )
     plain = Stats([layer_stats(0)])
     assert plain.totals["cpu_GB_per_s"] is None and "GB/s of expert weights" not in str(plain)

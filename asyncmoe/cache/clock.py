@@ -25,9 +25,9 @@ except ImportError:  # non-Linux
     triton = None
 
 # The layouts the kernels below write (the cache's `timer` and `pace` use them: cache/state.py)
-# a timer [5]: three stamps, then two sums of ns
-START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS = 0, 1, 2, 3, 4
-TIMER_SIZE = 5
+# a timer [6]: three stamps, then three sums of ns
+START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS, COPY_NS = 0, 1, 2, 3, 4, 5
+TIMER_SIZE = 6
 STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` call
 
 if triton is not None and gpu.interpreted():
@@ -60,6 +60,7 @@ if triton is not None:
         WAITED: tl.constexpr,
         WAIT_NS: tl.constexpr,
         ENSURE_NS: tl.constexpr,
+        COPY_NS: tl.constexpr,
     ):
         now = _now()
         start, wait_from, waited = (
@@ -72,6 +73,7 @@ if triton is not None:
             times_ptr + ENSURE_NS,
             tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited),
         )
+        tl.store(times_ptr + COPY_NS, tl.load(times_ptr + COPY_NS) + (now - waited))
 
     @triton.jit
     def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
@@ -87,7 +89,7 @@ def stamp(times: torch.Tensor, at: int) -> None:
 
 def lap(times: torch.Tensor) -> None:
     """times[WAIT_NS] += the ns from WAIT_FROM to WAITED; times[ENSURE_NS] += the rest since
-    START."""
+    START; times[COPY_NS] += the ns since WAITED, the part of it `ensure` spends on its copies."""
     _lap[(1,)](
         times,
         START=START,
@@ -95,6 +97,7 @@ def lap(times: torch.Tensor) -> None:
         WAITED=WAITED,
         WAIT_NS=WAIT_NS,
         ENSURE_NS=ENSURE_NS,
+        COPY_NS=COPY_NS,
         num_warps=1,
     )
 
