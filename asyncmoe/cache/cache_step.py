@@ -118,7 +118,7 @@ if triton is not None:
     ):  # fmt: skip
         """The call's experts and each one's wave: a later wave reads them from wave 0's plan (-1:
         not needed, WAVE_ELSEWHERE: routed, computed elsewhere); wave 0 scans the pairs, an [E, BP]
-        comparison a block (docs/decisions.md#later-waves-skip-the-pair-scan), ranks the needed
+        comparison a block (docs/decisions.md#eager-waves), ranks the needed
         experts but those `away` [BE] int32 marks, resident ones first, and keeps each one's wave
         for the later waves."""
         kept = tl.load(wave_of_ptr + e, mask=emask, other=-1)
