@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .cache.expert_cache import ExpertCache
-from .cache.state import COUNTERS, TIMER_COPY_NS, TIMER_ENSURE_NS, TIMER_WAIT_NS
+from .cache.state import COUNTERS, TIMER_COPIED, TIMER_COPY_NS, TIMER_ENSURE_NS, TIMER_WAIT_NS
 from .compute.cpu.kernels import STATS
 from .compute.cpu.request import WAITED_NS
 from .hybrid.calibrate import costs_of
@@ -52,6 +52,7 @@ class LayerStats:
     wait_ns: int | None = None  # waiting for the prefetch into this layer to finish its copies
     ensure_ns: int | None = None  # `ensure`'s decision and its copies of the misses
     miss_copy_ns: int | None = None  # ... those copies alone
+    miss_copies: int | None = None  # ... and the experts they moved
     # experts computed by the host's CPU (cache=0: every routed expert, once per call that routes
     # to it), the bytes of weights it read, its compute time, and the GPU's wait for it (CUDA only)
     cpu_experts: int = 0
@@ -86,6 +87,11 @@ class LayerStats:
     @property
     def wasted_bytes(self) -> int:
         return self.wasted * self.expert_bytes
+
+    @property
+    def miss_copy_bytes(self) -> int | None:
+        """What `ensure`'s timed copies moved (stall timing; else None)."""
+        return None if self.miss_copies is None else self.miss_copies * self.expert_bytes
 
     @property
     def miss_bytes(self) -> int:
@@ -139,7 +145,7 @@ class Stats:
         )
         self.totals = {k: sum(getattr(r, k) for r in self.layers) for k in keys}
         timed = [r for r in self.layers if r.wait_ns is not None]
-        for k in ("wait_ns", "ensure_ns", "miss_copy_ns", "stall_ns"):
+        for k in ("wait_ns", "ensure_ns", "miss_copy_ns", "miss_copy_bytes", "stall_ns"):
             self.totals[k] = sum(getattr(r, k) for r in timed) if timed else None
         waited = [r.cpu_wait_ns for r in self.layers if r.cpu_wait_ns is not None]
         self.totals["cpu_wait_ns"] = sum(waited) if waited else None
@@ -153,7 +159,8 @@ class Stats:
     def _bandwidths(self) -> dict:
         """GB/s of expert weights: the CPU's while it computed the step's misses (its own clock),
         beside an expert of one token alone at compile (the hybrid's calibration); the link's while
-        it copied the misses (`ensure`'s copies on the GPU clock, stall timing), beside an expert's
+        it copied the misses (`ensure`'s copies, their bytes over their time on the GPU clock, stall
+        timing), beside an expert's
         copy at compile, alone (the pace's) and while the CPU serves a request (the calibration's).
         None: unmeasured."""
         t, costs = self.totals, self.hybrid_costs
@@ -163,7 +170,7 @@ class Stats:
             return num / ns if num and ns else None
 
         return {
-            "link_GB_per_s": rate(t["miss_bytes"], t["miss_copy_ns"]),
+            "link_GB_per_s": rate(t["miss_copy_bytes"], t["miss_copy_ns"]),
             "link_alone_GB_per_s": rate(nbytes, self.copy_ns),
             "link_beside_cpu_GB_per_s": rate(nbytes, costs and costs.copy),
             "cpu_GB_per_s": rate(t["cpu_bytes"], t["cpu_ns"]),
@@ -372,9 +379,9 @@ def read_stats(
             torch.cat(
                 [
                     c.counters,
-                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_COPY_NS]]
+                    c.timer[[TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_COPY_NS, TIMER_COPIED]]
                     if c.timer.numel()
-                    else c.counters.new_zeros(3),
+                    else c.counters.new_zeros(4),
                     c.counters.new_tensor(
                         [c.num_slots, c.num_experts, _gpu_bytes(c), _nbytes(c.hosts)]
                     ),
@@ -396,8 +403,8 @@ def read_stats(
     for i, ((name, c), row, hybrid) in enumerate(zip(caches, rows, hybrids)):
         cpu = {} if hybrid is None else cpu_fields(hybrid.executor, hybrid.layer, reset, read)[0]
         vals = dict(zip(COUNTERS, row))
-        wait, ensure, copies = row[n : n + 3] if c.timer.numel() else (None, None, None)
-        slots, experts, gpu, host = row[n + 3 :]
+        wait, ensure, copy_ns, copied = row[n : n + 4] if c.timer.numel() else (None,) * 4
+        slots, experts, gpu, host = row[n + 4 :]
         layers.append(
             LayerStats(
                 layer=i,
@@ -410,7 +417,8 @@ def read_stats(
                 host_bytes=host,
                 wait_ns=wait,
                 ensure_ns=ensure,
-                miss_copy_ns=copies,
+                miss_copy_ns=copy_ns,
+                miss_copies=copied,
                 **cpu,
             )
         )

@@ -190,6 +190,7 @@ def test_the_table_is_pinned_column_by_column():
             **every,
             wait_ns=1500 * (i + 1),
             miss_copy_ns=50_000 * (10 - i),
+            miss_copies=10 - i,
             cpu_wait_ns=None if i else 90_000,
         )
         for i in range(2)
@@ -208,7 +209,9 @@ def test_the_hybrid_reports_each_sides_speed_beside_its_own_alone():
     every = dict(cpu_experts=7, cpu_bytes=7_000_000, cpu_ns=410_000, cpu_misses=2, cost_ns=55_000)
     costs = HybridCosts(round_trip=30_000, per_expert=40_000, per_pair=10_000, copy=250_000)
     timed = [
-        layer_stats(i, **every, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000 * (10 - i))
+        layer_stats(
+            i, **every, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000 * (10 - i), miss_copies=10 - i
+        )
         for i in range(2)
     ]
     s = Stats(timed, copy_ns=200_000, hybrid_costs=costs)
@@ -230,12 +233,20 @@ def test_the_hybrid_reports_each_sides_speed_beside_its_own_alone():
     assert untimed.totals["link_GB_per_s"] is None and "the link - in the step" in str(untimed)
     # GPU-only, timed: the link's line alone; untimed: nothing measured, no line
     gpu_only = Stats(
-        [layer_stats(i, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000 * (10 - i)) for i in range(2)],
+        [
+            layer_stats(
+                i, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000 * (10 - i), miss_copies=10 - i
+            )
+            for i in range(2)
+        ],
         copy_ns=200_000,
     )
     assert (
         "GB/s of expert weights: the link 10.0 copying the misses, 5.0 alone (at compile)"
         in str(gpu_only).splitlines()
     )
+    # misses counted that no timed copy moved do not enter the link's speed: 5 MB in 100 us
+    fewer = Stats([layer_stats(0, wait_ns=0, ensure_ns=0, miss_copy_ns=100_000, miss_copies=5)])
+    assert fewer.layers[0].misses == 10 and fewer.totals["link_GB_per_s"] == 50.0
     plain = Stats([layer_stats(0)])
     assert plain.totals["cpu_GB_per_s"] is None and "GB/s of expert weights" not in str(plain)

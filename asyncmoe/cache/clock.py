@@ -25,9 +25,9 @@ except ImportError:  # non-Linux
     triton = None
 
 # The layouts the kernels below write (the cache's `timer` and `pace` use them: cache/state.py)
-# a timer [6]: three stamps, then three sums of ns
-START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS, COPY_NS = 0, 1, 2, 3, 4, 5
-TIMER_SIZE = 6
+# a timer [7]: three stamps, three sums of ns, and the experts the timed copies moved
+START, WAIT_FROM, WAITED, WAIT_NS, ENSURE_NS, COPY_NS, COPIED = 0, 1, 2, 3, 4, 5, 6
+TIMER_SIZE = 7
 STAMP, WINDOW = 0, 1  # a pace: a stamp, then the ns from it to the `window` call
 
 if triton is not None and gpu.interpreted():
@@ -55,12 +55,14 @@ if triton is not None:
     @triton.jit
     def _lap(
         times_ptr,
+        count_ptr,
         START: tl.constexpr,
         WAIT_FROM: tl.constexpr,
         WAITED: tl.constexpr,
         WAIT_NS: tl.constexpr,
         ENSURE_NS: tl.constexpr,
         COPY_NS: tl.constexpr,
+        COPIED: tl.constexpr,
     ):
         now = _now()
         start, wait_from, waited = (
@@ -74,6 +76,7 @@ if triton is not None:
             tl.load(times_ptr + ENSURE_NS) + (wait_from - start) + (now - waited),
         )
         tl.store(times_ptr + COPY_NS, tl.load(times_ptr + COPY_NS) + (now - waited))
+        tl.store(times_ptr + COPIED, tl.load(times_ptr + COPIED) + tl.load(count_ptr))
 
     @triton.jit
     def _window(pace_ptr, STAMP: tl.constexpr, WINDOW: tl.constexpr):
@@ -87,17 +90,20 @@ def stamp(times: torch.Tensor, at: int) -> None:
     _stamp[(1,)](times, AT=at, num_warps=1)
 
 
-def lap(times: torch.Tensor) -> None:
+def lap(times: torch.Tensor, count: torch.Tensor) -> None:
     """times[WAIT_NS] += the ns from WAIT_FROM to WAITED; times[ENSURE_NS] += the rest since
-    START; times[COPY_NS] += the ns since WAITED, the part of it `ensure` spends on its copies."""
+    START; times[COPY_NS] += the ns since WAITED, the part of it `ensure` spends on its copies, and
+    times[COPIED] += `count` [1], the experts they moved."""
     _lap[(1,)](
         times,
+        count,
         START=START,
         WAIT_FROM=WAIT_FROM,
         WAITED=WAITED,
         WAIT_NS=WAIT_NS,
         ENSURE_NS=ENSURE_NS,
         COPY_NS=COPY_NS,
+        COPIED=COPIED,
         num_warps=1,
     )
 

@@ -59,11 +59,12 @@ GATE, TEMPORAL, TRANSITION = 1, 2, 4  # their bits
 # first layer's prefetch, the compute that prefetch hid behind in the last call (ns), and one
 # expert's copy (ns); 0: not measured
 PACE_STAMP, PACE_WINDOW, PACE_COPY = clock.STAMP, clock.WINDOW, 2
-# `timer` [6] int64 (stall timing; empty when off): three GPU-clock stamps, then the summed ns
-# waited for the prefetch's copies, spent in `ensure`'s own decision and copies, and in its copies
+# `timer` [7] int64 (stall timing; empty when off): three GPU-clock stamps, then the summed ns
+# waited for the prefetch's copies, spent in `ensure`'s own decision and copies, and in its copies,
+# and the experts those copies moved
 TIMER_START, TIMER_WAIT_FROM, TIMER_WAITED = clock.START, clock.WAIT_FROM, clock.WAITED
 TIMER_WAIT_NS, TIMER_ENSURE_NS, TIMER_COPY_NS = clock.WAIT_NS, clock.ENSURE_NS, clock.COPY_NS
-TIMER_SIZE = clock.TIMER_SIZE
+TIMER_COPIED, TIMER_SIZE = clock.COPIED, clock.TIMER_SIZE
 # `wave_of` of an expert the call routes to that another executor (the hybrid's CPU) computes
 WAVE_ELSEWHERE = -2
 

@@ -672,6 +672,7 @@ def test_stall_timing_in_the_graph(prefetch):
     ) in s.layers:  # every call decides on the GPU: its ensure takes time; waits are never negative
         assert layer.calls == steps and layer.ensure_ns > 0 and layer.wait_ns >= 0
         assert 0 < layer.miss_copy_ns < layer.ensure_ns  # its copies, within it
+        assert layer.miss_copies == layer.misses  # every miss of a step is one of its copies
     assert (
         0 < s.totals["stall_ns"] < elapsed_ns
     )  # the stalls sit on the compute stream, one after another
