@@ -446,7 +446,7 @@ def case_of(item) -> tuple[tuple, bool] | None:
 
 def collected(request) -> list[tuple[tuple, bool]]:
     """This run's selected cases, in the order they run: (case, whether it is a prefill case)."""
-    return [found for found in map(case_of, request.session.items) if found]
+    return [case for case in map(case_of, request.session.items) if case]
 
 
 def reference(request, shape: str, routing: str) -> tuple[dict, dict]:
